@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random models with every norm and bias moved away from its init,
+so a missing term in a patch cannot hide behind gamma = 1, beta = 0."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import tokenpatch as tp
+
+settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=200)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
+    """Add N(0, scale^2) noise to every LayerNorm parameter and bias (in place); returns module."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return module
+
+
+def random_model(config: tp.ICLConfig, seed: int = 0, dtype=torch.float64) -> tp.ICLTransformer:
+    torch.manual_seed(seed)
+    return perturbed(tp.ICLTransformer(config).to(dtype), seed)
+
+
+def random_block(config: tp.ICLConfig, seed: int = 0, dtype=torch.float64) -> tp.Block:
+    torch.manual_seed(seed)
+    return perturbed(tp.Block(config).to(dtype), seed)
+
+
+@pytest.fixture
+def small_model() -> tp.ICLTransformer:
+    return random_model(tp.ICLConfig(d_in=5, d_model=8, n_layers=3, n_heads=2, norm="pre"), seed=1)
+
+
+@pytest.fixture
+def small_inputs() -> torch.Tensor:
+    return torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)

@@ -1,0 +1,71 @@
+"""The command line and the README/CI contract."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenpatch.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_verify_json(capsys):
+    assert main(["verify", "--tasks", "16", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["dtype"] == "float32" and out["n"] == 16
+    assert len(out["per_layer"]) == 11 and out["max_rel"] <= 1e-4
+
+
+def test_verify_table_float64_all_positions(capsys):
+    assert main(["verify", "--tasks", "4", "--dtype", "float64", "--query", "all", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 9" in out and "output" in out and "OK (max abs <= 1e-10)" in out
+
+
+def test_reproduce_writes_report_figures_and_json(tmp_path, capsys):
+    assert main(["reproduce", "--out", str(tmp_path), "--tasks", "16", "--quiet"]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| layer 0 |" in report and "| output |" in report and "NOT MET" not in report
+    for fig in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
+        assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
+    data = json.loads((tmp_path / "results.json").read_text())
+    eq = data["sections"]["Context is a weight update: exact equivalence"]
+    assert eq["met"] == {"float32": True, "float64": True}
+    assert set(eq["runs"]) == {"float32 last", "float32 all", "float64 last", "float64 all"}
+
+
+def test_train_and_verify_a_new_checkpoint(tmp_path, capsys):
+    ckpt, export = tmp_path / "run.safetensors", tmp_path / "model.safetensors"
+    args = ["train", "--out", str(ckpt), "--export", str(export), "--steps", "3", "--layers", "2", "--d-model", "8",
+            "--heads", "2", "--dim", "2", "--context", "4", "--quiet"]
+    assert main(args) == 0
+    assert "in-context MSE" in capsys.readouterr().out
+    assert export.stat().st_size < ckpt.stat().st_size  # no optimizer state in the export
+    assert main(["verify", "--checkpoint", str(export), "--tasks", "8", "--quiet"]) == 0
+
+
+def test_bad_checkpoint_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(Exception, match="truncated or corrupt"):
+        main(["verify", "--checkpoint", str(bad), "--quiet"])
+
+
+def test_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "tokenpatch", "--help"], capture_output=True, text=True, check=True)
+    assert "reproduce" in out.stdout and "verify" in out.stdout and "train" in out.stdout
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    """.ci/run must run the test command the README gives a new user."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    marker = "# the README's test command"
+    ci_cmd = ci.split(marker, 1)[1].strip().splitlines()[0].strip()
+    assert f"\n{ci_cmd}\n" in readme, ci_cmd

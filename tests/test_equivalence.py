@@ -1,0 +1,105 @@
+"""Acceptance: float64 exactness over every combination of contextual layer x norm placement x
+residual x query mode x removed chunk, for a single block and for 3-layer models, with sizes
+drawn by hypothesis. Equivalence is algebra: the bound is 1e-10, errors are ~1e-15."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tokenpatch as tp
+from conftest import random_block, random_model
+
+LAYERS = sorted(tp.LAYERS)
+NORMS = ["none", "pre", "post"]
+COMBOS = list(itertools.product(LAYERS, NORMS, [True, False], ["last", "all"], ["context", "chunk"]))
+
+
+@st.composite
+def sizes(draw):
+    n_heads = draw(st.sampled_from([1, 2, 3]))
+    d_model = n_heads * draw(st.integers(1, 4))
+    seq_len = draw(st.integers(4, 10))
+    start = draw(st.integers(1, seq_len - 3))  # a chunk strictly inside: context on both sides
+    stop = draw(st.integers(start + 1, seq_len - 2))
+    return dict(n_heads=n_heads, d_model=d_model, d_in=draw(st.integers(1, 5)), d_mlp=draw(st.integers(1, 12)),
+                batch=draw(st.integers(1, 3)), seq_len=seq_len, chunk=slice(start, stop), seed=draw(st.integers(0, 2**16)))
+
+
+def _check(model, inputs, query, remove):
+    patch = tp.token_patch(model, inputs, query=query, remove=remove)
+    result = tp.verify(model, inputs, patch)
+    assert result.max_abs <= 1e-10, result.table()
+    # rank 1 per matrix and per query, stored as factors
+    for name, delta in patch.items():
+        if isinstance(delta, tp.LowRank):
+            assert delta.rank == 1 and delta.u.shape[:2] == patch.lead
+            assert torch.linalg.matrix_rank(delta.dense()).max() <= 1
+    return patch, result
+
+
+@pytest.mark.parametrize("layer,norm,residual,query,remove", COMBOS)
+@settings(max_examples=3)
+@given(s=sizes())
+def test_single_block_exact(layer, norm, residual, query, remove, s):
+    config = tp.ICLConfig(d_in=s["d_model"], d_model=s["d_model"], n_layers=1, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
+                          layer=layer, norm=norm, residual=residual)
+    block = random_block(config, s["seed"])
+    h = torch.randn(s["batch"], s["seq_len"], s["d_model"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
+    _check(block, h, -1 if query == "last" else "all", None if remove == "context" else s["chunk"])
+
+
+@pytest.mark.parametrize("layer,norm,residual,query,remove", COMBOS)
+@settings(max_examples=3)
+@given(s=sizes())
+def test_three_layer_model_exact(layer, norm, residual, query, remove, s):
+    config = tp.ICLConfig(d_in=s["d_in"], d_out=2, d_model=s["d_model"], n_layers=3, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
+                          layer=layer, norm=norm, residual=residual)
+    model = random_model(config, s["seed"])
+    x = torch.randn(s["batch"], s["seq_len"], s["d_in"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
+    _check(model, x, -1 if query == "last" else "all", None if remove == "context" else s["chunk"])
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("norm", NORMS)
+def test_bias_free_model_uses_output_matrix(layer, norm):
+    """Without an output bias the residual term is a rank-1 patch of fc_out (section 3)."""
+    model = random_model(tp.ICLConfig(d_in=3, d_model=6, n_layers=3, n_heads=2, layer=layer, norm=norm, bias=False), seed=3)
+    x = torch.randn(2, 6, 3, dtype=torch.float64)
+    patch, _ = _check(model, x, "all", None)
+    assert isinstance(patch["blocks.1.mlp.fc_out.weight"], tp.LowRank)
+    assert not any(name.endswith("bias") for name in patch)
+    _check(model, x, [1, 4], slice(2, 4))
+
+
+def test_multiple_queries_with_chunk_and_context_after_it():
+    """Queries before, right after and well after the chunk; the context between chunk and query
+    keeps the original weights in the no-context pass."""
+    model = random_model(tp.ICLConfig(d_in=4, d_model=6, n_layers=4, n_heads=3, norm="pre"), seed=5)
+    x = torch.randn(2, 12, 4, dtype=torch.float64)
+    patch, _ = _check(model, x, [1, 6, 11], slice(3, 6))
+    assert patch.positions == (1, 3, 8)
+    # a query before the chunk sees no change: its patch is zero up to rounding (the two passes
+    # run attention over sequences of different lengths), far below the other queries' patches
+    before, after = patch[:, 0].norms(), patch[:, 1].norms()
+    assert all(float(before[n].max()) <= 1e-13 < float(after[n].min()) for n in before)
+
+
+def test_removing_nothing_before_first_token_gives_zero_patch():
+    model = random_model(tp.ICLConfig(d_in=4, d_model=6, n_layers=2, n_heads=2), seed=6)
+    x = torch.randn(1, 5, 4, dtype=torch.float64)
+    patch, _ = _check(model, x, "all", None)
+    first = patch[:, 0].norms()
+    assert all(float(v.max()) <= 1e-14 for v in first.values())
+
+
+def test_unpatched_no_context_pass_is_far_off(small_model, small_inputs):
+    """The comparison has teeth: without the patch the no-context pass is far from the with-context one."""
+    patch = tp.token_patch(small_model, small_inputs)
+    zero = patch.map(torch.zeros_like)
+    assert tp.verify(small_model, small_inputs, zero).max_rel > 1e-2
+    assert tp.verify(small_model, small_inputs, patch).max_abs <= 1e-10

@@ -1,0 +1,34 @@
+"""Model families as data: one ``Adapter`` per family (see ``base.py`` for the interface).
+
+``adapter_for(model)`` picks the first registered adapter that matches; ``register`` adds one
+(a user's own family, or a built-in one overridden). Built in: our ``ICLTransformer`` / ``Block``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from .base import WEIGHT_LAYOUTS, Adapter, Sites, weight_layout
+from .icl import ICLAdapter
+
+__all__ = ["Adapter", "Sites", "ADAPTERS", "adapter_for", "register", "weight_layout", "WEIGHT_LAYOUTS"]
+
+ADAPTERS: list[Adapter] = [ICLAdapter()]
+
+
+def register(adapter: Adapter) -> Adapter:
+    """Register ``adapter`` ahead of the built-in ones; returns it."""
+    ADAPTERS.insert(0, adapter)
+    return adapter
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter for ``model``, or ``UnsupportedModelError`` naming the supported families."""
+    for adapter in ADAPTERS:
+        if adapter.matches(model):
+            return adapter
+    raise UnsupportedModelError(
+        f"tokenpatch has no adapter for {type(model).__module__}.{type(model).__name__}; "
+        f"supported: {[a.name for a in ADAPTERS]} (see tokenpatch.arch.register to add one)"
+    )

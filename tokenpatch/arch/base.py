@@ -1,0 +1,126 @@
+"""The adapter interface: what the patch algorithm needs to know about a model family.
+
+``patching.py`` reaches a model only through an ``Adapter``. The algorithm (science section 4.3)
+needs, per layer ``i``:
+
+* ``mix(model, i, h) -> (m, s)``: run the layer up to its MLP on hidden states ``h [N, T, d]``
+  (any sequence: the full context, the query alone as a length-1 sequence, or the context with a
+  chunk removed), returning the MLP input ``s`` and the residual value ``m`` the MLP output is
+  added to, at every position;
+* ``finish(model, i, m, s) -> (hidden, out)``: the rest of the layer, returning the input of the
+  MLP's output matrix and the layer output;
+* ``sites(model, i) -> Sites``: *where* the patch goes, as parameter names -- the matrices that
+  read ``s`` (rank-1 input patches with a shared right factor: ``fc_in``; ``gate_proj`` and
+  ``up_proj`` of a gated MLP) and how the output side is absorbed (an output ``bias``, a rank-1
+  patch of the output ``matrix``, or nothing for a residual-free layer).
+
+plus the model's ends: ``embed`` (inputs -> h^0), ``run`` (the model's own forward, returning its
+output and every layer's output hidden state), ``strip`` (the inputs of the no-context pass),
+``check_inputs``. Hugging Face families implement the same methods with their own modules: a
+Llama layer's ``mix`` is ``input_layernorm -> self_attn -> +residual -> post_attention_layernorm``
+run with the layer's position embeddings; its ``sites`` are ``gate_proj, up_proj`` and the
+``down_proj`` matrix; Gemma adds a norm-scale output site; GPT-2's ``c_fc`` is a ``Conv1D`` whose
+weight is stored ``[in, out]`` (``WEIGHT_LAYOUTS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import Tensor, nn
+
+from ..errors import UnsupportedModelError
+
+__all__ = ["Sites", "Adapter", "WEIGHT_LAYOUTS", "weight_layout"]
+
+
+@dataclass(frozen=True)
+class Sites:
+    """Parameter names a layer's patch writes to.
+
+    ``inputs``: weight matrices that read the MLP input ``s`` (each gets ``W (s_C - s_0) s_0^T/|s_0|^2``).
+    ``output``: ``("bias", name)`` -- add ``m_C - m_0`` to the MLP output bias; ``("matrix", name)``
+    -- rank-1 ``(m_C - m_0) h_C^T / |h_C|^2`` on the output weight; ``None`` -- no residual term.
+    """
+
+    inputs: tuple[str, ...]
+    output: tuple[Literal["bias", "matrix"], str] | None
+
+
+# How a module applies its ``weight`` to an input: "out_in" means ``y = x @ W.T`` (W stored
+# [out, in], torch's nn.Linear); "in_out" means ``y = x @ W`` (W stored [in, out], GPT-2's Conv1D).
+# Keyed by class name so optional libraries need not be imported.
+WEIGHT_LAYOUTS: dict[str, str] = {"Linear": "out_in", "Conv1D": "in_out"}
+
+
+def weight_layout(module: nn.Module, name: str = "") -> str:
+    """``"out_in"`` or ``"in_out"`` for ``module``'s weight, from its type (never its shape)."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in WEIGHT_LAYOUTS:
+            return WEIGHT_LAYOUTS[cls.__name__]
+    raise UnsupportedModelError(
+        f"cannot patch {name or 'module'} of type {type(module).__name__}: its weight layout is unknown "
+        f"(known: {sorted(WEIGHT_LAYOUTS)}); add it to tokenpatch.arch.WEIGHT_LAYOUTS"
+    )
+
+
+class Adapter:
+    """Base class; see the module docstring. Subclasses are stateless and registered in
+    ``tokenpatch.arch.ADAPTERS``."""
+
+    name: str = "base"
+    # Does the embedding of a token depend on its position (absolute position embeddings)? Then
+    # the first layer's anchor comes from the no-context embedding, not the with-context one.
+    position_dependent_embedding: bool = True
+
+    def matches(self, model: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def n_layers(self, model: nn.Module) -> int:
+        raise NotImplementedError
+
+    def check_inputs(self, model: nn.Module, inputs: Any) -> Any:
+        """Validate (shape, dtype, finiteness) and return the inputs."""
+        raise NotImplementedError
+
+    def seq_len(self, inputs: Any) -> int:
+        raise NotImplementedError
+
+    def batch_size(self, inputs: Any) -> int:
+        raise NotImplementedError
+
+    def strip(self, inputs: Any, positions: Tensor, separate: bool) -> Any:
+        """No-context inputs: the positions ``positions`` [K] of every sequence, either as one
+        shorter sequence each (``separate=False``, [B, K, ...]) or each position as a sequence
+        of its own (``separate=True``, [B*K, 1, ...], batch-major)."""
+        raise NotImplementedError
+
+    def embed(self, model: nn.Module, inputs: Any) -> Tensor:
+        raise NotImplementedError
+
+    def mix(self, model: nn.Module, i: int, h: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def mix_with_alone(self, model: nn.Module, i: int, h: Tensor, positions: list[int]):
+        """``((m, s), (m0, s0))``: ``mix`` on the whole sequence ``h [B, T, d]``, and on each of
+        ``positions`` as a sequence of its own (the anchors, ``[B, P, .]``). The default runs
+        ``mix`` twice; adapters override it to reuse the full pass's work (a lone token's
+        attention output is ``W_o v`` of its own value vector, already computed)."""
+        batch, _, d = h.shape
+        m0, s0 = self.mix(model, i, h[:, positions].reshape(-1, 1, d))  # [B*P, 1, .]
+        return self.mix(model, i, h), (m0.reshape(batch, len(positions), -1), s0.reshape(batch, len(positions), -1))
+
+    def finish(self, model: nn.Module, i: int, m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def sites(self, model: nn.Module, i: int) -> Sites:
+        raise NotImplementedError
+
+    def run(self, model: nn.Module, inputs: Any) -> tuple[Tensor, list[Tensor]]:
+        """The model's own forward: ``(output [B, T, ...], [h^1 .. h^L] each [B, T, d])``."""
+        raise NotImplementedError
+
+    def describe(self, model: nn.Module) -> dict:
+        """JSON-able description stored in patch metadata."""
+        return {"class": type(model).__name__, "adapter": self.name}

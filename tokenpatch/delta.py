@@ -1,0 +1,315 @@
+"""Weight deltas: ``LowRank`` factors and the ``Patch`` mapping ``parameter name -> delta``.
+
+A ``Patch`` holds one delta per patched parameter of a model, keyed by the name that
+``model.named_parameters()`` gives it. Every delta is batched over the same two leading dims
+``[batch, query]`` -- one patch per (sequence, query position) -- and is either
+
+* ``LowRank(u, v)`` for a matrix: ``delta = u^T v`` summed over a rank dim, i.e.
+  ``u [batch, query, rank, rows]``, ``v [batch, query, rank, cols]`` and
+  ``delta[b, q] = sum_k u[b, q, k][:, None] * v[b, q, k][None, :]`` in the parameter's own
+  layout (rows x cols as stored). A token patch has rank 1; a sum of k patches has rank k and is
+  stored as stacked factors. Matrices are never materialised unless ``.dense()`` is called.
+* a dense tensor ``[batch, query, *param.shape]`` for a vector (a bias or a norm scale).
+
+``positions`` says where the patch acts in the no-context pass: ``None`` -- everywhere (each
+(batch, query) patch belongs to its own no-context sequence, the default when all context is
+removed); or one position per query -- patch ``[b, q]`` acts at position ``positions[q]`` of
+sequence ``b`` only (when a chunk is removed from the middle). ``meta`` is a JSON-able record of
+how the patch was made (model fingerprint, query, removed chunk, dtype).
+
+Files: ``save`` / ``load`` write safetensors (``name.u``, ``name.v`` or ``name``) with ``meta``,
+``positions`` and a checksum as JSON metadata. No pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import _io
+from .errors import FileFormatError, InputError
+
+__all__ = ["LowRank", "Patch", "Delta", "save", "load", "PATCH_FORMAT"]
+
+PATCH_FORMAT = "tokenpatch.patch/1"
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """``delta = sum_k outer(u[..., k, :], v[..., k, :])`` with ``u [*lead, r, rows]``, ``v [*lead, r, cols]``."""
+
+    u: Tensor
+    v: Tensor
+
+    def __post_init__(self) -> None:
+        u, v = self.u, self.v
+        if u.ndim < 2 or v.ndim != u.ndim or u.shape[:-1] != v.shape[:-1]:
+            raise InputError(f"LowRank factors must be [*lead, rank, rows] and [*lead, rank, cols], "
+                             f"got {tuple(u.shape)} and {tuple(v.shape)}")
+        if u.dtype != v.dtype or u.device != v.device:
+            raise InputError(f"LowRank factors differ in dtype/device: {u.dtype}/{u.device} vs {v.dtype}/{v.device}")
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return tuple(self.u.shape[:-2])
+
+    @property
+    def rank(self) -> int:
+        """Number of stored rank-1 terms (an upper bound of the true rank)."""
+        return self.u.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Shape of the matrix this delta adds to."""
+        return (self.u.shape[-1], self.v.shape[-1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.u.dtype
+
+    def dense(self) -> Tensor:
+        """The materialised delta ``[*lead, rows, cols]``."""
+        return torch.einsum("...kr,...kc->...rc", self.u, self.v)
+
+    def norm(self) -> Tensor:
+        """Frobenius norm ``[*lead]`` from the factors: ``||U^T V||_F^2 = sum((U U^T) * (V V^T))``."""
+        gu = self.u @ self.u.transpose(-1, -2)  # [*lead, r, r]
+        gv = self.v @ self.v.transpose(-1, -2)  # [*lead, r, r]
+        return (gu * gv).sum((-1, -2)).clamp_min(0).sqrt()
+
+    def matvec(self, x: Tensor) -> Tensor:
+        """``delta @ x`` for ``x [*lead, cols]`` -> ``[*lead, rows]`` without forming ``delta``."""
+        return ((self.v @ x[..., None]) * self.u).sum(-2)  # [*lead, r, 1] * [*lead, r, rows]
+
+    def index(self, idx) -> "LowRank":
+        return LowRank(self.u[idx], self.v[idx])
+
+    def to(self, *args, **kwargs) -> "LowRank":
+        return LowRank(self.u.to(*args, **kwargs), self.v.to(*args, **kwargs))
+
+    def __add__(self, other: "LowRank") -> "LowRank":
+        """Sum of deltas: the rank terms are stacked (rank adds up)."""
+        if not isinstance(other, LowRank):
+            return NotImplemented
+        if self.shape != other.shape:
+            raise InputError(f"cannot add LowRank deltas of shapes {self.shape} and {other.shape}")
+        lead = torch.broadcast_shapes(self.lead, other.lead)
+        expand = lambda t: t.expand(*lead, *t.shape[-2:])  # noqa: E731
+        return LowRank(torch.cat([expand(self.u), expand(other.u)], -2),
+                       torch.cat([expand(self.v), expand(other.v)], -2))
+
+    def sum(self, dim: int) -> "LowRank":
+        """Sum over leading dim ``dim`` (kept with size 1): its terms join the rank dim."""
+        dim = dim % len(self.lead)
+        fold = lambda t: t.movedim(dim, -3).flatten(-3, -2).unsqueeze(dim)  # noqa: E731
+        return LowRank(fold(self.u), fold(self.v))
+
+
+Delta = Union[LowRank, Tensor]
+
+
+def _lead(delta: Delta) -> tuple[int, ...]:
+    if isinstance(delta, LowRank):
+        return delta.lead
+    return tuple(delta.shape[:2])
+
+
+class Patch(Mapping):
+    """``parameter name -> delta``, all deltas batched over ``[batch, query]``.
+
+    ``patch["blocks.0.mlp.fc_in.weight"]`` is one delta; ``patch[b, q]`` (ints or slices) is the
+    sub-patch of those batch and query indices, leading dims kept. ``a + b`` sums two patches
+    (low-rank terms stack), ``patch.sum("query")`` sums over queries into one static patch,
+    ``Patch.stack`` concatenates along a leading dim, ``.dense()`` materialises.
+    """
+
+    def __init__(self, deltas: Mapping[str, Delta], positions=None, meta: dict | None = None):
+        self._deltas: dict[str, Delta] = dict(deltas)
+        if not self._deltas:
+            raise InputError("a Patch needs at least one delta")
+        leads = {name: _lead(d) for name, d in self._deltas.items()}
+        lead = next(iter(leads.values()))
+        bad = {n: l for n, l in leads.items() if l != lead or len(l) != 2}
+        if bad:
+            raise InputError(f"every delta must lead with the same [batch, query] dims; got {leads}")
+        dtypes = {d.dtype for d in self._deltas.values()}
+        if len(dtypes) != 1:
+            raise InputError(f"deltas of one Patch must share a dtype, got {dtypes}")
+        self.lead: tuple[int, int] = lead  # (batch, query)
+        if positions is not None:
+            positions = tuple(int(p) for p in positions)
+            if len(positions) != lead[1] or len(set(positions)) != len(positions) or min(positions) < 0:
+                raise InputError(f"positions {positions} must be {lead[1]} distinct non-negative ints")
+        self.positions: tuple[int, ...] | None = positions
+        self.meta: dict[str, Any] = dict(meta or {})
+
+    # ----------------------------------------------------------------- mapping interface
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self._deltas[key]
+        return self._index(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._deltas)
+
+    def __len__(self) -> int:
+        return len(self._deltas)
+
+    def __repr__(self) -> str:
+        parts = []
+        for name, d in self._deltas.items():
+            desc = f"LowRank(rank={d.rank}, {d.shape[0]}x{d.shape[1]})" if isinstance(d, LowRank) else f"dense{tuple(d.shape[2:])}"
+            parts.append(f"  {name}: {desc}")
+        where = "everywhere" if self.positions is None else f"at positions {list(self.positions)}"
+        return f"Patch(batch={self.lead[0]}, query={self.lead[1]}, dtype={self.dtype}, applies {where},\n" + "\n".join(parts) + "\n)"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self._deltas.values())).dtype
+
+    # ----------------------------------------------------------------- derived patches
+    def _index(self, key) -> "Patch":
+        if not isinstance(key, tuple):
+            key = (key,)
+        if len(key) > 2:
+            raise InputError(f"a Patch has two leading dims [batch, query]; got index {key}")
+        key = tuple(slice(k, k + 1 if k != -1 else None) if isinstance(k, int) else k for k in key)
+        key = key + (slice(None),) * (2 - len(key))
+        deltas = {n: d.index(key) if isinstance(d, LowRank) else d[key] for n, d in self._deltas.items()}
+        positions = None if self.positions is None else self.positions[key[1]]
+        return Patch(deltas, positions, self.meta)
+
+    def map(self, fn) -> "Patch":
+        """Apply ``fn`` to every factor / dense tensor (e.g. ``lambda t: t.double()``)."""
+        deltas = {n: LowRank(fn(d.u), fn(d.v)) if isinstance(d, LowRank) else fn(d) for n, d in self._deltas.items()}
+        return Patch(deltas, self.positions, self.meta)
+
+    def to(self, *args, **kwargs) -> "Patch":
+        return self.map(lambda t: t.to(*args, **kwargs))
+
+    def dense(self) -> dict[str, Tensor]:
+        """Materialise every delta: ``{name: [batch, query, *param.shape]}``."""
+        return {n: d.dense() if isinstance(d, LowRank) else d for n, d in self._deltas.items()}
+
+    def norms(self) -> dict[str, Tensor]:
+        """Frobenius (or Euclidean) norm of every delta, ``{name: [batch, query]}``, from factors."""
+        return {n: d.norm() if isinstance(d, LowRank) else d.flatten(2).norm(dim=-1) for n, d in self._deltas.items()}
+
+    def __add__(self, other: "Patch") -> "Patch":
+        """Sum of two patches acting at the same place; keys missing on one side count as 0."""
+        if not isinstance(other, Patch):
+            return NotImplemented
+        if self.positions != other.positions:
+            raise InputError(f"cannot add patches acting at different positions: {self.positions} vs {other.positions}")
+        deltas = dict(self._deltas)
+        for n, d in other._deltas.items():
+            deltas[n] = deltas[n] + d if n in deltas else d
+        return Patch(deltas, self.positions, {"sum_of": [self.meta, other.meta]})
+
+    def sum(self, dim: str = "query") -> "Patch":
+        """Sum over ``"query"`` or ``"batch"`` (the dim is kept with size 1). Summing over
+        queries gives a static patch that acts everywhere (``positions=None``)."""
+        if dim not in ("batch", "query"):
+            raise InputError(f"sum over 'batch' or 'query', not {dim!r}")
+        i = 0 if dim == "batch" else 1
+        deltas = {n: d.sum(i) if isinstance(d, LowRank) else d.sum(i, keepdim=True) for n, d in self._deltas.items()}
+        positions = None if dim == "query" else self.positions
+        return Patch(deltas, positions, {**self.meta, "summed_over": dim})
+
+    @staticmethod
+    def stack(patches: list["Patch"], dim: str = "batch") -> "Patch":
+        """Concatenate patches with the same keys along ``"batch"`` or ``"query"``."""
+        if not patches:
+            raise InputError("Patch.stack needs at least one patch")
+        keys = list(patches[0])
+        if any(list(p) != keys for p in patches):
+            raise InputError("Patch.stack needs patches with the same parameter names")
+        i = 0 if dim == "batch" else 1
+        deltas = {}
+        for n in keys:
+            ds = [p[n] for p in patches]
+            if isinstance(ds[0], LowRank):
+                deltas[n] = LowRank(torch.cat([d.u for d in ds], i), torch.cat([d.v for d in ds], i))
+            else:
+                deltas[n] = torch.cat(ds, i)
+        if dim == "query":
+            pos = None if patches[0].positions is None else sum((p.positions for p in patches), ())
+        else:
+            pos = patches[0].positions
+            if any(p.positions != pos for p in patches):
+                raise InputError("Patch.stack along batch needs patches acting at the same positions")
+        return Patch(deltas, pos, {"stack_of": [p.meta for p in patches]})
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise unless every key names a parameter of ``model`` of the right shape, and (when the
+        patch records one) the model's weights are the ones the patch was computed from."""
+        params = dict(model.named_parameters())
+        for name, d in self._deltas.items():
+            if name not in params:
+                raise InputError(f"patch names {name!r}, which is not a parameter of {type(model).__name__}")
+            shape = tuple(params[name].shape)
+            got = d.shape if isinstance(d, LowRank) else tuple(d.shape[2:])
+            if got != shape:
+                raise InputError(f"patch delta for {name} has shape {got}, the parameter is {shape}")
+        want = self.meta.get("model", {}).get("fingerprint")
+        if want is not None and want != _io.fingerprint(model):
+            raise InputError(
+                f"this patch was computed for another model (fingerprint {want}, this model "
+                f"{_io.fingerprint(model)}); a token patch is exact only for the weights it came from"
+            )
+
+
+# --------------------------------------------------------------------------------- files
+
+
+def save(patch: Patch, path: str | os.PathLike) -> None:
+    """Write ``patch`` to ``path``: safetensors, ``name.u``/``name.v`` or ``name``, JSON meta."""
+    tensors: dict[str, Tensor] = {}
+    for name, d in patch.items():
+        if isinstance(d, LowRank):
+            tensors[f"{name}.u"], tensors[f"{name}.v"] = d.u, d.v
+        else:
+            tensors[name] = d
+    kinds = {n: "lowrank" if isinstance(d, LowRank) else "dense" for n, d in patch.items()}
+    doc = {"kinds": kinds, "positions": None if patch.positions is None else list(patch.positions), "meta": patch.meta}
+    _io.write_file(path, tensors, PATCH_FORMAT, doc)
+
+
+def load(path: str | os.PathLike, model: nn.Module | None = None) -> Patch:
+    """Read a patch written by ``save``. With ``model``, also check it belongs to that model."""
+    tensors, doc = _io.read_file(path, PATCH_FORMAT)
+    kinds = doc.get("kinds")
+    if not isinstance(kinds, dict):
+        raise FileFormatError(f"{path}: patch metadata has no 'kinds' table")
+    deltas: dict[str, Delta] = {}
+    expected = set()
+    for name, kind in kinds.items():
+        if kind == "lowrank":
+            keys = (f"{name}.u", f"{name}.v")
+        elif kind == "dense":
+            keys = (name,)
+        else:
+            raise FileFormatError(f"{path}: unknown delta kind {kind!r} for {name}")
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise FileFormatError(f"{path}: tensors {missing} are missing")
+        expected.update(keys)
+        deltas[name] = LowRank(tensors[keys[0]], tensors[keys[1]]) if kind == "lowrank" else tensors[keys[0]]
+    extra = set(tensors) - expected
+    if extra:
+        raise FileFormatError(f"{path}: unexpected tensors {sorted(extra)}")
+    try:
+        patch = Patch(deltas, doc.get("positions"), doc.get("meta"))
+    except InputError as exc:
+        raise FileFormatError(f"{path}: inconsistent patch: {exc}") from exc
+    if model is not None:
+        try:
+            patch.check_model(model)
+        except InputError as exc:
+            raise FileFormatError(f"{path}: {exc}") from exc
+    return patch

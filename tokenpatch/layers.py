@@ -1,0 +1,183 @@
+"""Contextual layers: the ``A`` of a contextual block ``T_W(C, x) = M_W(A(C, x))``.
+
+A contextual layer maps a sequence ``h`` of shape ``[batch, pos, d]`` to an output of the same
+shape, causally: output ``t`` depends on ``h[:, :t + 1]`` only (science/token_patches.md, section 1).
+That single interface gives every quantity the patch theorem needs:
+
+* ``A(C, x)``      -- run the layer on the whole sequence and read the query's position;
+* ``A(x)``         -- run it on the query alone (a length-1 sequence; ``alone`` does this fast);
+* ``A(C \\ Y, x)`` -- run it on the sequence with the chunk ``Y`` removed.
+
+Five layers share the interface: causal softmax multi-head attention, causal (normalised) linear
+attention, an Elman tanh RNN, a GRU and an LSTM. The recurrent ones wrap torch's fused modules
+and start from a zero state, so ``A(x)`` is one recurrence step from zero.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "ContextualLayer",
+    "SoftmaxAttention",
+    "LinearAttention",
+    "ElmanRNN",
+    "GRULayer",
+    "LSTMLayer",
+    "LAYERS",
+    "make_layer",
+]
+
+
+class ContextualLayer(nn.Module):
+    """Base class: ``forward(h [B, T, d]) -> [B, T, d]``, causal; ``alone(x [N, d]) -> [N, d]``."""
+
+    kind: ClassVar[str]
+
+    def alone(self, x: Tensor) -> Tensor:
+        """``A(x)``: the output for each row of ``x`` [N, d] run as a sequence of its own."""
+        return self(x[:, None, :])[:, 0, :]
+
+    def with_alone(self, h: Tensor, positions: list[int]) -> tuple[Tensor, Tensor]:
+        """``(A(C, x) [B, T, d], A(x_p) [B, P, d])``: the layer on the whole sequence, and on each
+        of ``positions`` alone. Layers override it to share work between the two."""
+        batch, _, d = h.shape
+        lone = self.alone(h[:, positions].reshape(-1, d))  # [B*P, d]
+        return self(h), lone.reshape(batch, len(positions), d)
+
+
+class _Attention(ContextualLayer):
+    """Shared projections of the two attention layers: ``q``, ``k``, ``v``, then ``out``.
+
+    On a lone token both attention layers return ``out(v(x))`` (one key, weight exactly 1), so
+    ``forward`` on a length-1 sequence skips the queries and keys.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, bias: bool = True):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.q = nn.Linear(d_model, d_model, bias=bias)
+        self.k = nn.Linear(d_model, d_model, bias=bias)
+        self.v = nn.Linear(d_model, d_model, bias=bias)
+        self.out = nn.Linear(d_model, d_model, bias=bias)
+
+    def _split(self, t: Tensor) -> Tensor:
+        batch, pos, d = t.shape
+        return t.view(batch, pos, self.n_heads, d // self.n_heads).transpose(1, 2)  # [B, H, T, dh]
+
+    def _merge(self, y: Tensor) -> Tensor:
+        batch, _, pos, _ = y.shape
+        return self.out(y.transpose(1, 2).reshape(batch, pos, -1))  # [B, T, d]
+
+    def forward(self, h: Tensor) -> Tensor:
+        if h.shape[1] == 1:
+            return self.out(self.v(h))  # [N, 1, d]
+        q, k, v = self._split(self.q(h)), self._split(self.k(h)), self._split(self.v(h))
+        return self._merge(self._attend(q, k, v))
+
+    def alone(self, x: Tensor) -> Tensor:
+        return self.out(self.v(x))  # [N, d]
+
+    def with_alone(self, h: Tensor, positions: list[int]) -> tuple[Tensor, Tensor]:
+        """The values of the full pass are reused: ``A(x_p) = out(v_p)``, one matrix per position."""
+        if h.shape[1] == 1:
+            out = self(h)
+            return out, out[:, positions]
+        v = self.v(h)  # [B, T, d]
+        q, k = self._split(self.q(h)), self._split(self.k(h))
+        v_p = v if positions == list(range(h.shape[1])) else v[:, positions]  # [B, P, d]
+        return self._merge(self._attend(q, k, self._split(v))), self.out(v_p)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class SoftmaxAttention(_Attention):
+    """Causal multi-head softmax attention, no positional encoding.
+
+    ``A(C, x)_t = W_o concat_h sum_{j<=t} softmax_j(q_t . k_j / sqrt(dh)) v_j``;
+    on a lone token ``A(x) = W_o (W_v x + b_v) + b_o``.
+    """
+
+    kind = "softmax"
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, dh]
+
+
+class LinearAttention(_Attention):
+    """Causal normalised linear attention (Katharopoulos et al. 2020), feature map ``elu + 1``.
+
+    ``A(C, x)_t = W_o sum_{j<=t} phi(q_t).phi(k_j) v_j / sum_{j<=t} phi(q_t).phi(k_j)``;
+    the denominator is positive because ``phi > 0``.
+    """
+
+    kind = "linear"
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        pos = q.shape[2]
+        causal = torch.ones(pos, pos, dtype=torch.bool, device=q.device).tril()  # [T, T]
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)  # [B, H, T, T]
+        return (scores @ v) / scores.sum(-1, keepdim=True)  # [B, H, T, dh]
+
+
+class _Recurrent(ContextualLayer):
+    """A torch recurrent module over the sequence from a zero state; output = hidden state h_t."""
+
+    rnn: nn.RNNBase
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.rnn(h)[0]  # [B, T, d]
+
+
+class ElmanRNN(_Recurrent):
+    """``h_t = tanh(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh)``, ``h_0 = 0``; ``A(C, x) = h_{n+1}``."""
+
+    kind = "rnn"
+
+    def __init__(self, d_model: int, bias: bool = True):
+        super().__init__()
+        self.rnn = nn.RNN(d_model, d_model, nonlinearity="tanh", bias=bias, batch_first=True)
+
+
+class GRULayer(_Recurrent):
+    """Gated recurrent unit (torch ``nn.GRU``) from a zero state; output = hidden state."""
+
+    kind = "gru"
+
+    def __init__(self, d_model: int, bias: bool = True):
+        super().__init__()
+        self.rnn = nn.GRU(d_model, d_model, bias=bias, batch_first=True)
+
+
+class LSTMLayer(_Recurrent):
+    """Long short-term memory (torch ``nn.LSTM``) from zero states; output = hidden state h_t."""
+
+    kind = "lstm"
+
+    def __init__(self, d_model: int, bias: bool = True):
+        super().__init__()
+        self.rnn = nn.LSTM(d_model, d_model, bias=bias, batch_first=True)
+
+
+LAYERS: dict[str, type[ContextualLayer]] = {
+    cls.kind: cls for cls in (SoftmaxAttention, LinearAttention, ElmanRNN, GRULayer, LSTMLayer)
+}
+
+
+def make_layer(kind: str, d_model: int, n_heads: int = 1, bias: bool = True) -> ContextualLayer:
+    """Build the contextual layer named ``kind`` (one of ``LAYERS``)."""
+    if kind not in LAYERS:
+        raise ValueError(f"unknown contextual layer {kind!r}; choose one of {sorted(LAYERS)}")
+    cls = LAYERS[kind]
+    if issubclass(cls, _Attention):
+        return cls(d_model, n_heads, bias=bias)
+    return cls(d_model, bias=bias)
+

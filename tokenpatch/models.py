@@ -1,0 +1,282 @@
+"""Our in-context-learning transformer, read top to bottom.
+
+    inputs [B, T, d_in] --read_in--> h^0 --block_1--> h^1 ... --block_L--> h^L --ln_f--> read_out
+
+Each ``Block`` is a contextual block (science/token_patches.md, sections 1-3) with one of the
+contextual layers of ``layers.py`` as its mixer and a two-layer MLP
+``MLP(s) = fc_out(act(fc_in(s)))``. Norm placement and the residual are options::
+
+    norm   residual  mixer part (m: value the MLP output is added to; s: MLP input)   output y
+    none   on        m = h + A(h)                 s = m                               m + MLP(s)
+    none   off       m = A(h)                     s = m                               MLP(s)
+    pre    on        m = h + A(LN1(h))            s = LN2(m)                          m + MLP(s)
+    pre    off       m = A(LN1(h))                s = LN2(m)                          MLP(s)
+    post   on        m = LN1(h + A(h))            s = m                               LN2(m + MLP(s))
+    post   off       m = LN1(A(h))                s = m                               LN2(MLP(s))
+
+The residual-free, norm-free block is exactly the paper's ``T_W(C, x) = f(W A(C, x) + b)`` with
+``W, b = fc_in`` and ``f = fc_out . act``. ``Block.mix`` returns ``(m, s)`` and ``Block.finish``
+the rest, which is all the patch algorithm needs to know about a block.
+
+Checkpoints are safetensors files with the config as JSON metadata (``save_model`` /
+``load_model``); ``load_model()`` with no path returns the checkpoint shipped in the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _io
+from .errors import FileFormatError, InputError
+from .layers import LAYERS, make_layer
+
+__all__ = [
+    "ICLConfig",
+    "MLP",
+    "Block",
+    "BlockParts",
+    "ICLTransformer",
+    "save_model",
+    "load_model",
+    "read_checkpoint",
+    "DEFAULT_CHECKPOINT",
+    "MODEL_FORMAT",
+]
+
+MODEL_FORMAT = "tokenpatch.model/1"
+DEFAULT_CHECKPOINT = "linreg-pre10.safetensors"
+NORMS = ("none", "pre", "post")
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
+
+
+@dataclass(frozen=True)
+class ICLConfig:
+    """Shape of an ``ICLTransformer`` (or of one ``Block`` when ``n_layers == 1``)."""
+
+    d_in: int  # token width, D + 1 for linear regression
+    d_out: int = 1  # prediction width
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_mlp: int = 0  # 0 means 4 * d_model
+    layer: str = "softmax"  # one of layers.LAYERS
+    norm: str = "pre"  # none | pre | post
+    residual: bool = True
+    bias: bool = True
+    activation: str = "gelu"
+
+    def __post_init__(self) -> None:
+        for name in ("d_in", "d_out", "d_model", "n_layers", "n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ICLConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_mlp < 0:
+            raise ValueError(f"ICLConfig.d_mlp must be >= 0, got {self.d_mlp}")
+        if self.layer not in LAYERS:
+            raise ValueError(f"ICLConfig.layer={self.layer!r}; choose one of {sorted(LAYERS)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"ICLConfig.norm={self.norm!r}; choose one of {NORMS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ICLConfig.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        if self.layer in ("softmax", "linear") and self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+
+    @property
+    def hidden(self) -> int:
+        return self.d_mlp or 4 * self.d_model
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ICLConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ICLConfig fields {sorted(unknown)}")
+        return cls(**d)
+
+
+class MLP(nn.Module):
+    """``MLP(s) = fc_out(act(fc_in(s)))``; ``fc_in`` is the paper's ``W, b``."""
+
+    def __init__(self, d_model: int, hidden: int, activation: str = "gelu", bias: bool = True):
+        super().__init__()
+        self.fc_in = nn.Linear(d_model, hidden, bias=bias)
+        self.act = ACTIVATIONS[activation]()
+        self.fc_out = nn.Linear(hidden, d_model, bias=bias)
+
+    def hidden(self, s: Tensor) -> Tensor:
+        return self.act(self.fc_in(s))  # [B, T, hidden]
+
+    def forward(self, s: Tensor) -> Tensor:
+        return self.fc_out(self.hidden(s))  # [B, T, d]
+
+
+class BlockParts(NamedTuple):
+    """Intermediate values of a block at every position (names as in the module docstring)."""
+
+    m: Tensor  # [B, T, d]  value the MLP output is added to (the mixer output when residual off)
+    s: Tensor  # [B, T, d]  MLP input
+    hidden: Tensor  # [B, T, hidden]  input of fc_out
+    out: Tensor  # [B, T, d]  block output
+
+
+class Block(nn.Module):
+    """One contextual block; see the table in the module docstring."""
+
+    def __init__(self, config: ICLConfig):
+        super().__init__()
+        c = self.config = config
+        self.norm, self.residual = c.norm, c.residual
+        if c.norm != "none":
+            self.ln1 = nn.LayerNorm(c.d_model)
+            self.ln2 = nn.LayerNorm(c.d_model)
+        self.mixer = make_layer(c.layer, c.d_model, c.n_heads, bias=c.bias)
+        self.mlp = MLP(c.d_model, c.hidden, c.activation, bias=c.bias)
+
+    def mix(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """``(m, s)`` from the block input ``h`` [B, T, d]."""
+        return self.combine(h, self.mixer(self.mixer_input(h)))
+
+    def mixer_input(self, h: Tensor) -> Tensor:
+        return self.ln1(h) if self.norm == "pre" else h
+
+    def combine(self, h: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+        """``(m, s)`` from the block input ``h`` and the mixer output ``a`` (position by position)."""
+        m = h + a if self.residual else a
+        if self.norm == "post":
+            m = self.ln1(m)
+        s = self.ln2(m) if self.norm == "pre" else m
+        return m, s
+
+    def finish(self, m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+        """``(hidden, out)`` from ``(m, s)``."""
+        hidden = self.mlp.hidden(s)
+        y = self.mlp.fc_out(hidden)
+        if self.residual:
+            y = m + y
+        if self.norm == "post":
+            y = self.ln2(y)
+        return hidden, y
+
+    def parts(self, h: Tensor) -> BlockParts:
+        m, s = self.mix(h)
+        return BlockParts(m, s, *self.finish(m, s))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.finish(*self.mix(h))[1]
+
+
+class ICLTransformer(nn.Module):
+    """``read_out(ln_f(block_L(...block_1(read_in(inputs)))))``; no positional encoding.
+
+    ``forward(inputs [B, T, d_in]) -> [B, T, d_out]``; with ``return_hidden=True`` also the
+    list of block outputs ``h^1..h^L`` (each [B, T, d_model]). ``ln_f`` exists for Pre-LN only.
+    """
+
+    def __init__(self, config: ICLConfig):
+        super().__init__()
+        self.config = config
+        self.read_in = nn.Linear(config.d_in, config.d_model, bias=config.bias)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model) if config.norm == "pre" else nn.Identity()
+        self.read_out = nn.Linear(config.d_model, config.d_out, bias=config.bias)
+        self.meta: dict[str, Any] = {}  # filled by load_model from the checkpoint
+
+    def forward(self, inputs: Tensor, return_hidden: bool = False):
+        h = self.read_in(inputs)  # [B, T, d_model]
+        hidden = []
+        for block in self.blocks:
+            h = block(h)
+            hidden.append(h)
+        out = self.read_out(self.ln_f(h))  # [B, T, d_out]
+        return (out, hidden) if return_hidden else out
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_model(model: ICLTransformer, path, meta: dict | None = None, extra: dict[str, Tensor] | None = None):
+    """Write ``model`` to ``path`` (safetensors; config, fingerprint and ``meta`` as JSON).
+
+    ``extra`` tensors (optimizer state of a training run) are stored under ``train.<name>``.
+    """
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    tensors.update({f"train.{k}": v for k, v in (extra or {}).items()})
+    doc = {
+        "class": type(model).__name__,
+        "config": model.config.to_dict(),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "fingerprint": _io.fingerprint(model),
+        "meta": meta or {},
+    }
+    return _io.write_file(path, tensors, MODEL_FORMAT, doc)
+
+
+def read_checkpoint(path) -> tuple[ICLTransformer, dict[str, Any], dict[str, Tensor]]:
+    """``(model, meta, extra)`` from a file written by ``save_model``; clear errors otherwise."""
+    tensors, doc = _io.read_file(path, MODEL_FORMAT)
+    if doc.get("class") != ICLTransformer.__name__:
+        raise FileFormatError(f"{path} holds a {doc.get('class')!r}, not an ICLTransformer")
+    try:
+        config = ICLConfig.from_dict(doc["config"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FileFormatError(f"{path}: invalid model config: {exc}") from exc
+    model = ICLTransformer(config)
+    state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise FileFormatError(f"{path} does not match its config: missing {missing}, unexpected {unexpected}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise FileFormatError(f"{path}: {name} has shape {tuple(t.shape)}, config needs {tuple(expected[name].shape)}")
+    model = model.to(state[next(iter(state))].dtype)
+    model.load_state_dict(state)
+    model.meta = doc.get("meta", {})
+    extra = {k.removeprefix("train."): v for k, v in tensors.items() if k.startswith("train.")}
+    return model.eval(), doc, extra
+
+
+def load_model(path=None, dtype: torch.dtype | None = None) -> ICLTransformer:
+    """Load a checkpoint (default: the one shipped with tokenpatch) in eval mode.
+
+    The shipped model: a 10-layer Pre-LN softmax-attention ``ICLTransformer`` trained on
+    in-context linear regression (``tokenpatch train --help`` retrains it); ``model.meta``
+    holds its task, training record and evaluation.
+    """
+    if path is None:
+        ref = resources.files("tokenpatch") / "data" / DEFAULT_CHECKPOINT
+        with resources.as_file(ref) as p:
+            model = read_checkpoint(Path(p))[0]
+    else:
+        model = read_checkpoint(path)[0]
+    return model if dtype is None else model.to(dtype)
+
+
+def check_inputs(model: ICLTransformer | Block, inputs: Tensor) -> Tensor:
+    """Raise ``InputError`` unless ``inputs`` is a finite float tensor [B, T, d] for ``model``."""
+    if not isinstance(inputs, Tensor):
+        raise InputError(f"inputs must be a torch.Tensor [batch, pos, d], got {type(inputs).__name__}")
+    if inputs.ndim != 3:
+        raise InputError(f"inputs must have shape [batch, pos, d], got {tuple(inputs.shape)}")
+    width = model.config.d_in if isinstance(model, ICLTransformer) else model.config.d_model
+    if inputs.shape[-1] != width:
+        raise InputError(f"inputs have width {inputs.shape[-1]}, the model reads width {width}")
+    if inputs.shape[0] == 0 or inputs.shape[1] == 0:
+        raise InputError(f"inputs are empty: shape {tuple(inputs.shape)}")
+    dtype = next(model.parameters()).dtype
+    if inputs.dtype != dtype:
+        raise InputError(f"inputs are {inputs.dtype} but the model computes in {dtype}; cast with .to({dtype})")
+    if not torch.isfinite(inputs).all():
+        bad = (~torch.isfinite(inputs)).nonzero()[0].tolist()
+        raise InputError(f"inputs contain NaN or inf (first at [batch, pos, feature] = {bad})")
+    return inputs

@@ -1,0 +1,177 @@
+"""Train an ``ICLTransformer`` on in-context linear regression (``tokenpatch train``).
+
+Adam on the squared error of the query prediction, fresh tasks every step, learning rate with
+linear warm-up then cosine decay. Checkpoints are the model file of ``models.save_model`` with the
+optimizer moments and the data generator's state stored beside the weights, written atomically
+every ``checkpoint_every`` steps and on Ctrl-C; running again with the same path resumes, and
+a resumed run is bit-for-bit the run that was not interrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import FileFormatError
+from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
+from .tasks.linreg import LinRegTask, evaluate
+
+__all__ = ["TrainConfig", "train", "lr_at", "DEFAULT_MODEL", "DEFAULT_TASK", "DEFAULT_TRAIN"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 256
+    lr: float = 1e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.05
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 250
+    eval_tasks: int = 2048
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# The shipped checkpoint (tokenpatch/data/linreg-pre10.safetensors) is exactly this recipe.
+DEFAULT_TASK = LinRegTask(dim=4, n_context=16, noise=0.1)
+DEFAULT_MODEL = ICLConfig(d_in=DEFAULT_TASK.d_in, d_out=1, d_model=64, n_layers=10, n_heads=4, norm="pre")
+DEFAULT_TRAIN = TrainConfig()
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _optim_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for idx, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"optim.{idx}.{key}"] = torch.as_tensor(value)
+    return out
+
+
+def _load_optim(opt: torch.optim.Optimizer, extra: dict[str, torch.Tensor]) -> None:
+    state: dict[int, dict] = {}
+    for name, value in extra.items():
+        if name.startswith("optim."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = value
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+class _deferred_interrupt:
+    """Turn the first Ctrl-C into a flag checked between steps, so the checkpoint written on
+    interruption is a consistent step boundary; a second Ctrl-C interrupts at once."""
+
+    requested = False
+
+    def __enter__(self):
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._old)
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def train(
+    out: str | Path,
+    model_config: ICLConfig = DEFAULT_MODEL,
+    task: LinRegTask = DEFAULT_TASK,
+    cfg: TrainConfig = DEFAULT_TRAIN,
+    resume: bool = True,
+    progress: bool = True,
+) -> ICLTransformer:
+    """Train (or resume training) and return the model; the checkpoint lives at ``out``.
+
+    Resuming checks that the file was written by the same recipe (model, task, training
+    config) and raises ``FileFormatError`` otherwise, rather than mixing two runs.
+    """
+    out = Path(out)
+    recipe = {"model": model_config.to_dict(), "task": task.to_dict(), "train": cfg.to_dict()}
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    history: list[list[float]] = []
+    start, ema = 0, None
+    if resume and out.exists():
+        model, doc, extra = read_checkpoint(out)
+        saved = doc.get("meta", {}).get("recipe")
+        if saved != recipe:
+            raise FileFormatError(
+                f"{out} was written by another training recipe; pass another path or resume=False "
+                f"(saved {saved}, asked {recipe})"
+            )
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        _load_optim(opt, extra)
+        gen.set_state(extra["rng"])
+        start = int(doc["meta"]["step"])
+        history = doc["meta"].get("history", [])
+        ema = doc["meta"].get("loss_ema")
+        log.info("resuming %s at step %d", out, start)
+    else:
+        torch.manual_seed(cfg.seed)
+        model = ICLTransformer(model_config).train()
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+
+    def checkpoint(step: int, extra_meta: dict | None = None) -> None:
+        meta = {"recipe": recipe, "step": step, "loss_ema": ema, "history": history, **(extra_meta or {})}
+        tensors = {**_optim_tensors(opt), "rng": gen.get_state()}
+        save_model(model, out, meta=meta, extra=tensors)
+
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not progress, unit="step")
+    t0 = time.perf_counter()
+    with _deferred_interrupt() as stop:
+        for step in range(start, cfg.steps):
+            batch = task.sample(cfg.batch_size, gen)
+            pred = model(batch.tokens)[:, -1, 0]  # [B]
+            loss = torch.nn.functional.mse_loss(pred, batch.target)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+            if (step + 1) % 50 == 0:
+                history.append([step + 1, ema])
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema:.4f}")
+            if stop.requested:
+                checkpoint(step + 1)
+                bar.close()
+                log.warning("interrupted after step %d; saved %s (run again to resume)", step + 1, out)
+                raise KeyboardInterrupt
+            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                checkpoint(step + 1)
+    bar.close()
+    model.eval()
+    result = evaluate(model, task, n_tasks=cfg.eval_tasks)
+    seconds = time.perf_counter() - t0
+    checkpoint(cfg.steps, {"eval": result, "seconds_last_session": seconds})
+    log.info("trained %s: MSE %.4f (zero %.4f, least squares %.4f)", out, result["mse_model"],
+             result["mse_zero"], result["mse_least_squares"])
+    return model
