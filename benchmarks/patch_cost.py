@@ -108,11 +108,6 @@ def bench(name: str, model, x, repeats: int, with_dense: bool = True) -> dict:
         row["dense_over_forward"] = row["dense_s"] / row["forward_s"]
         row["dense_over_ours_time"] = row["dense_s"] / row["ours_s"]
         row["dense_over_ours_memory"] = row["dense_peak_mb"] / row["ours_peak_mb"]
-    # the factors are exact: same patches as the dense layout
-    if with_dense:
-        dense = methods["dense"]()
-        w = "blocks.0.mlp.fc_in.weight"
-        row["max_diff_vs_dense"] = float((patch[w].dense() - dense[w]).abs().max())
     return row
 
 
@@ -129,6 +124,11 @@ def main() -> None:
     shipped = tp.load_model()
     x = task_of(shipped).sample(256, torch.Generator().manual_seed(0)).tokens
     rows.append(bench("shipped (10-layer Pre-LN)", shipped, x, args.repeats))
+
+    torch.manual_seed(0)  # the setting quoted for the public generalising-icl code: batch 8, context 256, width 64
+    ref = tp.ICLTransformer(tp.ICLConfig(d_in=5, d_model=64, n_layers=10, n_heads=4, norm="pre")).eval()
+    x = torch.randn(8, 256, 5, generator=torch.Generator().manual_seed(2))
+    rows.append(bench("reference (width 64, 10 layers)", ref, x, args.repeats))
 
     torch.manual_seed(0)
     wide = tp.ICLTransformer(tp.ICLConfig(d_in=5, d_model=256, n_layers=10, n_heads=8, norm="pre")).eval()
@@ -147,7 +147,10 @@ def main() -> None:
         print("  ".join(f.format(row[k]) for k, f in cols))
     wide_row = rows[-1]
     verdict = "met" if wide_row["ours_over_forward"] <= 1.5 else "NOT met"
-    print(f"\nwide model: all-layer, all-position patches cost {wide_row['ours_over_forward']:.2f}x one forward pass "
+    ref_row = rows[1]
+    print(f"\nreference setting: dense per-position updates take {ref_row['dense_peak_mb'] / ref_row['layers']:.0f} MB "
+          f"per block (the public code: 134 MB per block), ours {ref_row['patch_mb'] / ref_row['layers']:.1f} MB per block.")
+    print(f"wide model: all-layer, all-position patches cost {wide_row['ours_over_forward']:.2f}x one forward pass "
           f"(target <= 1.5x: {verdict}); dense per-position updates cost {wide_row['dense_over_forward']:.2f}x and "
           f"{wide_row['dense_over_ours_memory']:.0f}x the memory of ours.")
     out = Path(args.out)

@@ -43,7 +43,7 @@ def _check(model, inputs, query, remove):
 
 
 @pytest.mark.parametrize("layer,norm,residual,query,remove", COMBOS)
-@settings(max_examples=3)
+@settings(max_examples=8)
 @given(s=sizes())
 def test_single_block_exact(layer, norm, residual, query, remove, s):
     config = tp.ICLConfig(d_in=s["d_model"], d_model=s["d_model"], n_layers=1, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
@@ -54,7 +54,7 @@ def test_single_block_exact(layer, norm, residual, query, remove, s):
 
 
 @pytest.mark.parametrize("layer,norm,residual,query,remove", COMBOS)
-@settings(max_examples=3)
+@settings(max_examples=8)
 @given(s=sizes())
 def test_three_layer_model_exact(layer, norm, residual, query, remove, s):
     config = tp.ICLConfig(d_in=s["d_in"], d_out=2, d_model=s["d_model"], n_layers=3, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
@@ -103,3 +103,68 @@ def test_unpatched_no_context_pass_is_far_off(small_model, small_inputs):
     zero = patch.map(torch.zeros_like)
     assert tp.verify(small_model, small_inputs, zero).max_rel > 1e-2
     assert tp.verify(small_model, small_inputs, patch).max_abs <= 1e-10
+
+
+def test_register_a_custom_adapter(small_model, small_inputs):
+    """A new family is one adapter: here a wrapper model reusing the ICL adapter's knowledge."""
+    from tokenpatch import arch
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, return_hidden=False):
+            return self.inner(x, return_hidden)
+
+    class WrappedAdapter(arch.ICLAdapter):
+        name = "wrapped"
+
+        def matches(self, model):
+            return isinstance(model, Wrapped)
+
+        def n_layers(self, model):
+            return super().n_layers(model.inner)
+
+        def check_inputs(self, model, inputs):
+            return super().check_inputs(model.inner, inputs)
+
+        def embed(self, model, inputs):
+            return super().embed(model.inner, inputs)
+
+        def mix(self, model, i, h):
+            return super().mix(model.inner, i, h)
+
+        def mix_with_alone(self, model, i, h, positions):
+            return super().mix_with_alone(model.inner, i, h, positions)
+
+        def finish(self, model, i, m, s):
+            return super().finish(model.inner, i, m, s)
+
+        def run(self, model, inputs):
+            return model(inputs, return_hidden=True)
+
+        def sites(self, model, i):
+            s = super().sites(model.inner, i)
+            return arch.Sites(tuple(f"inner.{n}" for n in s.inputs), (s.output[0], f"inner.{s.output[1]}"))
+
+        def describe(self, model):
+            return {"class": "Wrapped", "adapter": self.name}
+
+    wrapped = Wrapped(small_model)
+    with pytest.raises(tp.UnsupportedModelError):
+        tp.token_patch(wrapped, small_inputs)
+    adapter = arch.register(WrappedAdapter())
+    try:
+        patch = tp.token_patch(wrapped, small_inputs, query="all")
+        assert "inner.blocks.0.mlp.fc_in.weight" in patch
+        assert tp.verify(wrapped, small_inputs, patch).max_abs <= 1e-10
+    finally:
+        arch.ADAPTERS.remove(adapter)
+
+
+def test_bare_block_reports_one_site():
+    block = random_block(tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2))
+    h = torch.randn(2, 5, 4, dtype=torch.float64)
+    result = tp.verify(block, h, tp.token_patch(block, h))
+    assert [e.name for e in result.per_layer] == ["output"]

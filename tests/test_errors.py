@@ -54,7 +54,7 @@ def test_zero_anchor_names_layer_parameter_and_position():
     block = random_block(tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, norm="none", residual=False, bias=False))
     h = torch.randn(2, 5, 4, dtype=torch.float64)
     h[1, 3] = 0.0
-    with pytest.raises(tp.ZeroAnchorError, match=r"layer 0: no patch exists for mlp.fc_in.weight at \(batch, query position\) \[\(1, 3\)\]") as info:
+    with pytest.raises(tp.ZeroAnchorError, match=r"layer 0: no minimal patch of mlp.fc_in.weight exists at \(batch, query position\) \[\(1, 3\)\]: the vector it acts on \(the MLP input without context\) is zero") as info:
         tp.token_patch(block, h, query="all")
     assert info.value.index == [(1, 3)]
     tp.token_patch(block, h, query=-1)  # other queries are fine
@@ -85,3 +85,84 @@ def test_nonfinite_model_weights_are_caught(small_model, small_inputs):
         small_model.blocks[1].mlp.fc_in.weight[0, 0] = float("inf")
     with pytest.raises(tp.InputError, match="NaN or inf"):
         tp.token_patch(small_model, small_inputs)
+
+
+def test_zero_hidden_state_for_the_output_matrix():
+    """Bias-free residual block whose fc_in is zero: the ReLU hidden state is 0 with context, so
+    no rank-1 patch of fc_out can absorb the residual shift."""
+    block = random_block(tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, norm="none", bias=False, activation="relu"))
+    with torch.no_grad():
+        block.mlp.fc_in.weight.zero_()
+    h = torch.randn(1, 5, 4, dtype=torch.float64)
+    with pytest.raises(tp.ZeroAnchorError, match=r"mlp.fc_out.weight .* \(the MLP hidden state with context\) is zero"):
+        tp.token_patch(block, h)
+
+
+def test_weights_changed_through_data_are_caught_without_the_cache(small_model, small_inputs, tmp_path):
+    patch = tp.token_patch(small_model, small_inputs)
+    tp.save(patch, tmp_path / "p.safetensors")
+    small_model.blocks[0].mlp.fc_in.weight.data.add_(1.0)  # invisible to torch's version counter
+    with pytest.raises(tp.InputError, match="another model"):
+        patch.check_model(small_model, cached=False)
+    with pytest.raises(tp.FileFormatError, match="another model"):
+        tp.load(tmp_path / "p.safetensors", model=small_model)
+
+
+def test_in_place_weight_changes_are_caught(small_model, small_inputs):
+    patch = tp.token_patch(small_model, small_inputs)[0, 0]
+    with torch.no_grad():
+        small_model.blocks[2].mlp.fc_out.bias.add_(1e-3)
+    with pytest.raises(tp.InputError, match="another model"):
+        with tp.apply(small_model, patch):
+            pass
+
+
+def test_functional_call_input_too_short_for_a_chunk_patch(small_model, small_inputs):
+    patch = tp.token_patch(small_model, small_inputs, remove=slice(1, 3))  # query at position 4 of C \ Y
+    with pytest.raises(tp.InputError, match="acts at positions \\[4\\]"):
+        tp.functional_call(small_model, patch, small_inputs[:, :3])
+
+
+def test_part_of_a_joint_chunk_patch_is_refused(small_model, small_inputs):
+    joint = tp.token_patch(small_model, small_inputs, query=[4, 6], remove=slice(1, 3))
+    part = joint[:, 1]
+    assert part.norms()  # inspecting it is fine
+    stripped = tp.strip_context(small_model, small_inputs, query=[4, 6], remove=slice(1, 3))
+    with pytest.raises(tp.InputError, match="part of a joint patch"):
+        tp.functional_call(small_model, part, stripped)
+    whole = tp.Patch.stack([joint[:, 0], joint[:, 1]], dim="query")
+    assert tp.verify(small_model, small_inputs, whole).max_abs <= 1e-10  # reassembled: exact again
+    alone = tp.token_patch(small_model, small_inputs, query=6, remove=slice(1, 3))
+    assert tp.verify(small_model, small_inputs, alone).max_abs <= 1e-10
+
+
+def test_patch_arithmetic_errors(small_model, small_inputs):
+    from conftest import random_model
+
+    patch = tp.token_patch(small_model, small_inputs, query="all")
+    other = random_model(small_model.config, seed=42)
+    other_patch = tp.token_patch(other, small_inputs, query="all")
+    with pytest.raises(tp.InputError, match="different models"):
+        patch + other_patch
+    with pytest.raises(tp.InputError, match="convert one"):
+        patch + patch.to(torch.float32)
+    summed = patch[0, 1] + patch[0, 2]
+    assert summed.meta["model"] == patch.meta["model"]
+    with pytest.raises(tp.InputError, match="another model"):
+        with tp.apply(other, summed):
+            pass
+    with pytest.raises(tp.InputError, match="'batch' or 'query'"):
+        tp.Patch.stack([patch, patch], dim="bogus")
+    chunk = tp.token_patch(small_model, small_inputs, remove=slice(1, 3))
+    with pytest.raises(tp.InputError, match="everywhere with patches acting at given positions"):
+        tp.Patch.stack([patch[:, :1], chunk], dim="query")
+    with pytest.raises(IndexError, match="out of range"):
+        patch[5]
+
+
+def test_resume_from_a_weights_only_file(tmp_path):
+    from tokenpatch.train import train
+
+    tp.save_model(tp.load_model(), tmp_path / "w.safetensors")
+    with pytest.raises(tp.FileFormatError, match="weights only"):
+        train(tmp_path / "w.safetensors", progress=False)

@@ -31,8 +31,9 @@ __all__ = ["write_file", "read_file", "tensor_digest", "fingerprint"]
 _META_KEY = "tokenpatch"
 
 
-def _raw_bytes(t: Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _raw_bytes(t: Tensor):
+    """The tensor's bytes as a buffer (no copy for a contiguous CPU tensor)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def tensor_digest(tensors: dict[str, Tensor], doc: dict | None = None) -> str:
@@ -63,7 +64,7 @@ def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, m
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual file mode
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the usual file mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -71,10 +72,13 @@ def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, m
     return path
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; done once, at import
     os.umask(mask)
     return mask
+
+
+_UMASK = _read_umask()
 
 
 def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -118,19 +122,24 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
 _FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
 
 
-def fingerprint(model: nn.Module) -> str:
+def fingerprint(model: nn.Module, cached: bool = True) -> str:
     """A digest of the model's parameter names, shapes and values (cast to float32).
 
-    A patch is exact only for the weights it was computed from, so patches and checkpoints
-    record it. Casting to float32 first makes ``model.double()`` keep the fingerprint of the
-    float32 model it came from. Cached until any parameter changes (tracked through each
-    tensor's in-place version counter), so repeated calls cost nothing.
+    A patch is exact only for the weights it was computed from, so patches record it and
+    ``apply`` / ``functional_call`` / ``load(path, model)`` check it. Casting to float32 makes
+    ``model.double()`` keep the fingerprint of the float32 model it came from (two float64
+    models that differ only below float32 precision share one).
+
+    With ``cached=True`` the digest is reused until a parameter changes: replaced, or modified
+    in place (``p.add_``, optimizer steps, ``load_state_dict``), which torch tracks with a
+    version counter. Writes through ``p.data`` bypass that counter; after such a write pass
+    ``cached=False`` (``load(path, model)`` always does).
     """
     params = list(model.named_parameters())
-    key = tuple((name, id(p), p._version) for name, p in params)
-    cached = _FINGERPRINTS.get(model)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    key = tuple((name, id(p), p.data_ptr(), p._version) for name, p in params)
+    hit = _FINGERPRINTS.get(model)
+    if cached and hit is not None and hit[0] == key:
+        return hit[1]
     h = hashlib.sha256()
     for name, p in params:
         h.update(f"{name}|{tuple(p.shape)}|".encode())

@@ -7,7 +7,6 @@ import copy
 import json
 import logging
 import sys
-from pathlib import Path
 
 import torch
 
@@ -110,7 +109,7 @@ def _verify(args) -> int:
         print(json.dumps({"checkpoint": args.checkpoint or "shipped", "tolerance": tol, "ok": ok, **result.to_dict()}, indent=1))
     else:
         c = model.config
-        print(f"{args.checkpoint or 'shipped checkpoint'}: {c.n_layers}-layer {c.norm}-LN {c.layer}, {args.dtype}, "
+        print(f"{args.checkpoint or 'shipped checkpoint'}: {c.describe()}, {args.dtype}, "
               f"{args.tasks} tasks, query {args.query} ({result.n} patches)")
         print(result.table())
         print(f"max abs {result.max_abs:.2e}, max rel {result.max_rel:.2e}: {'OK' if ok else 'FAILED'} ({tol})")

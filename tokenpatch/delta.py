@@ -23,6 +23,7 @@ Files: ``save`` / ``load`` write safetensors (``name.u``, ``name.v`` or ``name``
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -178,11 +179,28 @@ class Patch(Mapping):
             key = (key,)
         if len(key) > 2:
             raise InputError(f"a Patch has two leading dims [batch, query]; got index {key}")
-        key = tuple(slice(k, k + 1 if k != -1 else None) if isinstance(k, int) else k for k in key)
         key = key + (slice(None),) * (2 - len(key))
+        slices = []
+        for k, size in zip(key, self.lead):  # ints keep their dim as size 1
+            if not isinstance(k, slice):
+                k = operator.index(k)
+                if not -size <= k < size:
+                    raise IndexError(f"index {k} is out of range for a Patch dim of size {size}")
+                k = slice(k % size, k % size + 1)
+            slices.append(k)
+        key = tuple(slices)
         deltas = {n: d.index(key) if isinstance(d, LowRank) else d[key] for n, d in self._deltas.items()}
         positions = None if self.positions is None else self.positions[key[1]]
-        return Patch(deltas, positions, self.meta)
+        meta = dict(self.meta)  # keep the record true to the sub-patch
+        batch_index = meta.get("batch_index", list(range(self.lead[0])))
+        meta["batch_index"] = batch_index[key[0]]
+        meta["batch"] = len(meta["batch_index"])
+        if "query" in meta:
+            if self.positions is not None and len(meta["query"]) > 1 and len(meta["query"][key[1]]) < len(meta["query"]):
+                meta.setdefault("joint_query", meta["query"])  # chunk patches of several queries act together
+                meta["partial_joint"] = True
+            meta["query"] = meta["query"][key[1]]
+        return Patch(deltas, positions, meta)
 
     def map(self, fn) -> "Patch":
         """Apply ``fn`` to every factor / dense tensor (e.g. ``lambda t: t.double()``)."""
@@ -201,15 +219,22 @@ class Patch(Mapping):
         return {n: d.norm() if isinstance(d, LowRank) else d.flatten(2).norm(dim=-1) for n, d in self._deltas.items()}
 
     def __add__(self, other: "Patch") -> "Patch":
-        """Sum of two patches acting at the same place; keys missing on one side count as 0."""
+        """Sum of two patches of the same model acting at the same place (low-rank terms stack;
+        a key missing on one side counts as 0)."""
         if not isinstance(other, Patch):
             return NotImplemented
         if self.positions != other.positions:
             raise InputError(f"cannot add patches acting at different positions: {self.positions} vs {other.positions}")
+        if self.dtype != other.dtype:
+            raise InputError(f"cannot add a {self.dtype} patch to a {other.dtype} one; convert one with .to(dtype)")
+        models = [p.meta.get("model") for p in (self, other)]
+        if None not in models and models[0] != models[1]:
+            raise InputError("cannot add patches computed for different models")
         deltas = dict(self._deltas)
         for n, d in other._deltas.items():
             deltas[n] = deltas[n] + d if n in deltas else d
-        return Patch(deltas, self.positions, {"sum_of": [self.meta, other.meta]})
+        meta = {"model": models[0] or models[1], "sum_of": [self.meta, other.meta]}
+        return Patch(deltas, self.positions, {k: v for k, v in meta.items() if v is not None})
 
     def sum(self, dim: str = "query") -> "Patch":
         """Sum over ``"query"`` or ``"batch"`` (the dim is kept with size 1). Summing over
@@ -219,13 +244,16 @@ class Patch(Mapping):
         i = 0 if dim == "batch" else 1
         deltas = {n: d.sum(i) if isinstance(d, LowRank) else d.sum(i, keepdim=True) for n, d in self._deltas.items()}
         positions = None if dim == "query" else self.positions
-        return Patch(deltas, positions, {**self.meta, "summed_over": dim})
+        meta = {k: v for k, v in self.meta.items() if k not in (dim, "batch_index", "removed" if dim == "query" else "")}
+        return Patch(deltas, positions, {**meta, "summed_over": dim})
 
     @staticmethod
     def stack(patches: list["Patch"], dim: str = "batch") -> "Patch":
         """Concatenate patches with the same keys along ``"batch"`` or ``"query"``."""
         if not patches:
             raise InputError("Patch.stack needs at least one patch")
+        if dim not in ("batch", "query"):
+            raise InputError(f"stack along 'batch' or 'query', not {dim!r}")
         keys = list(patches[0])
         if any(list(p) != keys for p in patches):
             raise InputError("Patch.stack needs patches with the same parameter names")
@@ -238,16 +266,33 @@ class Patch(Mapping):
             else:
                 deltas[n] = torch.cat(ds, i)
         if dim == "query":
+            kinds = {p.positions is None for p in patches}
+            if len(kinds) > 1:
+                raise InputError("cannot stack patches acting everywhere with patches acting at given positions")
             pos = None if patches[0].positions is None else sum((p.positions for p in patches), ())
         else:
             pos = patches[0].positions
             if any(p.positions != pos for p in patches):
                 raise InputError("Patch.stack along batch needs patches acting at the same positions")
-        return Patch(deltas, pos, {"stack_of": [p.meta for p in patches]})
+        same = ("model", "seq_len", "removed") + (("query",) if dim == "batch" else ())
+        first = patches[0].meta
+        if all(all(p.meta.get(k) == first.get(k) for k in same) for p in patches):
+            meta = {k: first[k] for k in same if k in first}  # one plan: keep it
+            if dim == "batch":
+                meta["batch"] = sum(p.lead[0] for p in patches)
+            elif all("query" in p.meta for p in patches):
+                meta["query"] = sum((list(p.meta["query"]) for p in patches), [])
+                joint = first.get("joint_query")
+                if joint is not None and sorted(meta["query"]) != sorted(joint):
+                    meta.update(joint_query=joint, partial_joint=True)  # still not the whole joint patch
+        else:
+            meta = {"stack_of": [p.meta for p in patches]}
+        return Patch(deltas, pos, meta)
 
-    def check_model(self, model: nn.Module) -> None:
+    def check_model(self, model: nn.Module, cached: bool = True) -> None:
         """Raise unless every key names a parameter of ``model`` of the right shape, and (when the
-        patch records one) the model's weights are the ones the patch was computed from."""
+        patch records one) the model's weights are the ones the patch was computed from
+        (``tokenpatch._io.fingerprint``; ``cached=False`` re-hashes the weights)."""
         params = dict(model.named_parameters())
         for name, d in self._deltas.items():
             if name not in params:
@@ -257,10 +302,16 @@ class Patch(Mapping):
             if got != shape:
                 raise InputError(f"patch delta for {name} has shape {got}, the parameter is {shape}")
         want = self.meta.get("model", {}).get("fingerprint")
-        if want is not None and want != _io.fingerprint(model):
+        if want is not None and want != _io.fingerprint(model, cached):
             raise InputError(
                 f"this patch was computed for another model (fingerprint {want}, this model "
-                f"{_io.fingerprint(model)}); a token patch is exact only for the weights it came from"
+                f"{_io.fingerprint(model, cached)}); a token patch is exact only for the weights it came from"
+            )
+        if self.meta.get("partial_joint"):
+            raise InputError(
+                f"this is part of a joint patch (queries {self.meta.get('joint_query')} with a chunk removed): its "
+                "anchors assume the other queries are patched too, so it is not exact alone. Use the whole "
+                "patch, or token_patch(..., query=q) for a patch that stands alone"
             )
 
 
@@ -309,7 +360,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None) -> Patch:
         raise FileFormatError(f"{path}: inconsistent patch: {exc}") from exc
     if model is not None:
         try:
-            patch.check_model(model)
+            patch.check_model(model, cached=False)
         except InputError as exc:
             raise FileFormatError(f"{path}: {exc}") from exc
     return patch

@@ -16,7 +16,9 @@ contextual layers of ``layers.py`` as its mixer and a two-layer MLP
 
 The residual-free, norm-free block is exactly the paper's ``T_W(C, x) = f(W A(C, x) + b)`` with
 ``W, b = fc_in`` and ``f = fc_out . act``. ``Block.mix`` returns ``(m, s)`` and ``Block.finish``
-the rest, which is all the patch algorithm needs to know about a block.
+the rest, which is all the patch algorithm needs to know about a block. (A bare ``Block`` uses
+only ``d_model``, ``n_heads``, ``d_mlp``, ``layer``, ``norm``, ``residual``, ``bias`` and
+``activation`` of its config.)
 
 Checkpoints are safetensors files with the config as JSON metadata (``save_model`` /
 ``load_model``); ``load_model()`` with no path returns the checkpoint shipped in the package.
@@ -28,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -36,12 +38,12 @@ from torch import Tensor, nn
 from . import _io
 from .errors import FileFormatError, InputError
 from .layers import LAYERS, make_layer
+from .solve import block_values
 
 __all__ = [
     "ICLConfig",
     "MLP",
     "Block",
-    "BlockParts",
     "ICLTransformer",
     "save_model",
     "load_model",
@@ -54,6 +56,7 @@ MODEL_FORMAT = "tokenpatch.model/1"
 DEFAULT_CHECKPOINT = "linreg-pre10.safetensors"
 NORMS = ("none", "pre", "post")
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
+LAYER_NAMES = {"softmax": "softmax-attention", "linear": "linear-attention", "rnn": "Elman-RNN", "gru": "GRU", "lstm": "LSTM"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,14 @@ class ICLConfig:
     def hidden(self) -> int:
         return self.d_mlp or 4 * self.d_model
 
+    def describe(self) -> str:
+        """E.g. ``"10-layer Pre-LN softmax-attention transformer"``."""
+        norm = {"none": "norm-free", "pre": "Pre-LN", "post": "Post-LN"}[self.norm]
+        mixer = LAYER_NAMES[self.layer]
+        kind = "transformer" if self.layer in ("softmax", "linear") else "network"
+        res = "" if self.residual else " residual-free"
+        return f"{self.n_layers}-layer {norm}{res} {mixer} {kind}"
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -120,15 +131,6 @@ class MLP(nn.Module):
         return self.fc_out(self.hidden(s))  # [B, T, d]
 
 
-class BlockParts(NamedTuple):
-    """Intermediate values of a block at every position (names as in the module docstring)."""
-
-    m: Tensor  # [B, T, d]  value the MLP output is added to (the mixer output when residual off)
-    s: Tensor  # [B, T, d]  MLP input
-    hidden: Tensor  # [B, T, hidden]  input of fc_out
-    out: Tensor  # [B, T, d]  block output
-
-
 class Block(nn.Module):
     """One contextual block; see the table in the module docstring."""
 
@@ -151,11 +153,7 @@ class Block(nn.Module):
 
     def combine(self, h: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
         """``(m, s)`` from the block input ``h`` and the mixer output ``a`` (position by position)."""
-        m = h + a if self.residual else a
-        if self.norm == "post":
-            m = self.ln1(m)
-        s = self.ln2(m) if self.norm == "pre" else m
-        return m, s
+        return block_values(self.norm, self.residual, h, a, getattr(self, "ln1", None), getattr(self, "ln2", None))
 
     def finish(self, m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         """``(hidden, out)`` from ``(m, s)``."""
@@ -166,10 +164,6 @@ class Block(nn.Module):
         if self.norm == "post":
             y = self.ln2(y)
         return hidden, y
-
-    def parts(self, h: Tensor) -> BlockParts:
-        m, s = self.mix(h)
-        return BlockParts(m, s, *self.finish(m, s))
 
     def forward(self, h: Tensor) -> Tensor:
         return self.finish(*self.mix(h))[1]

@@ -195,6 +195,7 @@ def _layer_patch(model, sites: Sites, ctx, anchor, layer: int, plan: Plan) -> di
     each ``[batch, query, ...]``."""
     (m_c, s_c, hidden_c), (m_0, s_0) = ctx, anchor
     deltas: dict[str, Delta] = {}
+    acts_on = "the MLP input without context"
     try:
         for name in sites.inputs:
             w, layout = _math_weight(model, name)
@@ -205,13 +206,14 @@ def _layer_patch(model, sites: Sites, ctx, anchor, layer: int, plan: Plan) -> di
             if kind == "bias":
                 deltas[name] = solve.output_shift(m_c, m_0)
             else:
+                acts_on = "the MLP hidden state with context"
                 lr = solve.output_patch(m_c, m_0, hidden_c)
                 deltas[name] = lr if _math_weight(model, name)[1] == "out_in" else LowRank(lr.v, lr.u)
     except ZeroAnchorError as exc:
         where = [(b, plan.query[q]) for b, q in exc.index]
         raise ZeroAnchorError(
-            f"layer {layer}: no patch exists for {name} at (batch, query position) {where[:5]}: the "
-            f"vector it acts on without context is zero, yet the context changes the output",
+            f"layer {layer}: no minimal patch of {name} exists at (batch, query position) {where[:5]}: "
+            f"the vector it acts on ({acts_on}) is zero, yet the context changes what it must produce",
             where,
         ) from None
     except InputError as exc:
@@ -246,11 +248,12 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
     plan = make_plan(adapter.seq_len(inputs), query, remove)
     q = list(plan.query)
     h = adapter.embed(model, inputs)  # [B, T, d]      with context
-    h0 = adapter.embed(model, _strip(adapter, inputs, plan))  # [B*Q, 1, d] or [B, T', d]
+    shared = plan.kept is None and not adapter.position_dependent_embedding
+    h0 = None if shared else adapter.embed(model, _strip(adapter, inputs, plan))  # [B*Q, 1, d] or [B, T', d]
     deltas: dict[str, Delta] = {}
     n_layers = adapter.n_layers(model)
     for i in tqdm(range(n_layers), desc="token_patch", unit="layer", disable=not progress, delay=1.0):
-        if plan.kept is None and (i > 0 or not adapter.position_dependent_embedding):
+        if plan.kept is None and (i > 0 or shared):
             # each query alone, on its with-context state: share the full pass's work
             (m_c, s_c), anchor = adapter.mix_with_alone(model, i, h, q)
         else:
@@ -328,26 +331,28 @@ def _make_hook(deltas: dict[str, Delta], layout: str, positions, module_name: st
         xs = x.reshape(n, -1, x.shape[-1])  # [N, T, in]
         delta = torch.zeros((), dtype=out.dtype, device=out.device)
         if w is not None:
-            coef = xs @ flat(w_in, n).to(x.dtype).transpose(-1, -2)  # [N, T, r]
-            delta = coef @ flat(w_out, n).to(x.dtype)  # [N, T, out]
+            coef = xs @ flat(w_in, n).to(x).transpose(-1, -2)  # [N, T, r]
+            delta = coef @ flat(w_out, n).to(x)  # [N, T, out]
         if b is not None:
-            delta = delta + flat(b, n).to(out.dtype)[:, None, :]  # [N, 1, out]
+            delta = delta + flat(b, n).to(out)[:, None, :]  # [N, 1, out]
         return (out.reshape(n, -1, out.shape[-1]) + delta).reshape(out.shape)
 
     def at_positions(x: Tensor, out: Tensor) -> Tensor:  # patch [b, q] acts at position positions[q]
         n = x.shape[0]
-        if lead[0] not in (1, n) or x.ndim != 3:
+        if lead[0] not in (1, n) or x.ndim != 3 or x.shape[1] <= max(positions):
             raise InputError(
-                f"{module_name}: the patch is for a batch of {lead[0]} sequences [batch, pos, d], got input {tuple(x.shape)}"
+                f"{module_name}: the patch acts at positions {list(positions)} of {lead[0]} no-context sequence(s) "
+                f"[batch, pos, d], got input {tuple(x.shape)} (tokenpatch.strip_context gives the right inputs)"
             )
-        xs = x[:, pos]  # [N, Q, in]
+        where = pos.to(x.device)
+        xs = x[:, where]  # [N, Q, in]
         delta = torch.zeros((), dtype=out.dtype, device=out.device)
         if w is not None:
-            coef = torch.einsum("nqi,nqri->nqr", xs, w_in.to(x.dtype).expand(n, -1, -1, -1))  # [N, Q, r]
-            delta = torch.einsum("nqr,nqro->nqo", coef, w_out.to(x.dtype).expand(n, -1, -1, -1))  # [N, Q, out]
+            coef = torch.einsum("nqi,nqri->nqr", xs, w_in.to(x).expand(n, -1, -1, -1))  # [N, Q, r]
+            delta = torch.einsum("nqr,nqro->nqo", coef, w_out.to(x).expand(n, -1, -1, -1))  # [N, Q, out]
         if b is not None:
-            delta = delta + b.to(out.dtype).expand(n, -1, -1)  # [N, Q, out]
-        return out.index_add(1, pos.to(out.device), delta.expand(n, len(positions), out.shape[-1]))
+            delta = delta + b.to(out).expand(n, -1, -1)  # [N, Q, out]
+        return out.index_add(1, where, delta.expand(n, len(positions), out.shape[-1]))
 
     run = everywhere if positions is None else at_positions
 
@@ -365,6 +370,11 @@ def functional_call(model: nn.Module, patch: Patch, *args, **kwargs):
     ``b * Q + q`` uses patch ``[b, q]`` at every position (a single patch broadcasts to any
     batch); otherwise patch ``[b, q]`` acts at position ``positions[q]`` of sequence ``b``.
     Differentiable with respect to the model's parameters and the patch factors.
+
+    The deltas ride on forward hooks registered for this call and removed afterwards (also on
+    error): weights are never touched, but another thread running the same model meanwhile
+    would see the patch. (``torch.func.functional_call`` substitutes whole parameters, which
+    would mean materialising ``W + u v^T`` per patch, and cannot vary them along the batch.)
     """
     return _patched_run(None, model, patch, *args, **kwargs)
 
@@ -414,16 +424,18 @@ class LayerError:
     """Errors at one site (a layer's output hidden state, or the model output) over all
     (batch, query) pairs, computed in float64:
 
-    ``max_abs = max |got - ref|`` (elementwise), and
+    ``max_abs = max |got - ref|`` (elementwise);
     ``max_rel = max_(b,q) |got - ref|_2 / max(|ref|_2, rms)``: the relative error of each query's
     vector, its denominator floored at the site's RMS vector norm ``rms = sqrt(mean_(b,q) |ref|_2^2)``
     so that a vector near zero (a scalar prediction close to 0) is measured against the site's
-    typical size instead of blowing up. For hidden states the floor rarely binds.
+    typical size instead of blowing up;
+    ``max_rel_unfloored = max_(b,q) |got - ref|_2 / |ref|_2``: the same without the floor.
     """
 
     name: str
     max_abs: float
     max_rel: float
+    max_rel_unfloored: float
 
 
 @dataclass(frozen=True)
@@ -443,17 +455,22 @@ class Verification:
     def max_rel(self) -> float:
         return max(e.max_rel for e in self.per_layer)
 
+    @property
+    def max_rel_unfloored(self) -> float:
+        return max(e.max_rel_unfloored for e in self.per_layer)
+
     def ok(self, tol: float = 1e-4) -> bool:
         """Every site's max relative error is at most ``tol``."""
         return self.max_rel <= tol
 
     def table(self) -> str:
-        rows = [f"{'site':>10}  {'max abs':>10}  {'max rel':>10}"]
-        rows += [f"{e.name:>10}  {e.max_abs:10.2e}  {e.max_rel:10.2e}" for e in self.per_layer]
+        rows = [f"{'site':>10}  {'max abs':>10}  {'max rel':>10}  {'(unfloored)':>11}"]
+        rows += [f"{e.name:>10}  {e.max_abs:10.2e}  {e.max_rel:10.2e}  {e.max_rel_unfloored:11.2e}" for e in self.per_layer]
         return "\n".join(rows)
 
     def to_dict(self) -> dict:
         return {"dtype": self.dtype, "n": self.n, "max_abs": self.max_abs, "max_rel": self.max_rel,
+                "max_rel_unfloored": self.max_rel_unfloored,
                 "per_layer": [asdict(e) for e in self.per_layer], "meta": self.meta}
 
     def __str__(self) -> str:
@@ -465,8 +482,10 @@ def _error(name: str, got: Tensor, ref: Tensor) -> LayerError:
     diff = got.double().reshape(ref.shape) - ref
     ref_norm = ref.norm(dim=-1)  # [B, Q]
     rms = ref_norm.square().mean().sqrt()
-    denom = torch.maximum(ref_norm, rms) if rms > 0 else torch.ones_like(ref_norm)
-    return LayerError(name, float(diff.abs().max()), float((diff.norm(dim=-1) / denom).max()))
+    err = diff.norm(dim=-1)  # [B, Q]
+    floored = err / (torch.maximum(ref_norm, rms) if rms > 0 else torch.ones_like(ref_norm))
+    plain = torch.where(ref_norm > 0, err / ref_norm.clamp_min(torch.finfo(torch.float64).tiny), err)
+    return LayerError(name, float(diff.abs().max()), float(floored.max()), float(plain.max()))
 
 
 @torch.no_grad()

@@ -25,10 +25,10 @@ hidden state is the with-context one, ``h_C``. A block with a residual adds the 
 * in the output bias: ``db = m_C - m_0`` (``output_shift``), or
 * in the output matrix: ``dW_out = dm h_C^T / |h_C|^2`` (``output_patch``, rank 1).
 
-The norm placements differ only in what ``s`` and ``m`` are (``models.py`` has the table):
-Pre-LN ``s = LN2(m)``, ``m = h + A(LN1(h))``; Post-LN ``s = m = LN1(h + A(h))`` with ``LN2``
-applied to equal arguments; no norm ``s = m = h + A(h)``. Residual-free blocks need no output
-term: ``MLP(s_0)`` with the input patch already equals ``MLP(s_C)``.
+The norm placements differ only in what ``s`` and ``m`` are (``block_values``): Pre-LN
+``m = h + A(LN1(h))``, ``s = LN2(m)``; Post-LN ``s = m = LN1(h + A(h))``, the block output
+``LN2(m + MLP(s))`` then has equal arguments in both passes; no norm ``s = m = h + A(h)``.
+Residual-free blocks need no output term: ``MLP(s_0)`` with the input patch equals ``MLP(s_C)``.
 
 **Deep models** (section 4.3): patch layers in order from one cached with-context pass; each
 layer's anchor is the layer run on the with-context hidden state of the query alone, since the
@@ -45,7 +45,15 @@ from torch import Tensor
 from .delta import LowRank
 from .errors import InputError, ZeroAnchorError
 
-__all__ = ["work_dtype", "minimal_patch", "input_patch", "output_shift", "output_patch", "patch_family"]
+__all__ = [
+    "work_dtype",
+    "block_values",
+    "minimal_patch",
+    "input_patch",
+    "output_shift",
+    "output_patch",
+    "patch_family",
+]
 
 
 def work_dtype(*tensors: Tensor) -> torch.dtype:
@@ -54,6 +62,27 @@ def work_dtype(*tensors: Tensor) -> torch.dtype:
     for t in tensors:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+def block_values(norm: str, residual: bool, h: Tensor, a: Tensor, ln1=None, ln2=None) -> tuple[Tensor, Tensor]:
+    """``(m, s)`` of a block from its input ``h`` and its contextual layer's output ``a``
+    (``[..., d]`` each, position by position); ``ln1`` / ``ln2`` are the block's norms::
+
+        norm   residual  m                 s
+        none   on        h + a             m
+        none   off       a                 m
+        pre    on        h + a             LN2(m)      (a = A(LN1(h)))
+        pre    off       a                 LN2(m)
+        post   on        LN1(h + a)        m           (output LN2(m + MLP(s)))
+        post   off       LN1(a)            m           (output LN2(MLP(s)))
+
+    The patch of every form is ``input_patch`` on ``s`` plus, with a residual, ``output_shift``
+    (or ``output_patch``) on ``m``.
+    """
+    m = h + a if residual else a
+    if norm == "post":
+        m = ln1(m)
+    return m, (ln2(m) if norm == "pre" else m)
 
 
 def _check_finite(**tensors: Tensor) -> None:
@@ -127,4 +156,4 @@ def patch_family(r: Tensor, anchor: Tensor, m: Tensor) -> Tensor:
     r, a, m = r.to(dtype), anchor.to(dtype), m.to(dtype)
     sq = a @ a
     proj = torch.outer(a, a) / sq  # [cols, cols]
-    return torch.outer(r, a) / sq + m @ (torch.eye(a.shape[0], dtype=dtype) - proj)
+    return torch.outer(r, a) / sq + m @ (torch.eye(a.shape[0], dtype=dtype, device=a.device) - proj)

@@ -118,6 +118,11 @@ def train(
     start, ema = 0, None
     if resume and out.exists():
         model, doc, extra = read_checkpoint(out)
+        if "rng" not in extra:
+            raise FileFormatError(
+                f"{out} holds weights only (no optimizer or data-stream state), so training cannot resume "
+                "from it; pass another path, or resume=False to start afresh"
+            )
         saved = doc.get("meta", {}).get("recipe")
         if saved != recipe:
             raise FileFormatError(

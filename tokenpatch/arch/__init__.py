@@ -12,7 +12,7 @@ from ..errors import UnsupportedModelError
 from .base import WEIGHT_LAYOUTS, Adapter, Sites, weight_layout
 from .icl import ICLAdapter
 
-__all__ = ["Adapter", "Sites", "ADAPTERS", "adapter_for", "register", "weight_layout", "WEIGHT_LAYOUTS"]
+__all__ = ["Adapter", "ICLAdapter", "Sites", "ADAPTERS", "adapter_for", "register", "weight_layout", "WEIGHT_LAYOUTS"]
 
 ADAPTERS: list[Adapter] = [ICLAdapter()]
 

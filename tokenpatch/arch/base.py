@@ -42,6 +42,13 @@ class Sites:
     ``inputs``: weight matrices that read the MLP input ``s`` (each gets ``W (s_C - s_0) s_0^T/|s_0|^2``).
     ``output``: ``("bias", name)`` -- add ``m_C - m_0`` to the MLP output bias; ``("matrix", name)``
     -- rank-1 ``(m_C - m_0) h_C^T / |h_C|^2`` on the output weight; ``None`` -- no residual term.
+
+    Planned kinds for the Hugging Face families (science section 4): Gemma's post-feedforward
+    norm needs ``("matrix+scale", down_proj, norm)`` -- a rank-1 ``down_proj`` patch plus a dense
+    norm-scale delta (4.1); a parallel (NeoX) block has no input sites at layers whose MLP input
+    is context-free; an MoE layer's sites depend on the token's selected experts, so its adapter
+    will return per-query sites (router and selected experts' input matrices as inputs, one
+    expert's output matrix scaled by its gate weight as output, 4.2).
     """
 
     inputs: tuple[str, ...]

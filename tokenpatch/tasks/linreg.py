@@ -2,8 +2,8 @@
 
 A task is a weight vector ``w ~ N(0, I_D)``. Its context holds ``n`` tokens ``e_i = [x_i; y_i]``
 with ``x_i ~ N(0, I_D)`` and ``y_i = w . x_i + noise * eps_i``; the query token is ``[x_q; 0]``
-and the target ``y_q = w . x_q + noise * eps_q``. The model's prediction is the first output
-coordinate at the query position.
+and the target ``y_q = w . x_q + noise * eps_q``. The model's prediction is its output at the
+query position (``d_out = 1``; P2's code reads the last of ``D + 1`` output coordinates instead).
 
 Baselines, per task, from the context alone:
 
@@ -73,7 +73,7 @@ def ridge(x: Tensor, y: Tensor, x_query: Tensor, lam: float) -> Tensor:
     if lam <= 0:
         return least_squares(x, y, x_query)
     xd, yd = x.double(), y.double()
-    gram = xd.transpose(1, 2) @ xd + lam * torch.eye(x.shape[-1], dtype=torch.float64)  # [B, D, D]
+    gram = xd.transpose(1, 2) @ xd + lam * torch.eye(x.shape[-1], dtype=torch.float64, device=x.device)  # [B, D, D]
     w_hat = torch.linalg.solve(gram, xd.transpose(1, 2) @ yd[..., None])  # [B, D, 1]
     return (x_query.double()[:, None, :] @ w_hat)[:, 0, 0].to(x.dtype)
 
