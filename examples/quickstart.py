@@ -21,10 +21,13 @@ print(tp.verify(model, batch.tokens, patch).table())
 
 # The query token alone, with task 3's patch written into the weights, predicts what the
 # model predicts after reading all 16 examples; the weights are restored on exit.
-with_context = model(batch.tokens)[3, -1, 0]
-with tp.apply(model, patch[3, 0]):
-    alone = model(batch.tokens[3:4, -1:])[0, 0, 0]
-print(f"with context {with_context:.6f}   query alone + patch {alone:.6f}   target {batch.target[3]:.6f}")
+with torch.no_grad():
+    with_context = model(batch.tokens)[3, -1, 0]
+    bare = model(batch.tokens[3:4, -1:])[0, 0, 0]  # the query alone, no patch: no idea of the task
+    with tp.apply(model, patch[3, 0]):
+        patched = model(batch.tokens[3:4, -1:])[0, 0, 0]
+print(f"target {batch.target[3]:.6f}   with context {with_context:.6f}   "
+      f"query alone {bare:.6f}   query alone + patch {patched:.6f}")
 
 # Patches are small (factors, never dense matrices) and save to safetensors.
 path = Path(tempfile.mkdtemp()) / "patch.safetensors"

@@ -4,10 +4,10 @@ A ``Patch`` holds one delta per patched parameter of a model, keyed by the name 
 ``model.named_parameters()`` gives it. Every delta is batched over the same two leading dims
 ``[batch, query]`` -- one patch per (sequence, query position) -- and is either
 
-* ``LowRank(u, v)`` for a matrix: ``delta = u^T v`` summed over a rank dim, i.e.
-  ``u [batch, query, rank, rows]``, ``v [batch, query, rank, cols]`` and
-  ``delta[b, q] = sum_k u[b, q, k][:, None] * v[b, q, k][None, :]`` in the parameter's own
-  layout (rows x cols as stored). A token patch has rank 1; a sum of k patches has rank k and is
+* ``LowRank(u, v)`` for a matrix: ``delta = sum_k u_k v_k^T`` over a rank dim (rank 1: the
+  familiar ``u v^T``), i.e. ``u [batch, query, rank, rows]``, ``v [batch, query, rank, cols]`` and
+  ``delta[b, q] = sum_k outer(u[b, q, k], v[b, q, k])`` in the parameter's own layout (rows x
+  cols as stored: ``[out, in]`` for ``nn.Linear``). A token patch has rank 1; a sum of k patches has rank k and is
   stored as stacked factors. Matrices are never materialised unless ``.dense()`` is called.
 * a dense tensor ``[batch, query, *param.shape]`` for a vector (a bias or a norm scale).
 

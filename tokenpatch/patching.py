@@ -88,38 +88,38 @@ class Plan:
         return cls(meta["seq_len"], tuple(meta["query"]), kept)
 
 
-def _as_int(q: Any, what: str) -> int:
-    if not isinstance(q, (bool, Tensor)) or (isinstance(q, Tensor) and q.dtype != torch.bool):
+def _as_int(q: Any) -> int:
+    if not isinstance(q, bool) and not (isinstance(q, Tensor) and q.dtype == torch.bool):
         try:
             return operator.index(q)  # ints, numpy integers, integer 0-d tensors
         except TypeError:
             pass
-    raise InputError(f"{what} must be integers, got {q!r}")
+    raise InputError(f"query positions must be integers, got {q!r}")
 
 
-def make_plan(seq_len: int, query: Any = -1, remove: Any = None) -> Plan:
-    """Normalise ``query`` and ``remove`` (see ``token_patch``) into a ``Plan``; clear errors."""
+def _removed_mask(seq_len: int, remove: Any) -> list[bool] | None:
+    """``remove`` (None, a slice, or a boolean mask ``[seq_len]``) as a list of bools."""
     if remove is None:
-        removed = None
+        return None
+    if isinstance(remove, slice):
+        chosen = set(range(seq_len)[remove])
+        removed = [p in chosen for p in range(seq_len)]
     else:
-        if isinstance(remove, slice):
-            idx = list(range(seq_len))[remove]
-            removed = [False] * seq_len
-            for i in idx:
-                removed[i] = True
-        else:
-            mask = torch.as_tensor(remove)
-            if mask.dtype != torch.bool:
-                raise InputError(f"remove must be a slice or a boolean mask of length {seq_len}, got dtype {mask.dtype}")
-            if mask.shape != (seq_len,):
-                raise InputError(f"remove mask has shape {tuple(mask.shape)}; the sequence has {seq_len} positions")
-            removed = mask.tolist()
-        if not any(removed):
-            raise InputError(f"the removed chunk {remove!r} is empty: there is no context to turn into a patch")
-        if all(removed):
-            raise InputError("remove covers every position, the query included")
-    candidates = list(range(seq_len)) if removed is None else [p for p in range(seq_len) if not removed[p]]
+        mask = torch.as_tensor(remove)
+        if mask.dtype != torch.bool:
+            raise InputError(f"remove must be a slice or a boolean mask of length {seq_len}, got dtype {mask.dtype}")
+        if mask.shape != (seq_len,):
+            raise InputError(f"remove mask has shape {tuple(mask.shape)}; the sequence has {seq_len} positions")
+        removed = mask.tolist()
+    if not any(removed):
+        raise InputError(f"the removed chunk {remove!r} is empty: there is no context to turn into a patch")
+    if all(removed):
+        raise InputError("remove covers every position, the query included")
+    return removed
 
+
+def _query_positions(seq_len: int, query: Any, candidates: list[int]) -> list[int]:
+    """``query`` (an int, ints, a slice or ``"all"`` = every candidate) as positions in ``[0, seq_len)``."""
     if isinstance(query, str):
         if query != "all":
             raise InputError(f"query must be an int, a list of ints, a slice or 'all', got {query!r}")
@@ -129,24 +129,28 @@ def make_plan(seq_len: int, query: Any = -1, remove: Any = None) -> Plan:
     else:
         if hasattr(query, "tolist"):  # tensors and arrays
             query = query.tolist()
-        if isinstance(query, (list, tuple, range)):
-            positions = [_as_int(q, "query positions") for q in query]
-        else:
-            positions = [_as_int(query, "query positions")]
+        positions = [_as_int(q) for q in query] if isinstance(query, (list, tuple, range)) else [_as_int(query)]
     if not positions:
         raise InputError(f"query {query!r} selects no position of a sequence of length {seq_len}")
-    out = []
     for q in positions:
         if not -seq_len <= q < seq_len:
             raise InputError(f"query position {q} is outside the sequence of length {seq_len}")
-        out.append(q % seq_len)
+    out = [q % seq_len for q in positions]
     if len(set(out)) != len(out):
         raise InputError(f"query positions repeat: {out}")
+    return out
+
+
+def make_plan(seq_len: int, query: Any = -1, remove: Any = None) -> Plan:
+    """Normalise ``query`` and ``remove`` (see ``token_patch``) into a ``Plan``; clear errors."""
+    removed = _removed_mask(seq_len, remove)
+    kept = list(range(seq_len)) if removed is None else [p for p in range(seq_len) if not removed[p]]
+    query = _query_positions(seq_len, query, kept)
     if removed is not None:
-        inside = [q for q in out if removed[q]]
+        inside = [q for q in query if removed[q]]
         if inside:
             raise InputError(f"query positions {inside} lie inside the removed chunk")
-    return Plan(seq_len, tuple(out), None if removed is None else tuple(candidates))
+    return Plan(seq_len, tuple(query), None if removed is None else tuple(kept))
 
 
 # ------------------------------------------------------------------------------ token_patch
@@ -190,6 +194,11 @@ def _math_weight(model: nn.Module, name: str) -> tuple[Tensor, str]:
     return (w if layout == "out_in" else w.T), layout
 
 
+def _stored(delta: LowRank, layout: str) -> LowRank:
+    """Factors ``(out-side, in-side)`` of the math, in the parameter's storage layout."""
+    return delta if layout == "out_in" else LowRank(delta.v, delta.u)
+
+
 def _layer_patch(model, sites: Sites, ctx, anchor, layer: int, plan: Plan) -> dict[str, Delta]:
     """The layer's deltas from with-context ``ctx = (m, s, hidden)`` and ``anchor = (m, s)``,
     each ``[batch, query, ...]``."""
@@ -199,16 +208,14 @@ def _layer_patch(model, sites: Sites, ctx, anchor, layer: int, plan: Plan) -> di
     try:
         for name in sites.inputs:
             w, layout = _math_weight(model, name)
-            lr = solve.input_patch(w, s_c, s_0)
-            deltas[name] = lr if layout == "out_in" else LowRank(lr.v, lr.u)
+            deltas[name] = _stored(solve.input_patch(w, s_c, s_0), layout)
         if sites.output is not None:
             kind, name = sites.output
             if kind == "bias":
                 deltas[name] = solve.output_shift(m_c, m_0)
             else:
                 acts_on = "the MLP hidden state with context"
-                lr = solve.output_patch(m_c, m_0, hidden_c)
-                deltas[name] = lr if _math_weight(model, name)[1] == "out_in" else LowRank(lr.v, lr.u)
+                deltas[name] = _stored(solve.output_patch(m_c, m_0, hidden_c), _math_weight(model, name)[1])
     except ZeroAnchorError as exc:
         where = [(b, plan.query[q]) for b, q in exc.index]
         raise ZeroAnchorError(
