@@ -69,3 +69,19 @@ def test_ci_runs_exactly_the_readme_test_command():
     marker = "# the README's test command"
     ci_cmd = ci.split(marker, 1)[1].strip().splitlines()[0].strip()
     assert f"\n{ci_cmd}\n" in readme, ci_cmd
+
+
+def test_readme_first_example_runs_and_prints_what_it_shows(capsys):
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    shown = re.search(r"```\n(\s+site.*?)```", readme, re.S).group(1)
+    rows = {" ".join(line.split()[:-3]): line for line in printed.splitlines() if len(line.split()) >= 4}
+    for line in shown.splitlines()[1:]:
+        if line.strip() == "...":
+            continue
+        *site, a, r, u = line.split()
+        got = rows[" ".join(site)].split()[-3:]
+        for want, have in zip((a, r, u), got):  # same magnitude (the last digits depend on the CPU)
+            assert float(want) / 10 <= float(have) <= float(want) * 10, (line, got)
