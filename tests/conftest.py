@@ -10,22 +10,13 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import tokenpatch as tp
+from tokenpatch.testing import perturbed
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
-
-
-def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
-    """Add N(0, scale^2) noise to every LayerNorm parameter and bias (in place); returns module."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "ln" in name or name.endswith("bias"):
-                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return module
 
 
 def random_model(config: tp.ICLConfig, seed: int = 0, dtype=torch.float64) -> tp.ICLTransformer:
