@@ -61,8 +61,8 @@ def test_functional_call_matches_apply_and_mutates_nothing(small_model, small_in
     b, q = patch.lead
     for bi in range(b):
         for qi in range(q):
-            one = patch[bi, qi]
             if patch.positions is None:
+                one = patch[bi, qi]
                 with tp.apply(small_model, one):
                     ref = small_model(stripped[bi * q + qi : bi * q + qi + 1])
                 torch.testing.assert_close(out[bi * q + qi], ref[0], rtol=0, atol=1e-12)

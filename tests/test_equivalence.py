@@ -85,8 +85,8 @@ def test_multiple_queries_with_chunk_and_context_after_it():
     assert patch.positions == (1, 3, 8)
     # a query before the chunk sees no change: its patch is zero up to rounding (the two passes
     # run attention over sequences of different lengths), far below the other queries' patches
-    before, after = patch[:, 0].norms(), patch[:, 1].norms()
-    assert all(float(before[n].max()) <= 1e-13 < float(after[n].min()) for n in before)
+    norms = patch.norms()  # {name: [batch, query]}
+    assert all(float(v[:, 0].max()) <= 1e-13 < float(v[:, 1].min()) for v in norms.values())
 
 
 def test_removing_nothing_before_first_token_gives_zero_patch():

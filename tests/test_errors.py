@@ -101,9 +101,11 @@ def test_zero_hidden_state_for_the_output_matrix():
 def test_weights_changed_through_data_are_caught_without_the_cache(small_model, small_inputs, tmp_path):
     patch = tp.token_patch(small_model, small_inputs)
     tp.save(patch, tmp_path / "p.safetensors")
-    small_model.blocks[0].mlp.fc_in.weight.data.add_(1.0)  # invisible to torch's version counter
+    small_model.blocks[0].mlp.fc_in.weight.data.mul_(2.0)  # invisible to torch's version counter
     with pytest.raises(tp.InputError, match="another model"):
         patch.check_model(small_model, cached=False)
+    with pytest.raises(tp.InputError, match="another model"):  # the cache notices too (parameter sums)
+        tp.verify(small_model, small_inputs, patch)
     with pytest.raises(tp.FileFormatError, match="another model"):
         tp.load(tmp_path / "p.safetensors", model=small_model)
 
@@ -123,17 +125,21 @@ def test_functional_call_input_too_short_for_a_chunk_patch(small_model, small_in
         tp.functional_call(small_model, patch, small_inputs[:, :3])
 
 
-def test_part_of_a_joint_chunk_patch_is_refused(small_model, small_inputs):
-    joint = tp.token_patch(small_model, small_inputs, query=[4, 6], remove=slice(1, 3))
-    part = joint[:, 1]
-    assert part.norms()  # inspecting it is fine
-    stripped = tp.strip_context(small_model, small_inputs, query=[4, 6], remove=slice(1, 3))
-    with pytest.raises(tp.InputError, match="part of a joint patch"):
-        tp.functional_call(small_model, part, stripped)
-    whole = tp.Patch.stack([joint[:, 0], joint[:, 1]], dim="query")
-    assert tp.verify(small_model, small_inputs, whole).max_abs <= 1e-10  # reassembled: exact again
+def test_chunk_patches_of_several_queries_act_together(small_model, small_inputs):
+    """With a chunk removed, query 6's patch assumes query 4 is patched too: a subset must keep
+    every query up to its last position (a prefix is exact alone), and such patches do not stack
+    along query."""
+    joint = tp.token_patch(small_model, small_inputs, query=[6, 4], remove=slice(1, 3))
+    with pytest.raises(tp.InputError, match="act together"):
+        joint[:, 0]  # query 6 without query 4
+    first = joint[:, 1]  # query 4: nothing before it
+    assert first.meta["query"] == [4] and tp.verify(small_model, small_inputs, first).max_abs <= 1e-10
     alone = tp.token_patch(small_model, small_inputs, query=6, remove=slice(1, 3))
     assert tp.verify(small_model, small_inputs, alone).max_abs <= 1e-10
+    with pytest.raises(tp.InputError, match="cannot be stacked along query"):
+        tp.Patch.stack([first, alone], dim="query")
+    rows = tp.Patch.stack([joint[0], joint[1]], dim="batch")  # rows are independent
+    assert tp.verify(small_model, small_inputs[:2], rows).max_abs <= 1e-10
 
 
 def test_patch_arithmetic_errors(small_model, small_inputs):
@@ -154,10 +160,18 @@ def test_patch_arithmetic_errors(small_model, small_inputs):
     with pytest.raises(tp.InputError, match="'batch' or 'query'"):
         tp.Patch.stack([patch, patch], dim="bogus")
     chunk = tp.token_patch(small_model, small_inputs, remove=slice(1, 3))
-    with pytest.raises(tp.InputError, match="everywhere with patches acting at given positions"):
+    with pytest.raises(tp.InputError, match="cannot be stacked along query"):
         tp.Patch.stack([patch[:, :1], chunk], dim="query")
+    with pytest.raises(tp.InputError, match="different models"):
+        tp.Patch.stack([patch[:1], other_patch[1:]], dim="batch")
+    with pytest.raises(tp.InputError, match="same query size"):
+        tp.Patch.stack([patch[:1, :2], patch[1:]], dim="batch")
     with pytest.raises(IndexError, match="out of range"):
         patch[5]
+    with pytest.raises(tp.InputError, match="selects no patch"):
+        patch[:, 2:2]
+    with pytest.raises(tp.InputError, match="ints or slices"):
+        patch[True]
 
 
 def test_resume_from_a_weights_only_file(tmp_path):
@@ -166,3 +180,18 @@ def test_resume_from_a_weights_only_file(tmp_path):
     tp.save_model(tp.load_model(), tmp_path / "w.safetensors")
     with pytest.raises(tp.FileFormatError, match="weights only"):
         train(tmp_path / "w.safetensors", progress=False)
+
+
+def test_verify_wants_one_patch_row_per_sequence(small_model, small_inputs):
+    patch = tp.token_patch(small_model, small_inputs)
+    with pytest.raises(tp.InputError, match="rows \\[1\\] of the batch"):
+        tp.verify(small_model, small_inputs, patch[1])
+    assert tp.verify(small_model, small_inputs[1:2], patch[1]).max_abs <= 1e-10
+
+
+def test_models_made_under_inference_mode(small_inputs):
+    with torch.inference_mode():
+        model = tp.ICLTransformer(tp.ICLConfig(d_in=5, d_model=8, n_layers=2, n_heads=2)).double()
+        x = small_inputs.clone()
+    patch = tp.token_patch(model, x)
+    assert tp.verify(model, x, patch).max_abs <= 1e-10

@@ -122,21 +122,31 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
 _FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
 
 
+def _version(p: Tensor) -> int:
+    try:
+        return p._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return -1
+
+
 def fingerprint(model: nn.Module, cached: bool = True) -> str:
-    """A digest of the model's parameter names, shapes and values (cast to float32).
+    """A digest (sha256) of the model's parameter names, shapes and values (cast to float32).
 
     A patch is exact only for the weights it was computed from, so patches record it and
-    ``apply`` / ``functional_call`` / ``load(path, model)`` check it. Casting to float32 makes
-    ``model.double()`` keep the fingerprint of the float32 model it came from (two float64
-    models that differ only below float32 precision share one).
+    ``apply`` / ``functional_call`` / ``verify`` / ``load(path, model)`` check it. Casting to
+    float32 makes ``model.double()`` keep the fingerprint of the float32 model it came from (two
+    float64 models that differ only below float32 precision share one).
 
-    With ``cached=True`` the digest is reused until a parameter changes: replaced, or modified
-    in place (``p.add_``, optimizer steps, ``load_state_dict``), which torch tracks with a
-    version counter. Writes through ``p.data`` bypass that counter; after such a write pass
-    ``cached=False`` (``load(path, model)`` always does).
+    Hashing every weight on every call would cost more than a patch, so with ``cached=True`` the
+    digest is reused while each parameter keeps its identity, storage, torch version counter
+    (bumped by in-place ops, optimizer steps, ``load_state_dict``) and the sum of its values
+    (which catches writes through ``p.data``, invisible to the counter). Only an edit through
+    ``p.data`` that leaves every parameter's float sum unchanged escapes; ``cached=False`` (what
+    ``load(path, model)`` uses) always re-hashes.
     """
     params = list(model.named_parameters())
-    key = tuple((name, id(p), p.data_ptr(), p._version) for name, p in params)
+    with torch.no_grad():
+        key = tuple((name, id(p), p.data_ptr(), _version(p), float(p.sum())) for name, p in params)
     hit = _FINGERPRINTS.get(model)
     if cached and hit is not None and hit[0] == key:
         return hit[1]

@@ -114,6 +114,14 @@ class LowRank:
 Delta = Union[LowRank, Tensor]
 
 
+def _common_meta(patches: list["Patch"], keys: tuple[str, ...]) -> dict[str, Any]:
+    """The metadata ``keys`` all ``patches`` agree on; patches of different models raise."""
+    models = [p.meta.get("model") for p in patches]
+    if any(m != models[0] for m in models):
+        raise InputError("cannot combine patches computed for different models (or with and without a model record)")
+    return {k: patches[0].meta[k] for k in keys if k in patches[0].meta and all(p.meta.get(k) == patches[0].meta[k] for p in patches)}
+
+
 def _lead(delta: Delta) -> tuple[int, ...]:
     if isinstance(delta, LowRank):
         return delta.lead
@@ -183,22 +191,31 @@ class Patch(Mapping):
         slices = []
         for k, size in zip(key, self.lead):  # ints keep their dim as size 1
             if not isinstance(k, slice):
+                if isinstance(k, bool) or (isinstance(k, Tensor) and k.dtype == torch.bool):
+                    raise InputError(f"a Patch is indexed by ints or slices, not {k!r}")
                 k = operator.index(k)
                 if not -size <= k < size:
                     raise IndexError(f"index {k} is out of range for a Patch dim of size {size}")
                 k = slice(k % size, k % size + 1)
+            if not range(size)[k]:
+                raise InputError(f"index {key} selects no patch from [batch, query] = {list(self.lead)}")
             slices.append(k)
         key = tuple(slices)
+        if self.positions is not None:  # queries acting together: keep every query up to some position
+            chosen = set(self.positions[key[1]])
+            if chosen != {p for p in self.positions if p <= max(chosen)}:
+                raise InputError(
+                    f"these patches act together (a chunk was removed; each query's patch assumes the patches of the "
+                    f"queries before it), so a subset must keep every query up to its last position; "
+                    f"{sorted(chosen)} of {sorted(self.positions)} does not. Read one query's factors with "
+                    f"patch[name].u[:, q], or compute it alone with token_patch(..., query=q)"
+                )
         deltas = {n: d.index(key) if isinstance(d, LowRank) else d[key] for n, d in self._deltas.items()}
         positions = None if self.positions is None else self.positions[key[1]]
         meta = dict(self.meta)  # keep the record true to the sub-patch
-        batch_index = meta.get("batch_index", list(range(self.lead[0])))
-        meta["batch_index"] = batch_index[key[0]]
+        meta["batch_index"] = meta.get("batch_index", list(range(self.lead[0])))[key[0]]
         meta["batch"] = len(meta["batch_index"])
         if "query" in meta:
-            if self.positions is not None and len(meta["query"]) > 1 and len(meta["query"][key[1]]) < len(meta["query"]):
-                meta.setdefault("joint_query", meta["query"])  # chunk patches of several queries act together
-                meta["partial_joint"] = True
             meta["query"] = meta["query"][key[1]]
         return Patch(deltas, positions, meta)
 
@@ -220,21 +237,19 @@ class Patch(Mapping):
 
     def __add__(self, other: "Patch") -> "Patch":
         """Sum of two patches of the same model acting at the same place (low-rank terms stack;
-        a key missing on one side counts as 0)."""
+        a key missing on one side counts as 0). The sum is a patch, not the token patch of any
+        context; ``verify`` measures how far it is from one."""
         if not isinstance(other, Patch):
             return NotImplemented
         if self.positions != other.positions:
             raise InputError(f"cannot add patches acting at different positions: {self.positions} vs {other.positions}")
         if self.dtype != other.dtype:
             raise InputError(f"cannot add a {self.dtype} patch to a {other.dtype} one; convert one with .to(dtype)")
-        models = [p.meta.get("model") for p in (self, other)]
-        if None not in models and models[0] != models[1]:
-            raise InputError("cannot add patches computed for different models")
+        meta = _common_meta([self, other], ("model", "seq_len", "query", "removed", "batch", "batch_index"))
         deltas = dict(self._deltas)
         for n, d in other._deltas.items():
             deltas[n] = deltas[n] + d if n in deltas else d
-        meta = {"model": models[0] or models[1], "sum_of": [self.meta, other.meta]}
-        return Patch(deltas, self.positions, {k: v for k, v in meta.items() if v is not None})
+        return Patch(deltas, self.positions, {**meta, "sum_of": [self.meta, other.meta]})
 
     def sum(self, dim: str = "query") -> "Patch":
         """Sum over ``"query"`` or ``"batch"`` (the dim is kept with size 1). Summing over
@@ -244,55 +259,62 @@ class Patch(Mapping):
         i = 0 if dim == "batch" else 1
         deltas = {n: d.sum(i) if isinstance(d, LowRank) else d.sum(i, keepdim=True) for n, d in self._deltas.items()}
         positions = None if dim == "query" else self.positions
-        meta = {k: v for k, v in self.meta.items() if k not in (dim, "batch_index", "removed" if dim == "query" else "")}
+        drop = ("query", "removed") if dim == "query" else ("batch", "batch_index")
+        meta = {k: v for k, v in self.meta.items() if k not in drop}
         return Patch(deltas, positions, {**meta, "summed_over": dim})
 
     @staticmethod
     def stack(patches: list["Patch"], dim: str = "batch") -> "Patch":
-        """Concatenate patches with the same keys along ``"batch"`` or ``"query"``."""
+        """Concatenate patches of one model with the same keys along ``"batch"`` (same queries,
+        same positions) or ``"query"`` (same batch; only patches acting everywhere: patches acting
+        at positions act together and come whole from one ``token_patch`` call)."""
         if not patches:
             raise InputError("Patch.stack needs at least one patch")
         if dim not in ("batch", "query"):
             raise InputError(f"stack along 'batch' or 'query', not {dim!r}")
-        keys = list(patches[0])
-        if any(list(p) != keys for p in patches):
+        first = patches[0]
+        if any(list(p) != list(first) for p in patches):
             raise InputError("Patch.stack needs patches with the same parameter names")
+        if len({p.dtype for p in patches}) > 1:
+            raise InputError("Patch.stack needs patches of one dtype")
+        other = 1 if dim == "batch" else 0
+        if len({p.lead[other] for p in patches}) > 1:
+            raise InputError(f"Patch.stack along {dim} needs the same {('batch', 'query')[other]} size, got "
+                             f"{[list(p.lead) for p in patches]}")
+        for n in first:
+            shapes = {(d.rank, d.shape) if isinstance(d, LowRank) else tuple(d.shape[2:]) for d in (p[n] for p in patches)}
+            if len(shapes) > 1:
+                raise InputError(f"Patch.stack: {n} has different (rank, shape) across patches: {shapes}")
+        if dim == "query":
+            if any(p.positions is not None for p in patches):
+                raise InputError(
+                    "patches acting at given positions (a chunk removed) act together and cannot be stacked "
+                    "along query; compute all the queries in one token_patch call"
+                )
+            positions = None
+            meta = _common_meta(patches, ("model", "seq_len", "removed", "batch", "batch_index"))
+            if all("query" in p.meta for p in patches):
+                meta["query"] = sum((list(p.meta["query"]) for p in patches), [])
+        else:
+            positions = first.positions
+            if any(p.positions != positions for p in patches):
+                raise InputError("Patch.stack along batch needs patches acting at the same positions")
+            meta = _common_meta(patches, ("model", "seq_len", "query", "removed"))
+            meta["batch"] = sum(p.lead[0] for p in patches)
         i = 0 if dim == "batch" else 1
         deltas = {}
-        for n in keys:
+        for n in first:
             ds = [p[n] for p in patches]
             if isinstance(ds[0], LowRank):
                 deltas[n] = LowRank(torch.cat([d.u for d in ds], i), torch.cat([d.v for d in ds], i))
             else:
                 deltas[n] = torch.cat(ds, i)
-        if dim == "query":
-            kinds = {p.positions is None for p in patches}
-            if len(kinds) > 1:
-                raise InputError("cannot stack patches acting everywhere with patches acting at given positions")
-            pos = None if patches[0].positions is None else sum((p.positions for p in patches), ())
-        else:
-            pos = patches[0].positions
-            if any(p.positions != pos for p in patches):
-                raise InputError("Patch.stack along batch needs patches acting at the same positions")
-        same = ("model", "seq_len", "removed") + (("query",) if dim == "batch" else ())
-        first = patches[0].meta
-        if all(all(p.meta.get(k) == first.get(k) for k in same) for p in patches):
-            meta = {k: first[k] for k in same if k in first}  # one plan: keep it
-            if dim == "batch":
-                meta["batch"] = sum(p.lead[0] for p in patches)
-            elif all("query" in p.meta for p in patches):
-                meta["query"] = sum((list(p.meta["query"]) for p in patches), [])
-                joint = first.get("joint_query")
-                if joint is not None and sorted(meta["query"]) != sorted(joint):
-                    meta.update(joint_query=joint, partial_joint=True)  # still not the whole joint patch
-        else:
-            meta = {"stack_of": [p.meta for p in patches]}
-        return Patch(deltas, pos, meta)
+        return Patch(deltas, positions, {**meta, "stack_of": [p.meta for p in patches]})
 
     def check_model(self, model: nn.Module, cached: bool = True) -> None:
         """Raise unless every key names a parameter of ``model`` of the right shape, and (when the
         patch records one) the model's weights are the ones the patch was computed from
-        (``tokenpatch._io.fingerprint``; ``cached=False`` re-hashes the weights)."""
+        (``tokenpatch._io.fingerprint``; ``cached=False`` re-hashes every weight)."""
         params = dict(model.named_parameters())
         for name, d in self._deltas.items():
             if name not in params:
@@ -306,12 +328,6 @@ class Patch(Mapping):
             raise InputError(
                 f"this patch was computed for another model (fingerprint {want}, this model "
                 f"{_io.fingerprint(model, cached)}); a token patch is exact only for the weights it came from"
-            )
-        if self.meta.get("partial_joint"):
-            raise InputError(
-                f"this is part of a joint patch (queries {self.meta.get('joint_query')} with a chunk removed): its "
-                "anchors assume the other queries are patched too, so it is not exact alone. Use the whole "
-                "patch, or token_patch(..., query=q) for a patch that stands alone"
             )
 
 

@@ -323,6 +323,9 @@ def _make_hook(deltas: dict[str, Delta], layout: str, positions, module_name: st
         w_in, w_out = (w.v, w.u) if layout == "out_in" else (w.u, w.v)  # [B, Q, r, in], [B, Q, r, out]
     pos = None if positions is None else torch.tensor(positions)
 
+    def work(x: Tensor) -> torch.dtype:  # low-rank terms in at least float32, cast once at the end
+        return torch.promote_types(torch.promote_types(x.dtype, (w if w is not None else b).dtype), torch.float32)
+
     def flat(t: Tensor, n: int) -> Tensor:  # [B, Q, ...] -> [N, ...]: sequence b*Q + q gets patch [b, q]
         if lead[0] == 1 and lead[0] * lead[1] != n:  # one batch row of patches repeats over the batch
             t = t.expand(n // lead[1], *t.shape[1:])
@@ -335,14 +338,15 @@ def _make_hook(deltas: dict[str, Delta], layout: str, positions, module_name: st
                 f"{module_name}: the patch holds {lead[0]} x {lead[1]} (batch x query) patches, one per no-context "
                 f"sequence, but the input batch is {n} (tokenpatch.strip_context gives the right inputs)"
             )
-        xs = x.reshape(n, -1, x.shape[-1])  # [N, T, in]
-        delta = torch.zeros((), dtype=out.dtype, device=out.device)
+        dt = work(x)
+        xs = x.reshape(n, -1, x.shape[-1]).to(dt)  # [N, T, in]
+        delta = torch.zeros((), dtype=dt, device=out.device)
         if w is not None:
-            coef = xs @ flat(w_in, n).to(x).transpose(-1, -2)  # [N, T, r]
-            delta = coef @ flat(w_out, n).to(x)  # [N, T, out]
+            coef = xs @ flat(w_in, n).to(xs).transpose(-1, -2)  # [N, T, r]
+            delta = coef @ flat(w_out, n).to(xs)  # [N, T, out]
         if b is not None:
-            delta = delta + flat(b, n).to(out)[:, None, :]  # [N, 1, out]
-        return (out.reshape(n, -1, out.shape[-1]) + delta).reshape(out.shape)
+            delta = delta + flat(b, n).to(device=out.device, dtype=dt)[:, None, :]  # [N, 1, out]
+        return (out.reshape(n, -1, out.shape[-1]) + delta).to(out.dtype).reshape(out.shape)
 
     def at_positions(x: Tensor, out: Tensor) -> Tensor:  # patch [b, q] acts at position positions[q]
         n = x.shape[0]
@@ -351,15 +355,16 @@ def _make_hook(deltas: dict[str, Delta], layout: str, positions, module_name: st
                 f"{module_name}: the patch acts at positions {list(positions)} of {lead[0]} no-context sequence(s) "
                 f"[batch, pos, d], got input {tuple(x.shape)} (tokenpatch.strip_context gives the right inputs)"
             )
-        where = pos.to(x.device)
-        xs = x[:, where]  # [N, Q, in]
-        delta = torch.zeros((), dtype=out.dtype, device=out.device)
+        where, dt = pos.to(x.device), work(x)
+        xs = x[:, where].to(dt)  # [N, Q, in]
+        delta = torch.zeros((), dtype=dt, device=out.device)
         if w is not None:
-            coef = torch.einsum("nqi,nqri->nqr", xs, w_in.to(x).expand(n, -1, -1, -1))  # [N, Q, r]
-            delta = torch.einsum("nqr,nqro->nqo", coef, w_out.to(x).expand(n, -1, -1, -1))  # [N, Q, out]
+            coef = torch.einsum("nqi,nqri->nqr", xs, w_in.to(xs).expand(n, -1, -1, -1))  # [N, Q, r]
+            delta = torch.einsum("nqr,nqro->nqo", coef, w_out.to(xs).expand(n, -1, -1, -1))  # [N, Q, out]
         if b is not None:
-            delta = delta + b.to(out).expand(n, -1, -1)  # [N, Q, out]
-        return out.index_add(1, where, delta.expand(n, len(positions), out.shape[-1]))
+            delta = delta + b.to(device=out.device, dtype=dt).expand(n, -1, -1)  # [N, Q, out]
+        patched = out[:, where].to(dt) + delta.expand(n, len(positions), out.shape[-1])
+        return out.index_copy(1, where, patched.to(out.dtype))
 
     run = everywhere if positions is None else at_positions
 
@@ -436,7 +441,8 @@ class LayerError:
     vector, its denominator floored at the site's RMS vector norm ``rms = sqrt(mean_(b,q) |ref|_2^2)``
     so that a vector near zero (a scalar prediction close to 0) is measured against the site's
     typical size instead of blowing up;
-    ``max_rel_unfloored = max_(b,q) |got - ref|_2 / |ref|_2``: the same without the floor.
+    ``max_rel_unfloored = max_(b,q) |got - ref|_2 / |ref|_2``: the same without the floor (the
+    absolute error where ``ref`` is exactly 0).
     """
 
     name: str
@@ -499,9 +505,10 @@ def _error(name: str, got: Tensor, ref: Tensor) -> LayerError:
 def verify(model: nn.Module, inputs: Any, patch: Patch, query: Any = None, remove: Any = None) -> Verification:
     """Run the with-context pass and the patched no-context pass; compare at every query.
 
-    ``query`` / ``remove`` default to the ones recorded in the patch. Sites: the output hidden
-    state of each layer (``layer 0 .. L-1``) and the model output (``output``). Both passes are
-    the model's own forward; the patched one goes through ``functional_call``.
+    ``query`` / ``remove`` default to the ones recorded in the patch; the patch must hold one
+    row per input sequence. Sites: the output hidden state of each layer (``layer 0 .. L-1``)
+    and the model output (``output``; a bare ``Block`` has only this one). Both passes are the
+    model's own forward; the patched one goes through ``functional_call``.
     """
     adapter = adapter_for(model)
     inputs = adapter.check_inputs(model, inputs)
@@ -515,8 +522,11 @@ def verify(model: nn.Module, inputs: Any, patch: Patch, query: Any = None, remov
         made = {k: patch.meta[k] for k in ("seq_len", "query", "removed") if k in patch.meta}
         if made and made != {k: plan.describe()[k] for k in made}:
             raise InputError(f"the patch was made for {made}, not for {plan.describe()}")
-    if patch.lead[1] != len(plan.query) or patch.lead[0] not in (1, batch):  # a batch row of 1 broadcasts
-        raise InputError(f"patch holds [batch, query] = {list(patch.lead)} patches; inputs and query give [{batch}, {len(plan.query)}]")
+    if patch.lead != (batch, len(plan.query)):  # each row's patch is checked against that row
+        rows = patch.meta.get("batch_index")
+        hint = f" (it holds the patches of rows {rows} of the batch it was made from)" if rows is not None else ""
+        raise InputError(f"patch holds [batch, query] = {list(patch.lead)} patches{hint}; inputs and query give "
+                         f"[{batch}, {len(plan.query)}]")
     if patch.positions != plan.positions:
         raise InputError(f"the patch acts at positions {patch.positions} but this query/remove needs {plan.positions}")
     out_c, hid_c = adapter.run(model, inputs)
