@@ -94,7 +94,7 @@ def _train(args) -> int:
 def _verify(args) -> int:
     from .models import load_model
     from .patching import token_patch, verify
-    from .report import F32_REL_TOL, F64_ABS_TOL, task_of
+    from .report import meets_target, task_of
 
     dtype = getattr(torch, args.dtype)
     model = load_model(args.checkpoint)
@@ -103,8 +103,7 @@ def _verify(args) -> int:
     tokens = task.sample(args.tasks, torch.Generator().manual_seed(args.seed), dtype=dtype).tokens
     patch = token_patch(model, tokens, query=-1 if args.query == "last" else "all", progress=not args.quiet)
     result = verify(model, tokens, patch)
-    ok = result.max_rel <= F32_REL_TOL if dtype == torch.float32 else result.max_abs <= F64_ABS_TOL
-    tol = f"max rel <= {F32_REL_TOL:g}" if dtype == torch.float32 else f"max abs <= {F64_ABS_TOL:g}"
+    ok, tol = meets_target(result)
     if args.json:
         print(json.dumps({"checkpoint": args.checkpoint or "shipped", "tolerance": tol, "ok": ok, **result.to_dict()}, indent=1))
     else:
