@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import tokenpatch as tp
 from tokenpatch.arch import adapter_for
-from tokenpatch.report import task_of
+from tokenpatch.tasks.linreg import task_of
 
 
 def dense_patches(model, x):

@@ -61,7 +61,7 @@ def test_functional_call_matches_apply_and_mutates_nothing(small_model, small_in
     b, q = patch.lead
     for bi in range(b):
         for qi in range(q):
-            if patch.positions is None:
+            if patch.acts == "everywhere":
                 one = patch[bi, qi]
                 with tp.apply(small_model, one):
                     ref = small_model(stripped[bi * q + qi : bi * q + qi + 1])
@@ -74,7 +74,9 @@ def test_functional_call_matches_apply_and_mutates_nothing(small_model, small_in
 def test_single_patch_broadcasts_over_a_batch(small_model, small_inputs):
     patch = tp.token_patch(small_model, small_inputs)[0, 0]
     x = small_inputs[:1, -1:].expand(4, 1, 5)
-    out = tp.functional_call(small_model, patch, x)
+    with pytest.raises(tp.InputError, match="broadcast=True"):  # one patch, four sequences: opt in
+        tp.functional_call(small_model, patch, x)
+    out = tp.functional_call(small_model, patch, x, broadcast=True)
     with tp.apply(small_model, patch):
         ref = small_model(x[:1])
     torch.testing.assert_close(out, ref.expand_as(out), rtol=0, atol=1e-13)  # batched GEMM rounding only

@@ -34,7 +34,7 @@ def test_factors_and_dense(patch, small_inputs):
 def test_sum_stack_index(patch):
     w = "blocks.1.mlp.fc_in.weight"
     total = patch.sum("query")
-    assert total.lead == (patch.lead[0], 1) and total.positions is None
+    assert total.lead == (patch.lead[0], 1) and total.acts == "everywhere"
     assert total[w].rank == patch.lead[1]
     torch.testing.assert_close(total[w].dense()[:, 0], patch[w].dense().sum(1), rtol=0, atol=1e-13)
     torch.testing.assert_close(total["blocks.1.mlp.fc_out.bias"][:, 0], patch["blocks.1.mlp.fc_out.bias"].sum(1))

@@ -7,7 +7,7 @@ import copy
 import torch
 
 import tokenpatch as tp
-from tokenpatch.report import task_of
+from tokenpatch.tasks.linreg import task_of
 from tokenpatch.tasks.linreg import evaluate
 
 

@@ -3,7 +3,7 @@
 A transformer block that reads a context behaves exactly like the same block, without the
 context, whose MLP weights got a rank-1 patch. ``token_patch`` computes that patch for every
 layer and query of a model from one forward pass; ``verify`` checks it; ``apply`` and
-``functional_call`` run the model with it; ``save`` / ``load`` keep it.
+``functional_call`` run the model with it; ``save_patch`` / ``load_patch`` keep it.
 
     import tokenpatch as tp
     model = tp.load_model()                        # shipped 10-layer Pre-LN ICL transformer
@@ -11,27 +11,32 @@ layer and query of a model from one forward pass; ``verify`` checks it; ``apply`
     patch = tp.token_patch(model, batch.tokens)    # query = last position, all context removed
     print(tp.verify(model, batch.tokens, patch).table())
 
-The math is in ``solve.py`` and in science/token_patches.md of the design notes.
+The math is in ``docs/`` of the repository (the patch theorem, the deep-model algorithm, the
+error metric) and in *Learning without training: the implicit dynamics of in-context learning*
+(Dherin et al., 2025).
+
+A new model family is one ``Adapter`` (``tp.register_adapter``); ``tp.Sites`` says where its
+patch goes.
 """
 
-from .delta import LowRank, Patch, load, save
+from .arch import Adapter, Sites, adapter_for
+from .arch import register as register_adapter
+from .delta import Patch, load_patch, save_patch
 from .errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
+from .hooks import apply, functional_call
 from .layers import LAYERS, make_layer
+from .lowrank import LowRank
 from .models import Block, ICLConfig, ICLTransformer, load_model, save_model
-from .patching import (
-    LayerError,
-    Plan,
-    Verification,
-    apply,
-    functional_call,
-    make_plan,
-    strip_context,
-    token_patch,
-    verify,
-)
+from .patching import strip_context, token_patch
+from .plans import Plan, make_plan
 from .tasks.linreg import LinRegTask
+from .verify import TOLERANCES, LayerError, SiteError, Verification, verify
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# Short names kept from 0.1: tp.save / tp.load are the patch functions.
+save = save_patch
+load = load_patch
 
 __all__ = [
     "token_patch",
@@ -39,6 +44,8 @@ __all__ = [
     "apply",
     "functional_call",
     "strip_context",
+    "save_patch",
+    "load_patch",
     "save",
     "load",
     "Patch",
@@ -46,7 +53,9 @@ __all__ = [
     "Plan",
     "make_plan",
     "Verification",
+    "SiteError",
     "LayerError",
+    "TOLERANCES",
     "ICLConfig",
     "ICLTransformer",
     "Block",
@@ -55,6 +64,10 @@ __all__ = [
     "LAYERS",
     "make_layer",
     "LinRegTask",
+    "Adapter",
+    "Sites",
+    "register_adapter",
+    "adapter_for",
     "TokenpatchError",
     "InputError",
     "ZeroAnchorError",

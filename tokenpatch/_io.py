@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 import weakref
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,10 @@ from .errors import FileFormatError
 __all__ = ["write_file", "read_file", "tensor_digest", "fingerprint"]
 
 _META_KEY = "tokenpatch"
+_HINTS = {  # (found, wanted) -> what the user probably meant
+    ("tokenpatch.patch/1", "tokenpatch.model/1"): " (a patch file: load it with tp.load_patch, pass a model checkpoint here)",
+    ("tokenpatch.model/1", "tokenpatch.patch/1"): " (a model checkpoint: load it with tp.load_model)",
+}
 
 
 def _raw_bytes(t: Tensor):
@@ -58,13 +62,13 @@ def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, m
     doc = {"format": kind, **meta}
     doc["sha256"] = tensor_digest(tensors, doc)
     data = st_save(tensors, metadata={_META_KEY: json.dumps(doc)})
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the usual mode: the OS applies the umask
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the usual file mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -72,20 +76,15 @@ def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, m
     return path
 
 
-def _read_umask() -> int:
-    mask = os.umask(0)  # the only way to read it; done once, at import
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()
-
-
 def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Read a file written by ``write_file`` with the same ``kind``; verify its checksum."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise FileFormatError(f"{path} is a directory; give the path of a {kind} file")
+    if not path.exists():
         raise FileNotFoundError(f"no such file: {path}")
+    if not path.is_file():
+        raise FileFormatError(f"{path} is not a regular file")
     data = path.read_bytes()
     try:
         if len(data) < 8:
@@ -97,7 +96,7 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
         tensors = st_load(data)
     except Exception as exc:  # safetensors raises its own error type; json raises ValueError
         raise FileFormatError(
-            f"{path} is not a readable safetensors file (truncated or corrupt?): {exc}"
+            f"{path} is not a readable safetensors file (truncated or corrupt?): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         ) from exc
     raw = (header.get("__metadata__") or {}).get(_META_KEY)
     if raw is None:
@@ -108,7 +107,7 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
         raise FileFormatError(f"{path}: tokenpatch metadata is not valid JSON ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != kind:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise FileFormatError(f"{path} holds a {found!r}, not a {kind!r}")
+        raise FileFormatError(f"{path} holds a {found!r}, not a {kind!r}{_HINTS.get((found, kind), '')}")
     unsigned = {k: v for k, v in meta.items() if k != "sha256"}
     if meta.get("sha256") != tensor_digest(tensors, unsigned):
         raise FileFormatError(
@@ -118,8 +117,14 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
 
 
 # --------------------------------------------------------------------------- model fingerprints
+#
+# A patch is exact only for the weights it was computed from, so patches record the model's
+# fingerprint and every use checks it. The digest hashes every weight once per model state; each
+# later check only compares a key of cheap per-parameter attributes (no pass over the weights,
+# no device sync).
 
 _FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+_CHUNK = 1 << 22  # elements hashed per step: bounds the float32 copy of a half-precision weight
 
 
 def _version(p: Tensor) -> int:
@@ -129,31 +134,52 @@ def _version(p: Tensor) -> int:
         return -1
 
 
+def state_key(params: list[tuple[str, Tensor]]) -> tuple:
+    """Per parameter: name, identity, storage address and torch's version counter (bumped by
+    in-place ops, optimizer steps, ``load_state_dict``). Python attribute reads only."""
+    return tuple((name, id(p), p.data_ptr(), _version(p)) for name, p in params)
+
+
+def _digest(params: list[tuple[str, Tensor]]) -> str:
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in params:
+            h.update(f"{name}|{tuple(p.shape)}|".encode())
+            flat = p.detach().reshape(-1)
+            for start in range(0, flat.numel(), _CHUNK):  # float32 bytes, one bounded chunk at a time
+                h.update(_raw_bytes(flat[start : start + _CHUNK].to(torch.float32)))
+    return h.hexdigest()[:32]
+
+
 def fingerprint(model: nn.Module, cached: bool = True) -> str:
-    """A digest (sha256) of the model's parameter names, shapes and values (cast to float32).
+    """A digest (sha256) of the model's parameter names, shapes and values (as float32).
 
-    A patch is exact only for the weights it was computed from, so patches record it and
-    ``apply`` / ``functional_call`` / ``verify`` / ``load(path, model)`` check it. Casting to
-    float32 makes ``model.double()`` keep the fingerprint of the float32 model it came from (two
-    float64 models that differ only below float32 precision share one).
-
-    Hashing every weight on every call would cost more than a patch, so with ``cached=True`` the
-    digest is reused while each parameter keeps its identity, storage, torch version counter
-    (bumped by in-place ops, optimizer steps, ``load_state_dict``) and the sum of its values
-    (which catches writes through ``p.data``, invisible to the counter). Only an edit through
-    ``p.data`` that leaves every parameter's float sum unchanged escapes; ``cached=False`` (what
-    ``load(path, model)`` uses) always re-hashes.
+    Casting to float32 makes ``model.double()`` keep the fingerprint of the float32 model it came
+    from. With ``cached=True`` the digest is reused while every parameter keeps its identity,
+    storage and version counter (``state_key``), so a check costs a few attribute reads per
+    parameter. Writes through ``p.data`` bypass torch's version counter and so escape the cached
+    check; ``cached=False`` (what ``load_patch(path, model)`` uses) always re-hashes.
     """
     params = list(model.named_parameters())
-    with torch.no_grad():
-        key = tuple((name, id(p), p.data_ptr(), _version(p), float(p.sum())) for name, p in params)
+    key = state_key(params)
     hit = _FINGERPRINTS.get(model)
     if cached and hit is not None and hit[0] == key:
         return hit[1]
-    h = hashlib.sha256()
-    for name, p in params:
-        h.update(f"{name}|{tuple(p.shape)}|".encode())
-        h.update(_raw_bytes(p.detach().to(torch.float32)))
-    digest = h.hexdigest()[:32]
+    digest = _digest(params)
     _FINGERPRINTS[model] = (key, digest)
     return digest
+
+
+def restored(model: nn.Module, key_before: tuple, touched: set[str]) -> None:
+    """After ``apply`` wrote and restored the parameters named ``touched`` bit for bit, keep the
+    cached digest valid: only their version counters moved. Any other change drops nothing and
+    blesses nothing (the next check re-hashes)."""
+    hit = _FINGERPRINTS.get(model)
+    if hit is None or hit[0] != key_before:
+        return
+    key = state_key(list(model.named_parameters()))
+    same = len(key) == len(key_before) and all(
+        a == b or (a[0] in touched and a[:3] == b[:3]) for a, b in zip(key, key_before)
+    )
+    if same:
+        _FINGERPRINTS[model] = (key, hit[1])

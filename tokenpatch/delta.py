@@ -1,24 +1,23 @@
-"""Weight deltas: ``LowRank`` factors and the ``Patch`` mapping ``parameter name -> delta``.
+"""``Patch``: the mapping ``parameter name -> delta`` and its files.
 
 A ``Patch`` holds one delta per patched parameter of a model, keyed by the name that
 ``model.named_parameters()`` gives it. Every delta is batched over the same two leading dims
-``[batch, query]`` -- one patch per (sequence, query position) -- and is either
+``[batch, query]`` -- one patch per (sequence, query position) -- and is either a ``LowRank``
+(``lowrank.py``) for a matrix, or a dense tensor ``[batch, query, *param.shape]`` for a vector
+(a bias or a norm scale).
 
-* ``LowRank(u, v)`` for a matrix: ``delta = sum_k u_k v_k^T`` over a rank dim (rank 1: the
-  familiar ``u v^T``), i.e. ``u [batch, query, rank, rows]``, ``v [batch, query, rank, cols]`` and
-  ``delta[b, q] = sum_k outer(u[b, q, k], v[b, q, k])`` in the parameter's own layout (rows x
-  cols as stored: ``[out, in]`` for ``nn.Linear``). A token patch has rank 1; a sum of k patches has rank k and is
-  stored as stacked factors. Matrices are never materialised unless ``.dense()`` is called.
-* a dense tensor ``[batch, query, *param.shape]`` for a vector (a bias or a norm scale).
+Where a patch acts in the no-context pass is explicit, ``patch.acts``:
 
-``positions`` says where the patch acts in the no-context pass: ``None`` -- everywhere (each
-(batch, query) patch belongs to its own no-context sequence, the default when all context is
-removed); or one position per query -- patch ``[b, q]`` acts at position ``positions[q]`` of
-sequence ``b`` only (when a chunk is removed from the middle). ``meta`` is a JSON-able record of
-how the patch was made (model fingerprint, query, removed chunk, dtype).
+* ``"everywhere"``: each (batch, query) patch belongs to its own no-context sequence and acts
+  on all of it (all context removed; also a static patch summed over queries);
+* ``"at_positions"``: patch ``[b, q]`` acts at position ``patch.positions[q]`` of sequence ``b``
+  only (a chunk removed from the middle).
 
-Files: ``save`` / ``load`` write safetensors (``name.u``, ``name.v`` or ``name``) with ``meta``,
-``positions`` and a checksum as JSON metadata. No pickle.
+``meta`` is a flat JSON-able record of how the patch was made (model fingerprint, query, removed
+chunk, dtype); combining patches keeps it flat (``terms`` counts the token patches summed).
+
+Files: ``save_patch`` / ``load_patch`` write safetensors (``name.u``, ``name.v`` or ``name``) with
+``meta``, ``positions`` and a checksum as JSON metadata. No pickle.
 """
 
 from __future__ import annotations
@@ -26,90 +25,18 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor, nn
 
 from . import _io
 from .errors import FileFormatError, InputError
+from .lowrank import LowRank
 
-__all__ = ["LowRank", "Patch", "Delta", "save", "load", "PATCH_FORMAT"]
+__all__ = ["Patch", "Delta", "save_patch", "load_patch", "PATCH_FORMAT"]
 
 PATCH_FORMAT = "tokenpatch.patch/1"
-
-
-@dataclass(frozen=True)
-class LowRank:
-    """``delta = sum_k outer(u[..., k, :], v[..., k, :])`` with ``u [*lead, r, rows]``, ``v [*lead, r, cols]``."""
-
-    u: Tensor
-    v: Tensor
-
-    def __post_init__(self) -> None:
-        u, v = self.u, self.v
-        if u.ndim < 2 or v.ndim != u.ndim or u.shape[:-1] != v.shape[:-1]:
-            raise InputError(f"LowRank factors must be [*lead, rank, rows] and [*lead, rank, cols], "
-                             f"got {tuple(u.shape)} and {tuple(v.shape)}")
-        if u.dtype != v.dtype or u.device != v.device:
-            raise InputError(f"LowRank factors differ in dtype/device: {u.dtype}/{u.device} vs {v.dtype}/{v.device}")
-
-    @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.u.shape[:-2])
-
-    @property
-    def rank(self) -> int:
-        """Number of stored rank-1 terms (an upper bound of the true rank)."""
-        return self.u.shape[-2]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """Shape of the matrix this delta adds to."""
-        return (self.u.shape[-1], self.v.shape[-1])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.u.dtype
-
-    def dense(self) -> Tensor:
-        """The materialised delta ``[*lead, rows, cols]``."""
-        return torch.einsum("...kr,...kc->...rc", self.u, self.v)
-
-    def norm(self) -> Tensor:
-        """Frobenius norm ``[*lead]`` from the factors: ``||U^T V||_F^2 = sum((U U^T) * (V V^T))``."""
-        gu = self.u @ self.u.transpose(-1, -2)  # [*lead, r, r]
-        gv = self.v @ self.v.transpose(-1, -2)  # [*lead, r, r]
-        return (gu * gv).sum((-1, -2)).clamp_min(0).sqrt()
-
-    def matvec(self, x: Tensor) -> Tensor:
-        """``delta @ x`` for ``x [*lead, cols]`` -> ``[*lead, rows]`` without forming ``delta``."""
-        return ((self.v @ x[..., None]) * self.u).sum(-2)  # [*lead, r, 1] * [*lead, r, rows]
-
-    def index(self, idx) -> "LowRank":
-        return LowRank(self.u[idx], self.v[idx])
-
-    def to(self, *args, **kwargs) -> "LowRank":
-        return LowRank(self.u.to(*args, **kwargs), self.v.to(*args, **kwargs))
-
-    def __add__(self, other: "LowRank") -> "LowRank":
-        """Sum of deltas: the rank terms are stacked (rank adds up)."""
-        if not isinstance(other, LowRank):
-            return NotImplemented
-        if self.shape != other.shape:
-            raise InputError(f"cannot add LowRank deltas of shapes {self.shape} and {other.shape}")
-        lead = torch.broadcast_shapes(self.lead, other.lead)
-        expand = lambda t: t.expand(*lead, *t.shape[-2:])  # noqa: E731
-        return LowRank(torch.cat([expand(self.u), expand(other.u)], -2),
-                       torch.cat([expand(self.v), expand(other.v)], -2))
-
-    def sum(self, dim: int) -> "LowRank":
-        """Sum over leading dim ``dim`` (kept with size 1): its terms join the rank dim."""
-        dim = dim % len(self.lead)
-        fold = lambda t: t.movedim(dim, -3).flatten(-3, -2).unsqueeze(dim)  # noqa: E731
-        return LowRank(fold(self.u), fold(self.v))
-
 
 Delta = Union[LowRank, Tensor]
 
@@ -138,6 +65,8 @@ class Patch(Mapping):
     """
 
     def __init__(self, deltas: Mapping[str, Delta], positions=None, meta: dict | None = None):
+        """``positions``: ``None`` (or empty) for a patch acting everywhere, else one no-context
+        position per query (the patch acts at positions)."""
         self._deltas: dict[str, Delta] = dict(deltas)
         if not self._deltas:
             raise InputError("a Patch needs at least one delta")
@@ -150,12 +79,20 @@ class Patch(Mapping):
         if len(dtypes) != 1:
             raise InputError(f"deltas of one Patch must share a dtype, got {dtypes}")
         self.lead: tuple[int, int] = lead  # (batch, query)
-        if positions is not None:
-            positions = tuple(int(p) for p in positions)
-            if len(positions) != lead[1] or len(set(positions)) != len(positions) or min(positions) < 0:
-                raise InputError(f"positions {positions} must be {lead[1]} distinct non-negative ints")
-        self.positions: tuple[int, ...] | None = positions
+        positions = () if positions is None else tuple(int(p) for p in positions)
+        if positions and (len(positions) != lead[1] or len(set(positions)) != len(positions) or min(positions) < 0):
+            raise InputError(f"positions {positions} must be {lead[1]} distinct non-negative ints")
+        self.positions: tuple[int, ...] = positions  # empty when the patch acts everywhere
         self.meta: dict[str, Any] = dict(meta or {})
+
+    @property
+    def acts(self) -> Literal["everywhere", "at_positions"]:
+        """Where the patch acts in the no-context pass (module docstring)."""
+        return "at_positions" if self.positions else "everywhere"
+
+    def where(self) -> str:
+        """``"everywhere"`` or ``"at positions [..]"``, for messages."""
+        return f"at positions {list(self.positions)}" if self.positions else "everywhere"
 
     # ----------------------------------------------------------------- mapping interface
     def __getitem__(self, key):
@@ -174,8 +111,7 @@ class Patch(Mapping):
         for name, d in self._deltas.items():
             desc = f"LowRank(rank={d.rank}, {d.shape[0]}x{d.shape[1]})" if isinstance(d, LowRank) else f"dense{tuple(d.shape[2:])}"
             parts.append(f"  {name}: {desc}")
-        where = "everywhere" if self.positions is None else f"at positions {list(self.positions)}"
-        return f"Patch(batch={self.lead[0]}, query={self.lead[1]}, dtype={self.dtype}, applies {where},\n" + "\n".join(parts) + "\n)"
+        return f"Patch(batch={self.lead[0]}, query={self.lead[1]}, dtype={self.dtype}, acts {self.where()},\n" + "\n".join(parts) + "\n)"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -201,7 +137,7 @@ class Patch(Mapping):
                 raise InputError(f"index {key} selects no patch from [batch, query] = {list(self.lead)}")
             slices.append(k)
         key = tuple(slices)
-        if self.positions is not None:  # queries acting together: keep every query up to some position
+        if self.acts == "at_positions":  # queries acting together: keep every query up to some position
             chosen = set(self.positions[key[1]])
             if chosen != {p for p in self.positions if p <= max(chosen)}:
                 raise InputError(
@@ -211,7 +147,7 @@ class Patch(Mapping):
                     f"patch[name].u[:, q], or compute it alone with token_patch(..., query=q)"
                 )
         deltas = {n: d.index(key) if isinstance(d, LowRank) else d[key] for n, d in self._deltas.items()}
-        positions = None if self.positions is None else self.positions[key[1]]
+        positions = self.positions[key[1]]
         meta = dict(self.meta)  # keep the record true to the sub-patch
         meta["batch_index"] = meta.get("batch_index", list(range(self.lead[0])))[key[0]]
         meta["batch"] = len(meta["batch_index"])
@@ -249,19 +185,25 @@ class Patch(Mapping):
         deltas = dict(self._deltas)
         for n, d in other._deltas.items():
             deltas[n] = deltas[n] + d if n in deltas else d
-        return Patch(deltas, self.positions, {**meta, "sum_of": [self.meta, other.meta]})
+        return Patch(deltas, self.positions, {**meta, "terms": self.terms + other.terms})
+
+    @property
+    def terms(self) -> int:
+        """How many token patches were summed into this one (1 for a token patch)."""
+        return int(self.meta.get("terms", 1))
 
     def sum(self, dim: str = "query") -> "Patch":
         """Sum over ``"query"`` or ``"batch"`` (the dim is kept with size 1). Summing over
-        queries gives a static patch that acts everywhere (``positions=None``)."""
+        queries gives a static patch that acts everywhere."""
         if dim not in ("batch", "query"):
             raise InputError(f"sum over 'batch' or 'query', not {dim!r}")
         i = 0 if dim == "batch" else 1
         deltas = {n: d.sum(i) if isinstance(d, LowRank) else d.sum(i, keepdim=True) for n, d in self._deltas.items()}
-        positions = None if dim == "query" else self.positions
+        positions = () if dim == "query" else self.positions
         drop = ("query", "removed") if dim == "query" else ("batch", "batch_index")
         meta = {k: v for k, v in self.meta.items() if k not in drop}
-        return Patch(deltas, positions, {**meta, "summed_over": dim})
+        terms = self.terms * self.lead[0 if dim == "batch" else 1]
+        return Patch(deltas, positions, {**meta, "summed_over": dim, "terms": terms})
 
     @staticmethod
     def stack(patches: list["Patch"], dim: str = "batch") -> "Patch":
@@ -286,12 +228,12 @@ class Patch(Mapping):
             if len(shapes) > 1:
                 raise InputError(f"Patch.stack: {n} has different (rank, shape) across patches: {shapes}")
         if dim == "query":
-            if any(p.positions is not None for p in patches):
+            if any(p.acts == "at_positions" for p in patches):
                 raise InputError(
                     "patches acting at given positions (a chunk removed) act together and cannot be stacked "
                     "along query; compute all the queries in one token_patch call"
                 )
-            positions = None
+            positions = ()
             meta = _common_meta(patches, ("model", "seq_len", "removed", "batch", "batch_index"))
             if all("query" in p.meta for p in patches):
                 meta["query"] = sum((list(p.meta["query"]) for p in patches), [])
@@ -309,7 +251,7 @@ class Patch(Mapping):
                 deltas[n] = LowRank(torch.cat([d.u for d in ds], i), torch.cat([d.v for d in ds], i))
             else:
                 deltas[n] = torch.cat(ds, i)
-        return Patch(deltas, positions, {**meta, "stack_of": [p.meta for p in patches]})
+        return Patch(deltas, positions, meta)
 
     def check_model(self, model: nn.Module, cached: bool = True) -> None:
         """Raise unless every key names a parameter of ``model`` of the right shape, and (when the
@@ -334,7 +276,7 @@ class Patch(Mapping):
 # --------------------------------------------------------------------------------- files
 
 
-def save(patch: Patch, path: str | os.PathLike) -> None:
+def save_patch(patch: Patch, path: str | os.PathLike) -> None:
     """Write ``patch`` to ``path``: safetensors, ``name.u``/``name.v`` or ``name``, JSON meta."""
     tensors: dict[str, Tensor] = {}
     for name, d in patch.items():
@@ -343,11 +285,11 @@ def save(patch: Patch, path: str | os.PathLike) -> None:
         else:
             tensors[name] = d
     kinds = {n: "lowrank" if isinstance(d, LowRank) else "dense" for n, d in patch.items()}
-    doc = {"kinds": kinds, "positions": None if patch.positions is None else list(patch.positions), "meta": patch.meta}
+    doc = {"kinds": kinds, "positions": list(patch.positions) or None, "meta": patch.meta}
     _io.write_file(path, tensors, PATCH_FORMAT, doc)
 
 
-def load(path: str | os.PathLike, model: nn.Module | None = None) -> Patch:
+def load_patch(path: str | os.PathLike, model: nn.Module | None = None) -> Patch:
     """Read a patch written by ``save``. With ``model``, also check it belongs to that model."""
     tensors, doc = _io.read_file(path, PATCH_FORMAT)
     kinds = doc.get("kinds")

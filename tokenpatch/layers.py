@@ -1,7 +1,7 @@
 """Contextual layers: the ``A`` of a contextual block ``T_W(C, x) = M_W(A(C, x))``.
 
 A contextual layer maps a sequence ``h`` of shape ``[batch, pos, d]`` to an output of the same
-shape, causally: output ``t`` depends on ``h[:, :t + 1]`` only (science/token_patches.md, section 1).
+shape, causally: output ``t`` depends on ``h[:, :t + 1]`` only (``docs/patch-theorem.md``).
 That single interface gives every quantity the patch theorem needs:
 
 * ``A(C, x)``      -- run the layer on the whole sequence and read the query's position;
@@ -20,6 +20,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .errors import InputError
 
 __all__ = [
     "ContextualLayer",
@@ -42,13 +44,6 @@ class ContextualLayer(nn.Module):
         """``A(x)``: the output for each row of ``x`` [N, d] run as a sequence of its own."""
         return self(x[:, None, :])[:, 0, :]
 
-    def with_alone(self, h: Tensor, positions: list[int]) -> tuple[Tensor, Tensor]:
-        """``(A(C, x) [B, T, d], A(x_p) [B, P, d])``: the layer on the whole sequence, and on each
-        of ``positions`` alone. Layers override it to share work between the two."""
-        batch, _, d = h.shape
-        lone = self.alone(h[:, positions].reshape(-1, d))  # [B*P, d]
-        return self(h), lone.reshape(batch, len(positions), d)
-
 
 class _Attention(ContextualLayer):
     """Shared projections of the two attention layers: ``q``, ``k``, ``v``, then ``out``.
@@ -60,7 +55,7 @@ class _Attention(ContextualLayer):
     def __init__(self, d_model: int, n_heads: int, bias: bool = True):
         super().__init__()
         if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+            raise InputError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads = n_heads
         self.q = nn.Linear(d_model, d_model, bias=bias)
         self.k = nn.Linear(d_model, d_model, bias=bias)
@@ -85,7 +80,8 @@ class _Attention(ContextualLayer):
         return self.out(self.v(x))  # [N, d]
 
     def with_alone(self, h: Tensor, positions: list[int]) -> tuple[Tensor, Tensor]:
-        """The values of the full pass are reused: ``A(x_p) = out(v_p)``, one matrix per position."""
+        """``(A(C, x) [B, T, d], A(x_p) [B, P, d])``: the layer on the whole sequence and on each of
+        ``positions`` alone, sharing work: ``A(x_p) = out(v_p)`` reuses the full pass's values."""
         if h.shape[1] == 1:
             out = self(h)
             return out, out[:, positions]
@@ -175,7 +171,7 @@ LAYERS: dict[str, type[ContextualLayer]] = {
 def make_layer(kind: str, d_model: int, n_heads: int = 1, bias: bool = True) -> ContextualLayer:
     """Build the contextual layer named ``kind`` (one of ``LAYERS``)."""
     if kind not in LAYERS:
-        raise ValueError(f"unknown contextual layer {kind!r}; choose one of {sorted(LAYERS)}")
+        raise InputError(f"unknown contextual layer {kind!r}; choose one of {sorted(LAYERS)}")
     cls = LAYERS[kind]
     if issubclass(cls, _Attention):
         return cls(d_model, n_heads, bias=bias)

@@ -2,7 +2,7 @@
 
     inputs [B, T, d_in] --read_in--> h^0 --block_1--> h^1 ... --block_L--> h^L --ln_f--> read_out
 
-Each ``Block`` is a contextual block (science/token_patches.md, sections 1-3) with one of the
+Each ``Block`` is a contextual block (``docs/patch-theorem.md``, ``docs/deep-models.md``) with one of the
 contextual layers of ``layers.py`` as its mixer and a two-layer MLP
 ``MLP(s) = fc_out(act(fc_in(s)))``. Norm placement and the residual are options::
 
@@ -48,6 +48,8 @@ __all__ = [
     "save_model",
     "load_model",
     "read_checkpoint",
+    "as_dtype",
+    "as_device",
     "DEFAULT_CHECKPOINT",
     "MODEL_FORMAT",
 ]
@@ -79,17 +81,17 @@ class ICLConfig:
         for name in ("d_in", "d_out", "d_model", "n_layers", "n_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ICLConfig.{name} must be a positive integer, got {value!r}")
+                raise InputError(f"ICLConfig.{name} must be a positive integer, got {value!r}")
         if self.d_mlp < 0:
-            raise ValueError(f"ICLConfig.d_mlp must be >= 0, got {self.d_mlp}")
+            raise InputError(f"ICLConfig.d_mlp must be >= 0, got {self.d_mlp}")
         if self.layer not in LAYERS:
-            raise ValueError(f"ICLConfig.layer={self.layer!r}; choose one of {sorted(LAYERS)}")
+            raise InputError(f"ICLConfig.layer={self.layer!r}; choose one of {sorted(LAYERS)}")
         if self.norm not in NORMS:
-            raise ValueError(f"ICLConfig.norm={self.norm!r}; choose one of {NORMS}")
+            raise InputError(f"ICLConfig.norm={self.norm!r}; choose one of {NORMS}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"ICLConfig.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+            raise InputError(f"ICLConfig.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
         if self.layer in ("softmax", "linear") and self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+            raise InputError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
     @property
     def hidden(self) -> int:
@@ -111,7 +113,7 @@ class ICLConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown ICLConfig fields {sorted(unknown)}")
+            raise InputError(f"unknown ICLConfig fields {sorted(unknown)}")
         return cls(**d)
 
 
@@ -240,20 +242,50 @@ def read_checkpoint(path) -> tuple[ICLTransformer, dict[str, Any], dict[str, Ten
     return model.eval(), doc, extra
 
 
-def load_model(path=None, dtype: torch.dtype | None = None) -> ICLTransformer:
+def load_model(path=None, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> ICLTransformer:
     """Load a checkpoint (default: the one shipped with tokenpatch) in eval mode.
 
-    The shipped model: a 10-layer Pre-LN softmax-attention ``ICLTransformer`` trained on
-    in-context linear regression (``tokenpatch train --help`` retrains it); ``model.meta``
-    holds its task, training record and evaluation.
+    ``dtype``: a torch dtype or its name (``"float64"``, ``"float16"``, ``"bfloat16"``, ...);
+    ``device``: e.g. ``"cpu"``, ``"cuda:0"``. The shipped model: a 10-layer Pre-LN
+    softmax-attention ``ICLTransformer`` trained on in-context linear regression (``tokenpatch
+    train --help`` retrains it); ``model.meta`` holds its task, training record and evaluation.
     """
+    dtype, device = as_dtype(dtype), as_device(device)
     if path is None:
         ref = resources.files("tokenpatch") / "data" / DEFAULT_CHECKPOINT
         with resources.as_file(ref) as p:
             model = read_checkpoint(Path(p))[0]
     else:
         model = read_checkpoint(path)[0]
-    return model if dtype is None else model.to(dtype)
+    return model.to(device=device, dtype=dtype)
+
+
+_DTYPES = {"float64": torch.float64, "double": torch.float64, "float32": torch.float32, "float": torch.float32,
+           "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A floating torch dtype from a dtype or its name (``"float32"``, ``"torch.float16"``, ``"bfloat16"``)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise InputError(f"dtype {dtype!r} is not a floating dtype; use one of {sorted(set(_DTYPES))} or a torch.dtype")
+
+
+def as_device(device: torch.device | str | None) -> torch.device | None:
+    """A torch device that exists on this machine, from a device or its name (``"cpu"``, ``"cuda:1"``)."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"device {device!r} is not a device name (e.g. 'cpu', 'cuda', 'cuda:1', 'mps')") from exc
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise InputError(f"device {str(device)!r} is not available here ({torch.cuda.device_count()} CUDA devices)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise InputError("device 'mps' is not available here")
+    return device
 
 
 def check_inputs(model: ICLTransformer | Block, inputs: Tensor) -> Tensor:

@@ -9,55 +9,81 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter  # noqa: E402
 
 __all__ = ["layer_errors", "training_curve"]
 
+Rows = list[tuple[str, float, float]]  # [(site, max_abs, max_rel), ...]
 
-def layer_errors(series: dict[str, list[tuple[str, float, float]]], path: str | Path, title: str,
-                 reference: list[tuple[str, float, float]] | None = None) -> Path:
-    """Max relative (solid) and max absolute (dashed) error per site, one colour per series.
 
-    ``series``: label -> ``[(site, max_abs, max_rel), ...]`` in site order (layers, then output).
-    ``reference``: the same rows for the query alone *without* the patch (grey): the size of the
-    context's effect that the patch reproduces.
+def _below(ax, ncols: int = 2) -> None:
+    """Legend under the axes, outside the data (constrained layout makes room for it)."""
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=ncols, fontsize=8, frameon=False)
+
+
+def layer_errors(series: dict[str, Rows], path: str | Path, title: str, reference: Rows | None = None,
+                 rel_targets: dict[str, float] | None = None, abs_targets: dict[str, float] | None = None) -> Path:
+    """Two panels of error per site (each layer's output hidden state L0, L1, ..., then the model
+    output), patched no-context pass vs with-context pass, one colour per series:
+
+    - left: max relative error, with ``reference`` (grey: the query alone *without* the patch, i.e.
+      the size of the context's effect that the patch reproduces) and ``rel_targets``;
+    - right: max absolute error, with ``abs_targets``.
+
+    ``series``: label -> ``[(site, max_abs, max_rel), ...]`` in site order; ``reference``: the same
+    rows; ``*_targets``: series label -> tolerance, drawn as a dashed horizontal line in its colour.
     """
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(7.5, 4.2), constrained_layout=True)
+    colours = dict(zip(series, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    sites = [r[0].replace("layer ", "L") for r in next(iter(series.values()))]
+    x = range(len(sites))
+    fig, (rel, ab) = plt.subplots(1, 2, figsize=(11, 4.6), constrained_layout=True)
     if reference:
-        ax.semilogy(range(len(reference)), [r[2] for r in reference], "x:", color="grey",
-                    label="query alone, no patch: max rel")
-    for (label, rows), colour in zip(series.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-        x = range(len(rows))
-        ax.semilogy(x, [max(r[2], 1e-300) for r in rows], "o-", color=colour, label=f"{label}: max rel")
-        ax.semilogy(x, [max(r[1], 1e-300) for r in rows], "s--", color=colour, alpha=0.6, label=f"{label}: max abs")
-        sites = [r[0].replace("layer ", "L") for r in rows]
-    ax.set_xticks(range(len(sites)), sites)
-    ax.set_xlabel("site (layer output hidden state, then model output)")
-    ax.set_ylabel("error: patched no-context vs with-context")
-    ax.set_title(title)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, ncols=2)
+        rel.semilogy(x, [r[2] for r in reference], "x:", color="grey", label="query alone, no patch")
+    for ax, col, kind, targets in ((rel, 2, "rel", rel_targets), (ab, 1, "abs", abs_targets)):
+        for label, rows in series.items():
+            ax.semilogy(x, [max(r[col], 1e-300) for r in rows], "o-", color=colours[label], label=label)
+        for label, tol in (targets or {}).items():
+            ax.axhline(tol, color=colours[label], ls="--", lw=1, label=f"{label} target: max {kind} <= {tol:.0e}")
+        ax.set_xticks(x, sites)
+        ax.set_xlabel("site (layer output hidden state, then model output)")
+        ax.set_ylabel(f"max {'relative' if kind == 'rel' else 'absolute'} error (log)")
+        ax.yaxis.set_major_locator(LogLocator(base=10, numticks=10))  # at most ~10 labelled decades
+        ax.grid(True, which="major", alpha=0.3)
+        _below(ax)
+    rel.set_title("max relative error per site")
+    ab.set_title("max absolute error per site")
+    fig.suptitle(f"{title}: patched no-context pass vs with-context pass")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
 def training_curve(history: list[list[float]], zero_mse: float, path: str | Path, title: str,
-                   least_squares_mse: float | None = None) -> Path:
-    """Training loss (EMA of the query MSE) against step, with the zero and least-squares MSEs."""
+                   least_squares_mse: float | None = None, model_mse: float | None = None) -> Path:
+    """Training loss (EMA of the query MSE) against step, beside the zero predictor, 20% of it
+    (the target), least squares, and ``model_mse`` (the trained model's MSE on fresh tasks, as in
+    the report's table) marked at the last step."""
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(6, 3.6), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(7, 4.4), constrained_layout=True)
     steps, loss = zip(*history)
     ax.semilogy(steps, loss, label="training MSE (EMA)")
     ax.axhline(zero_mse, color="grey", ls=":", label="zero predictor")
-    ax.axhline(0.2 * zero_mse, color="grey", ls="--", label="20% of zero predictor")
+    ax.axhline(0.2 * zero_mse, color="grey", ls="--", label="20% of zero predictor (target)")
     if least_squares_mse is not None:
         ax.axhline(least_squares_mse, color="green", ls="-.", label="least squares")
+    if model_mse is not None:
+        ax.plot(steps[-1], model_mse, "D", color="C3", label="evaluation MSE, fresh tasks")
+        ax.annotate(f"eval {model_mse:.4f}", (steps[-1], model_mse), xytext=(-8, 8), textcoords="offset points",
+                    ha="right", color="C3", fontsize=9)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("step")
-    ax.set_ylabel("MSE")
+    ax.set_ylabel("MSE (log)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, which="major", alpha=0.3)
+    _below(ax, ncols=3)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -15,42 +15,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from . import __version__, plots
+from ._progress import progress_bar
 from .models import ICLTransformer, load_model
-from .patching import token_patch, verify
-from .tasks.linreg import LinRegTask, evaluate
-from .train import DEFAULT_TASK
+from .patching import token_patch
+from .tasks.linreg import evaluate, task_of
+from .verify import TOLERANCES, verify
 
-__all__ = ["Section", "task_of", "meets_target", "equivalence_section", "model_section", "reproduce"]
+__all__ = ["Section", "equivalence_section", "model_section", "reproduce"]
 
 log = logging.getLogger(__name__)
 
-F32_REL_TOL = 1e-4  # DESIGN.md section 4: float32 max relative error on trained models
-F64_ABS_TOL = 1e-10  # float64 max absolute error on every architecture
-
-
-def meets_target(result) -> tuple[bool, str]:
-    """``(ok, description)`` of the DESIGN.md tolerance for ``result`` (a ``Verification``):
-    float64 max abs <= 1e-10; otherwise max rel (the floored, documented metric) <= 1e-4."""
-    if result.dtype == "float64":
-        return result.max_abs <= F64_ABS_TOL, f"max abs <= {F64_ABS_TOL:g}"
-    return result.max_rel <= F32_REL_TOL, f"max rel <= {F32_REL_TOL:g}"
+F32_REL_TOL = TOLERANCES["float32"][1]  # max relative error (the library's one rule, verify.TOLERANCES)
+F64_ABS_TOL = TOLERANCES["float64"][1]  # max absolute error
 
 
 @dataclass
 class Section:
+    key: str  # snake_case slug: the section's key in results.json
     title: str
     body: str
     figures: list[str] = field(default_factory=list)
     data: dict = field(default_factory=dict)
-
-
-def task_of(model: ICLTransformer) -> LinRegTask:
-    """The linear-regression task a checkpoint was trained on (its recipe), else the default."""
-    task = model.meta.get("recipe", {}).get("task")
-    return LinRegTask(**task) if task else DEFAULT_TASK
 
 
 def _verify_rows(v) -> list[tuple[str, float, float]]:
@@ -58,21 +45,22 @@ def _verify_rows(v) -> list[tuple[str, float, float]]:
 
 
 def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, seed: int = 2026,
-                        progress: bool = True) -> Section:
+                        progress: bool | None = None) -> Section:
     """Patched no-context pass vs with-context pass on fresh tasks, float32 and float64, for
     the last query (the prediction) and for every position."""
     task = task_of(model)
     tokens = task.sample(n_tasks, torch.Generator().manual_seed(seed), dtype=torch.float64).tokens
-    runs = {}
+    runs, patches = {}, {}
     copies = {dt: copy.deepcopy(model).to(dt) for dt in (torch.float32, torch.float64)}
     jobs = [(dt, q) for dt in copies for q in ("last", "all")]
-    for dtype, query in tqdm(jobs, desc="equivalence", disable=not progress):
+    for dtype, query in progress_bar(jobs, progress, desc="equivalence"):
         m, x = copies[dtype], tokens.to(dtype)
         patch = token_patch(m, x, query=-1 if query == "last" else "all", progress=False)
-        runs[f"{str(dtype)[6:]} {query}"] = verify(m, x, patch)
-        if dtype == torch.float32 and query == "last":
-            unpatched = verify(m, x, patch.map(torch.zeros_like))
-    last32, last64 = runs["float32 last"], runs["float64 last"]
+        key = f"{str(dtype)[6:]}_{query}"
+        patches[key], runs[key] = patch, verify(m, x, patch)
+    last32, last64 = runs["float32_last"], runs["float64_last"]
+    # for scale: the query alone without the patch (a zero patch), float32, against the same reference
+    unpatched = verify(copies[torch.float32], tokens.to(torch.float32), patches["float32_last"].map(torch.zeros_like))
     lines = [
         f"{n_tasks} fresh tasks (seed {seed}) of {task.dim}-dimensional linear regression with "
         f"{task.n_context} context pairs, on the {model.config.describe()}. For each task the patch is computed from one "
@@ -88,8 +76,8 @@ def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, se
     for e32, e64 in zip(last32.per_layer, last64.per_layer):
         lines.append(f"| {e32.name} | {e32.max_abs:.2e} | {e32.max_rel:.2e} | {e32.max_rel_unfloored:.2e} | "
                      f"{e64.max_abs:.2e} | {e64.max_rel:.2e} |")
-    ok32, ok64 = meets_target(last32)[0], meets_target(last64)[0]
-    all32, all64 = runs["float32 all"], runs["float64 all"]
+    ok32, ok64 = last32.ok(), last64.ok()
+    all32, all64 = runs["float32_all"], runs["float64_all"]
     lines += [
         "",
         f"- float32, query = last: max relative error **{last32.max_rel:.2e}** over all layers and the "
@@ -108,13 +96,15 @@ def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, se
         out / "equivalence_layers.png",
         f"Token patch equivalence, {n_tasks} tasks, last query",
         reference=_verify_rows(unpatched),
+        rel_targets={"float32": F32_REL_TOL},
+        abs_targets={"float64": F64_ABS_TOL},
     )
     lines += ["", f"![error per layer]({fig.name})"]
     data = {"n_tasks": n_tasks, "seed": seed, "task": task.to_dict(),
             "runs": {k: v.to_dict() for k, v in runs.items()}, "unpatched_float32_last": unpatched.to_dict(),
             "targets": {"float32_max_rel": F32_REL_TOL, "float64_max_abs": F64_ABS_TOL},
             "met": {"float32": ok32, "float64": ok64}}
-    return Section("Context is a weight update: exact equivalence", "\n".join(lines), [fig.name], data)
+    return Section("equivalence", "Context is a weight update: exact equivalence", "\n".join(lines), [fig.name], data)
 
 
 def model_section(model: ICLTransformer, out: Path, n_tasks: int = 4096, seed: int = 7) -> Section:
@@ -139,17 +129,19 @@ def model_section(model: ICLTransformer, out: Path, n_tasks: int = 4096, seed: i
     history = model.meta.get("history")
     if history:
         fig = plots.training_curve(history, res["mse_zero"], out / "training_curve.png", "Training (tokenpatch train)",
-                                   least_squares_mse=res["mse_least_squares"])
+                                   least_squares_mse=res["mse_least_squares"], model_mse=res["mse_model"])
         figures.append(fig.name)
         lines += ["", f"![training curve]({fig.name})"]
         seconds = model.meta.get("seconds_last_session")
         if seconds:
-            lines.append(f"\nTrained for {model.meta.get('step')} steps in {seconds / 60:.1f} minutes (last session).")
-    return Section("The model: in-context linear regression", "\n".join(lines), figures, {"eval": res})
+            lines.append(f"\nTrained for {model.meta.get('step')} steps. The last `tokenpatch train` session took "
+                         f"{seconds / 60:.1f} minutes (training resumes after an interruption, and the checkpoint "
+                         "records only the last session's time, so the whole training can have taken longer).")
+    return Section("model", "The model: in-context linear regression", "\n".join(lines), figures, {"eval": res})
 
 
 def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None, n_tasks: int = 256,
-              seed: int = 2026, progress: bool = True) -> Path:
+              seed: int = 2026, progress: bool | None = None) -> Path:
     """Run every section on the shipped (or given) checkpoint; write ``report.md``,
     the PNG figures and ``results.json`` (the numbers of every figure and table) to ``out``."""
     out = Path(out)
@@ -161,18 +153,19 @@ def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None,
         model_section(model, out),
     ]
     seconds = time.perf_counter() - t0
+    threads = torch.get_num_threads()
     source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"
     header = [
         "# tokenpatch report",
         "",
         f"Written by `tokenpatch reproduce` from {source}; tokenpatch {__version__}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {torch.get_num_threads()} threads, {seconds:.1f} s.",
+        f"Python {platform.python_version()}, {threads} thread{'' if threads == 1 else 's'}, {seconds:.1f} s.",
         "",
     ]
     body = header + [f"## {i}. {s.title}\n\n{s.body}\n" for i, s in enumerate(sections, 1)]
     (out / "report.md").write_text("\n".join(body))
     data = {"tokenpatch": __version__, "torch": torch.__version__, "checkpoint": str(checkpoint) if checkpoint else "shipped",
-            "seconds": seconds, "sections": {s.title: {"figures": s.figures, **s.data} for s in sections}}
+            "seconds": seconds, "sections": {s.key: {"title": s.title, "figures": s.figures, **s.data} for s in sections}}
     (out / "results.json").write_text(json.dumps(data, indent=1))
     log.info("wrote %s", out / "report.md")
     return out / "report.md"

@@ -1,12 +1,13 @@
 """Pure tensor math of token patches. No modules here: tensors in, factors out.
 
-References are to ``science/token_patches.md``. Per query, with and without the removed context:
+The derivations are in ``docs/patch-theorem.md`` and ``docs/deep-models.md``. Per query, with
+and without the removed context:
 
     s_C, s_0   the MLP input (``s_0`` is the *anchor*)
     m_C, m_0   the value the MLP output is added to (residual stream), when there is a residual
     h_C        the input of the MLP's output matrix in the with-context pass
 
-**Minimal patch** (sections 2.1-2.2). For a matrix ``W`` reading ``s``, the patch must satisfy
+**Minimal patch**. For a matrix ``W`` reading ``s``, the patch must satisfy
 ``(W + dW) s_0 = W s_C``, i.e. ``dW s_0 = r`` with ``r = W (s_C - s_0)``. Every solution is
 
     dW = r s_0^T / |s_0|^2 + M (I - s_0 s_0^T / |s_0|^2)         (any M)
@@ -16,9 +17,11 @@ and the two terms are Frobenius-orthogonal, so the unique minimum-norm solution 
     dW* = r s_0^T / |s_0|^2,      |dW*|_F = |r| / |s_0|,
 
 which ``minimal_patch`` returns as factors ``(u, v) = (r, s_0 / |s_0|^2)``. It exists iff
-``s_0 != 0`` or ``r = 0``; otherwise ``ZeroAnchorError``.
+``s_0 != 0`` or ``r = 0``; otherwise ``ZeroAnchorError``. "Minimal" is among the patches that
+reproduce the MLP's pre-activation ``W s_C``; a smaller patch can reproduce the block's output
+(with ReLU, rows dead in both passes need no change).
 
-**Blocks** (sections 2.2, 3). After ``input_patch`` on every matrix that reads ``s`` the MLP's
+**Blocks**. After ``input_patch`` on every matrix that reads ``s`` the MLP's
 hidden state is the with-context one, ``h_C``. A block with a residual adds the MLP output to
 ``m``, and ``m_0 != m_C``, so the output side needs ``dm = m_C - m_0`` too, absorbed either
 
@@ -30,7 +33,7 @@ The norm placements differ only in what ``s`` and ``m`` are (``block_values``): 
 ``LN2(m + MLP(s))`` then has equal arguments in both passes; no norm ``s = m = h + A(h)``.
 Residual-free blocks need no output term: ``MLP(s_0)`` with the input patch equals ``MLP(s_C)``.
 
-**Deep models** (section 4.3): patch layers in order from one cached with-context pass; each
+**Deep models**: patch layers in order from one cached with-context pass; each
 layer's anchor is the layer run on the with-context hidden state of the query alone, since the
 patched earlier layers reproduce it exactly. ``patching.py`` implements it.
 
@@ -50,6 +53,7 @@ __all__ = [
     "block_values",
     "minimal_patch",
     "input_patch",
+    "apply_weight",
     "output_shift",
     "output_patch",
     "patch_family",
@@ -94,17 +98,19 @@ def _check_finite(**tensors: Tensor) -> None:
 def minimal_patch(r: Tensor, anchor: Tensor) -> LowRank:
     """``dW* = r anchor^T / |anchor|^2``, the minimum-Frobenius-norm ``dW`` with ``dW anchor = r``.
 
-    ``r [*lead, rows]``, ``anchor [*lead, cols]`` -> ``LowRank(u [*lead, 1, rows], v [*lead, 1, cols])``.
-    Rows where ``r = 0`` give a zero patch (even for a zero anchor); a zero anchor with ``r != 0``
-    raises ``ZeroAnchorError`` listing the offending leading indices.
+    ``r [*lead, rows]``, ``anchor [*lead, cols]`` -> ``LowRank(u [*lead, 1, rows], v [*lead, 1, cols])``
+    with ``u = r`` and ``v = anchor / |anchor|^2``. Rows where ``r = 0`` give a zero patch (even for a
+    zero anchor); a zero anchor with ``r != 0`` raises ``ZeroAnchorError`` listing the offending
+    leading indices. ``|anchor|^2`` is computed scaled by ``c = max_i |anchor_i|`` so that a tiny but
+    nonzero anchor never underflows: ``v = (a / |a|^2) / c`` with ``a = anchor / c``.
     """
     if r.shape[:-1] != anchor.shape[:-1]:
         raise InputError(f"r {tuple(r.shape)} and anchor {tuple(anchor.shape)} must share leading dims")
     dtype = work_dtype(r, anchor)
     r, anchor = r.to(dtype), anchor.to(dtype)
-    sq = (anchor * anchor).sum(-1, keepdim=True)  # [*lead, 1]  |anchor|^2
-    _check_finite(r=r, anchor=sq)
-    zero = sq[..., 0] == 0  # [*lead]
+    scale = anchor.abs().amax(-1, keepdim=True)  # [*lead, 1]  c = max_i |anchor_i|
+    _check_finite(r=r, anchor=scale)
+    zero = scale[..., 0] == 0  # [*lead]  exactly the zero vectors
     impossible = zero & (r != 0).any(-1) if zero.any() else zero
     if impossible.any():
         index = [tuple(i) for i in impossible.nonzero().tolist()]
@@ -113,21 +119,48 @@ def minimal_patch(r: Tensor, anchor: Tensor) -> LowRank:
             "while a nonzero change is needed: no weight patch can act on a zero input",
             index,
         )
-    v = anchor / torch.where(sq == 0, torch.ones_like(sq), sq)  # [*lead, cols]; 0 where anchor = 0
+    c = torch.where(zero[..., None], torch.ones_like(scale), scale)  # [*lead, 1]
+    a = anchor / c  # [*lead, cols]  max |a_i| = 1 (0 where the anchor is 0)
+    sq = (a * a).sum(-1, keepdim=True)  # [*lead, 1]  in [1, cols], or 0
+    v = a / torch.where(zero[..., None], torch.ones_like(sq), sq) / c  # [*lead, cols]  anchor / |anchor|^2
+    if not torch.isfinite(v).all():
+        small = float(scale[~torch.isfinite(v).all(-1)].min())
+        raise InputError(f"an anchor vector has max |entry| {small:.1e}: 1/|anchor| overflows {dtype}; "
+                         "compute in float64 (model.double())")
     return LowRank(r.unsqueeze(-2), v.unsqueeze(-2))
 
 
-def input_patch(weight: Tensor, s_ctx: Tensor, s_anchor: Tensor) -> LowRank:
-    """Rank-1 patch of a matrix ``weight [rows, cols]`` (applied as ``weight @ s``) such that
-    ``(W + dW) s_anchor = W s_ctx``: ``dW = W (s_ctx - s_anchor) s_anchor^T / |s_anchor|^2``.
+def apply_weight(weight: Tensor, x: Tensor, layout: str = "out_in") -> Tensor:
+    """``W x`` for every row of ``x [*lead, cols]`` -> ``[*lead, rows]``, in ``x``'s dtype.
 
-    ``s_ctx, s_anchor [*lead, cols]`` -> factors ``[*lead, 1, rows]``, ``[*lead, 1, cols]``.
+    ``weight`` as stored: ``[rows, cols]`` (``"out_in"``, ``nn.Linear``) or ``[cols, rows]``
+    (``"in_out"``, GPT-2's ``Conv1D``). A weight of a narrower dtype is cast a block of at most
+    ``_BLOCK`` entries at a time, never copied whole.
+    """
+    w = weight if layout == "out_in" else weight.T  # [rows, cols], a view
+    if w.dtype == x.dtype:
+        return x @ w.T
+    step = max(1, _BLOCK // w.shape[1])
+    return torch.cat([x @ w[i : i + step].to(x.dtype).T for i in range(0, w.shape[0], step)], -1)
+
+
+_BLOCK = 1 << 20  # entries of a weight cast at once by apply_weight
+
+
+def input_patch(weight: Tensor, s_ctx: Tensor, s_anchor: Tensor, layout: str = "out_in") -> LowRank:
+    """Rank-1 patch of a matrix ``W`` reading ``s`` such that ``(W + dW) s_anchor = W s_ctx``:
+    ``dW = W (s_ctx - s_anchor) s_anchor^T / |s_anchor|^2`` (``docs/patch-theorem.md``).
+
+    ``weight`` as stored (``layout`` as in ``apply_weight``); ``s_ctx, s_anchor [*lead, cols]`` ->
+    factors ``[*lead, 1, rows]``, ``[*lead, 1, cols]`` of the math ``[rows, cols]`` matrix.
     """
     dtype = work_dtype(weight, s_ctx, s_anchor)
-    if s_ctx.shape != s_anchor.shape or s_ctx.shape[-1] != weight.shape[-1]:
-        raise InputError(f"weight {tuple(weight.shape)} cannot read s_ctx {tuple(s_ctx.shape)} / s_anchor {tuple(s_anchor.shape)}")
+    cols = weight.shape[-1] if layout == "out_in" else weight.shape[0]
+    if s_ctx.shape != s_anchor.shape or s_ctx.shape[-1] != cols:
+        raise InputError(f"weight {tuple(weight.shape)} ({layout}) cannot read s_ctx {tuple(s_ctx.shape)} / "
+                         f"s_anchor {tuple(s_anchor.shape)}")
     diff = s_ctx.to(dtype) - s_anchor.to(dtype)  # [*lead, cols]
-    r = diff @ weight.to(dtype).T  # [*lead, rows]  W (s_C - s_0)
+    r = apply_weight(weight, diff, layout)  # [*lead, rows]  W (s_C - s_0)
     return minimal_patch(r, s_anchor)
 
 

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ._progress import DELAY_S
 from .errors import FileFormatError
 from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
-from .tasks.linreg import LinRegTask, evaluate
+from .tasks.linreg import DEFAULT_TASK, LinRegTask, evaluate
 
 __all__ = ["TrainConfig", "train", "lr_at", "DEFAULT_MODEL", "DEFAULT_TASK", "DEFAULT_TRAIN"]
 
@@ -47,7 +48,6 @@ class TrainConfig:
 
 
 # The shipped checkpoint (tokenpatch/data/linreg-pre10.safetensors) is exactly this recipe.
-DEFAULT_TASK = LinRegTask(dim=4, n_context=16, noise=0.1)
 DEFAULT_MODEL = ICLConfig(d_in=DEFAULT_TASK.d_in, d_out=1, d_model=64, n_layers=10, n_heads=4, norm="pre")
 DEFAULT_TRAIN = TrainConfig()
 
@@ -104,7 +104,7 @@ def train(
     task: LinRegTask = DEFAULT_TASK,
     cfg: TrainConfig = DEFAULT_TRAIN,
     resume: bool = True,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> ICLTransformer:
     """Train (or resume training) and return the model; the checkpoint lives at ``out``.
 
@@ -147,7 +147,8 @@ def train(
         tensors = {**_optim_tensors(opt), "rng": gen.get_state()}
         save_model(model, out, meta=meta, extra=tensors)
 
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", disable=not progress, unit="step")
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
+               **({"disable": None, "delay": DELAY_S} if progress is None else {"disable": not progress}))
     t0 = time.perf_counter()
     with _deferred_interrupt() as stop:
         for step in range(start, cfg.steps):

@@ -1,6 +1,6 @@
 """The adapter interface: what the patch algorithm needs to know about a model family.
 
-``patching.py`` reaches a model only through an ``Adapter``. The algorithm (science section 4.3)
+``patching.py`` reaches a model only through an ``Adapter``. The algorithm (``docs/deep-models.md``)
 needs, per layer ``i``:
 
 * ``mix(model, i, h) -> (m, s)``: run the layer up to its MLP on hidden states ``h [N, T, d]``
@@ -43,12 +43,12 @@ class Sites:
     ``output``: ``("bias", name)`` -- add ``m_C - m_0`` to the MLP output bias; ``("matrix", name)``
     -- rank-1 ``(m_C - m_0) h_C^T / |h_C|^2`` on the output weight; ``None`` -- no residual term.
 
-    Planned kinds for the Hugging Face families (science section 4): Gemma's post-feedforward
+    Planned kinds for the Hugging Face families: Gemma's post-feedforward
     norm needs ``("matrix+scale", down_proj, norm)`` -- a rank-1 ``down_proj`` patch plus a dense
-    norm-scale delta (4.1); a parallel (NeoX) block has no input sites at layers whose MLP input
+    norm-scale delta; a parallel (NeoX) block has no input sites at layers whose MLP input
     is context-free; an MoE layer's sites depend on the token's selected experts, so its adapter
     will return per-query sites (router and selected experts' input matrices as inputs, one
-    expert's output matrix scaled by its gate weight as output, 4.2).
+    expert's output matrix scaled by its gate weight as output).
     """
 
     inputs: tuple[str, ...]

@@ -52,6 +52,8 @@ class ICLAdapter(Adapter):
 
     def mix_with_alone(self, model, i: int, h: Tensor, positions: list[int]):
         block = self._blocks(model)[i]
+        if not hasattr(block.mixer, "with_alone"):  # recurrent layers: nothing to share
+            return super().mix_with_alone(model, i, h, positions)
         a, a0 = block.mixer.with_alone(block.mixer_input(h), positions)  # [B, T, d], [B, P, d]
         return block.combine(h, a), block.combine(h[:, positions], a0)
 

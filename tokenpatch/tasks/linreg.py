@@ -1,9 +1,9 @@
-"""In-context linear regression (science/token_patches.md, section 2.4).
+"""In-context linear regression (``docs/linear-regression.md``), as in *Learning without training*.
 
 A task is a weight vector ``w ~ N(0, I_D)``. Its context holds ``n`` tokens ``e_i = [x_i; y_i]``
 with ``x_i ~ N(0, I_D)`` and ``y_i = w . x_i + noise * eps_i``; the query token is ``[x_q; 0]``
 and the target ``y_q = w . x_q + noise * eps_q``. The model's prediction is its output at the
-query position (``d_out = 1``; P2's code reads the last of ``D + 1`` output coordinates instead).
+query position (``d_out = 1``).
 
 Baselines, per task, from the context alone:
 
@@ -21,7 +21,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["LinRegTask", "LinRegBatch", "least_squares", "ridge", "evaluate"]
+from ..errors import InputError
+
+__all__ = ["LinRegTask", "LinRegBatch", "least_squares", "ridge", "evaluate", "task_of", "DEFAULT_TASK"]
 
 
 class LinRegBatch(NamedTuple):
@@ -39,8 +41,8 @@ class LinRegTask:
     noise: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.dim < 1 or self.n_context < 0 or self.noise < 0:
-            raise ValueError(f"invalid LinRegTask {self}")
+        if self.dim < 1 or self.n_context < 0 or not self.noise >= 0:
+            raise InputError(f"invalid LinRegTask {self}: need dim >= 1, n_context >= 0, noise >= 0")
 
     @property
     def d_in(self) -> int:
@@ -99,3 +101,13 @@ def evaluate(model, task: LinRegTask, n_tasks: int = 1024, seed: int = 1234, rid
     }
     out["ratio_zero"] = out["mse_model"] / out["mse_zero"]
     return out
+
+
+# The task of the shipped checkpoint (tokenpatch/data/linreg-pre10.safetensors).
+DEFAULT_TASK = LinRegTask(dim=4, n_context=16, noise=0.1)
+
+
+def task_of(model) -> LinRegTask:
+    """The linear-regression task a checkpoint was trained on (its recipe), else ``DEFAULT_TASK``."""
+    task = getattr(model, "meta", {}).get("recipe", {}).get("task")
+    return LinRegTask(**task) if task else DEFAULT_TASK

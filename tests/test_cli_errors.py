@@ -1,0 +1,96 @@
+"""Every user mistake on the command line: one line on stderr naming what is wrong and what to
+do, exit status 2, no traceback (``--debug`` shows it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import tokenpatch as tp
+from tokenpatch.cli import main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("files")
+    (d / "notes.txt").write_text("hello\n")
+    save_file({"x": torch.zeros(3)}, d / "other.safetensors")  # another tool's file
+    tiny = tp.ICLTransformer(tp.ICLConfig(d_in=3, d_model=4, n_layers=1, n_heads=1))
+    patch = tp.token_patch(tiny, torch.randn(1, 3, 3))
+    tp.save_patch(patch, d / "patch.safetensors")
+    (d / "folder").mkdir()
+    return d
+
+
+CASES = [  # (argv, what the one line must say); {d} is the fixture folder
+    (["verify", "--checkpoint", "{d}/missing.safetensors"], "no such file: {d}/missing.safetensors"),
+    (["verify", "--checkpoint", "{d}/folder"], "{d}/folder is a directory; give the path of a tokenpatch.model/1 file"),
+    (["verify", "--checkpoint", "{d}/notes.txt"], "is not a readable safetensors file"),
+    (["verify", "--checkpoint", "{d}/patch.safetensors"], "holds a 'tokenpatch.patch/1', not a 'tokenpatch.model/1' (a patch file"),
+    (["verify", "--checkpoint", "{d}/other.safetensors"], "is a safetensors file but not one written by tokenpatch"),
+    (["verify", "--tasks", "0"], "argument --tasks: 0 is too small: it must be at least 1"),
+    (["verify", "--tasks", "-5"], "argument --tasks: -5 is too small"),
+    (["verify", "--tasks", "many"], "argument --tasks: 'many' is not an integer"),
+    (["verify", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["verify", "--threads", "-1"], "argument --threads: -1 is too small: it must be at least 0"),
+    (["reproduce", "--out", "{d}/notes.txt"], "--out {d}/notes.txt is a file; give a folder"),
+    (["reproduce", "--tasks", "0"], "argument --tasks: 0 is too small"),
+    (["reproduce", "--checkpoint", "{d}/folder"], "is a directory"),
+    (["train", "--out", "{d}/notes.txt"], "--out {d}/notes.txt exists and is not a tokenpatch training checkpoint"),
+    (["train", "--out", "{d}/folder"], "--out {d}/folder is a folder; give a file path"),
+    (["train", "--out", "{d}/notes.txt/run.safetensors"], "{d}/notes.txt is a file, not a folder"),
+    (["train", "--out", "{d}/new.safetensors", "--export", "{d}/notes.txt"], "--export {d}/notes.txt already exists"),
+    (["train", "--layer", "mamba"], "argument --layer: invalid choice: 'mamba' (choose from 'gru', 'linear', 'lstm', 'rnn', 'softmax')"),
+    (["train", "--norm", "middle"], "argument --norm: invalid choice: 'middle'"),
+    (["train", "--steps", "0"], "argument --steps: 0 is too small"),
+    (["train", "--context", "-1"], "argument --context: -1 is too small"),
+    (["train", "--lr", "-0.1"], "argument --lr: -0.1 must be a finite number > 0"),
+    (["train", "--noise", "nan"], "argument --noise: nan must be a finite number >= 0"),
+    (["train", "--out", "{d}/new.safetensors", "--d-model", "10", "--heads", "4"], "d_model=10 is not divisible by n_heads=4"),
+    (["frobnicate"], "argument command: invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a)[:40] for a, _ in CASES])
+def test_one_line_and_exit_status_2(files, capsys, argv, message):
+    argv = [a.format(d=files) for a in argv] + ["--quiet"] * (argv[0] != "frobnicate")
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's own errors exit
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tokenpatch"), err
+    assert message.format(d=files) in lines[0], lines[0]
+
+
+def test_no_traceback_unless_debug(files):
+    argv = [sys.executable, "-m", "tokenpatch", "verify", "--checkpoint", str(files / "folder"), "--quiet"]
+    plain = subprocess.run(argv, capture_output=True, text=True)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr and len(plain.stderr.splitlines()) == 1
+    debug = subprocess.run(argv + ["--debug"], capture_output=True, text=True)
+    assert "Traceback" in debug.stderr and "FileFormatError" in debug.stderr
+    env = {**os.environ, "TOKENPATCH_DEBUG": "1"}
+    assert "Traceback" in subprocess.run(argv, capture_output=True, text=True, env=env).stderr
+
+
+@pytest.mark.parametrize("command", ["train", "verify", "reproduce"])
+def test_help_shows_every_default(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out.split("options:", 1)[1]
+    switches = {"--help", "--quiet", "--debug", "--json", "--no-resume", "--no-residual"}  # off unless given
+    entries = re.split(r"\n  (?=-)", out)[1:]  # one entry per option: "--name METAVAR  help (default: x)"
+    assert len(entries) >= 8
+    for entry in entries:
+        name = entry.split()[-1 if entry.startswith("-h") else 0].rstrip(",")
+        name = "--help" if entry.startswith("-h") else name
+        if name not in switches:
+            assert "default:" in " ".join(entry.split()), (name, entry)

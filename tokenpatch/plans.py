@@ -1,0 +1,149 @@
+"""Query plans: which positions are queries, and which context the no-context pass drops.
+
+Two modes, named, never encoded as ``None``:
+
+* ``"alone"`` (``remove=None``, the default): all context before each query is removed, so each
+  query is a no-context sequence of its own, of length 1. The no-context inputs are
+  ``[batch * query, 1, ...]``, batch-major: sequence ``b * Q + q`` belongs to patch ``[b, q]``.
+* ``"chunk"`` (``remove`` = a slice or a boolean mask): the chunk ``Y`` is removed and the rest,
+  ``C \\ Y``, is one shorter sequence per batch row, ``[batch, len(C \\ Y), ...]``; patch
+  ``[b, q]`` acts at the query's position in it.
+
+See ``docs/deep-models.md`` for why these two no-context passes are the ones the patch reproduces.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .errors import InputError
+
+__all__ = ["Plan", "make_plan", "Mode"]
+
+Mode = Literal["alone", "chunk"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Queries and removed context for sequences of ``seq_len`` positions.
+
+    ``query``: with-context positions whose outputs the patch reproduces, in patch order.
+    ``mode``: ``"alone"`` (each query keeps only itself) or ``"chunk"`` (a chunk is removed).
+    ``kept``: positions of ``C \\ Y`` in chunk mode; empty in alone mode.
+    """
+
+    seq_len: int
+    query: tuple[int, ...]
+    mode: Mode = "alone"
+    kept: tuple[int, ...] = ()
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Query positions in the no-context sequence: all 0 in alone mode (each query is a
+        length-1 sequence), their index in ``C \\ Y`` in chunk mode."""
+        if self.mode == "alone":
+            return (0,) * len(self.query)
+        where = {p: i for i, p in enumerate(self.kept)}
+        return tuple(where[q] for q in self.query)
+
+    @property
+    def stripped_len(self) -> int:
+        """Length of each no-context sequence."""
+        return 1 if self.mode == "alone" else len(self.kept)
+
+    def describe(self) -> dict:
+        """JSON-able record kept in a patch's metadata (``from_meta`` reads it back)."""
+        removed = None if self.mode == "alone" else sorted(set(range(self.seq_len)) - set(self.kept))
+        return {"seq_len": self.seq_len, "query": list(self.query), "removed": removed}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "Plan":
+        removed = meta.get("removed")
+        if removed is None:
+            return cls(meta["seq_len"], tuple(meta["query"]))
+        gone = set(removed)
+        return cls(meta["seq_len"], tuple(meta["query"]), "chunk", tuple(p for p in range(meta["seq_len"]) if p not in gone))
+
+
+def _as_int(q: Any) -> int:
+    if not isinstance(q, bool) and not (isinstance(q, Tensor) and q.dtype == torch.bool):
+        try:
+            return operator.index(q)  # ints, numpy integers, integer 0-d tensors
+        except TypeError:
+            pass
+    raise InputError(f"query positions must be integers, got {q!r}")
+
+
+def _removed_mask(seq_len: int, remove: Any) -> list[bool]:
+    """``remove`` (a slice, or a boolean mask ``[seq_len]``) as a list of bools."""
+    if isinstance(remove, slice):
+        chosen = set(range(seq_len)[remove])
+        removed = [p in chosen for p in range(seq_len)]
+    else:
+        mask = torch.as_tensor(remove)
+        if mask.dtype != torch.bool:
+            raise InputError(f"remove must be a slice or a boolean mask of length {seq_len}, got dtype {mask.dtype}")
+        if mask.shape != (seq_len,):
+            raise InputError(f"remove mask has shape {tuple(mask.shape)}; the sequence has {seq_len} positions")
+        removed = mask.tolist()
+    if not any(removed):
+        raise InputError(f"the removed chunk {remove!r} is empty: there is no context to turn into a patch")
+    if all(removed):
+        raise InputError("remove covers every position, the query included")
+    return removed
+
+
+def _query_positions(seq_len: int, query: Any, candidates: list[int]) -> list[int]:
+    """``query`` (an int, ints, a slice or ``"all"`` = every candidate) as positions in ``[0, seq_len)``."""
+    if isinstance(query, str):
+        if query != "all":
+            raise InputError(f"query must be an int, a list of ints, a slice or 'all', got {query!r}")
+        positions = candidates
+    elif isinstance(query, slice):
+        positions = list(range(seq_len))[query]
+    else:
+        if hasattr(query, "tolist"):  # tensors and arrays
+            query = query.tolist()
+        positions = [_as_int(q) for q in query] if isinstance(query, (list, tuple, range)) else [_as_int(query)]
+    if not positions:
+        raise InputError(f"query {query!r} selects no position of a sequence of length {seq_len}")
+    for q in positions:
+        if not -seq_len <= q < seq_len:
+            raise InputError(f"query position {q} is outside the sequence of length {seq_len}")
+    out = [q % seq_len for q in positions]
+    if len(set(out)) != len(out):
+        raise InputError(f"query positions repeat: {out}")
+    return out
+
+
+def make_plan(seq_len: int, query: Any = -1, remove: Any = None) -> Plan:
+    """Normalise ``query`` and ``remove`` (see ``token_patch``) into a ``Plan``; clear errors."""
+    if remove is None:
+        return Plan(seq_len, tuple(_query_positions(seq_len, query, list(range(seq_len)))))
+    removed = _removed_mask(seq_len, remove)
+    kept = [p for p in range(seq_len) if not removed[p]]
+    query = _query_positions(seq_len, query, kept)
+    inside = [q for q in query if removed[q]]
+    if inside:
+        raise InputError(f"query positions {inside} lie inside the removed chunk")
+    return Plan(seq_len, tuple(query), "chunk", tuple(kept))
+
+
+def strip(adapter, inputs: Any, plan: Plan) -> Any:
+    """The no-context inputs of ``plan``: ``[batch * query, 1, ...]`` (alone) or
+    ``[batch, len(C \\ Y), ...]`` (chunk)."""
+    if plan.mode == "alone":
+        return adapter.strip(inputs, torch.tensor(plan.query), separate=True)
+    return adapter.strip(inputs, torch.tensor(plan.kept), separate=False)
+
+
+def at_queries(t: Tensor, plan: Plan, batch: int) -> Tensor:
+    """A no-context tensor ``t`` (as ``strip`` lays it out) -> its values at the queries, ``[batch, query, ...]``."""
+    if plan.mode == "alone":
+        return t.reshape(batch, len(plan.query), *t.shape[2:])  # each query was its own sequence
+    return t[:, list(plan.positions)]
