@@ -31,7 +31,7 @@ print(f"target {batch.target[3]:.6f}   with context {with_context:.6f}   "
 
 # Patches are small (factors, never dense matrices) and save to safetensors.
 path = Path(tempfile.mkdtemp()) / "patch.safetensors"
-tp.save(patch, path)
-again = tp.load(path, model=model)
+tp.save_patch(patch, path)
+again = tp.load_patch(path, model=model)
 norms = again.norms()["blocks.9.mlp.fc_in.weight"]
 print("Frobenius norm of the last layer's patch per task:", norms[:, 0].tolist())

@@ -92,3 +92,25 @@ def test_readme_first_example_runs_and_prints_what_it_shows(capsys):
         got = rows[" ".join(site)].split()[-3:]
         for want, have in zip((a, r, u), got):  # same magnitude (the last digits depend on the CPU)
             assert float(want) / 10 <= float(have) <= float(want) * 10, (line, got)
+
+
+def test_readme_and_help_agree_on_the_main_job_time(capsys):
+    from tokenpatch.cli import REPRODUCE_TIME
+
+    with pytest.raises(SystemExit):
+        main(["reproduce", "--help"])
+    assert REPRODUCE_TIME in " ".join(capsys.readouterr().out.split())
+    assert REPRODUCE_TIME in (ROOT / "README.md").read_text()
+
+
+def test_docs_exist_and_nothing_cites_files_outside_the_repo():
+    docs = ROOT / "docs"
+    for page in ("README.md", "patch-theorem.md", "deep-models.md", "verification.md", "linear-regression.md"):
+        assert (docs / page).stat().st_size > 1000, page
+    assert "docs/" in (ROOT / "README.md").read_text()
+    for path in [ROOT / "README.md", *sorted((ROOT / "tokenpatch").rglob("*.py")), *sorted(docs.glob("*.md"))]:
+        text = path.read_text()
+        for outside in ("science/", "P2's", "DESIGN.md"):
+            assert outside not in text, (path, outside)
+    for ref in set(re.findall(r"docs/[a-z-]+\.md", "".join(p.read_text() for p in (ROOT / "tokenpatch").rglob("*.py")))):
+        assert (ROOT / ref).exists(), ref

@@ -134,3 +134,11 @@ def test_one_tolerance_rule_by_dtype():
     assert f64.ok() and f64.target == "max abs <= 1e-10"
     assert not tp.Verification([tp.SiteError("output", 2e-10, 0.0, 0.0)], "float64").ok()
     assert tp.LayerError is tp.SiteError  # the old name of the record
+
+
+def test_progress_bars_only_where_they_help(small_model, small_inputs, capsys):
+    """A library call off a terminal shows no bar; ``progress=True`` (what the CLI passes) does."""
+    tp.token_patch(small_model, small_inputs)
+    assert capsys.readouterr().err == ""
+    tp.token_patch(small_model, small_inputs, progress=True)
+    assert "token_patch" in capsys.readouterr().err

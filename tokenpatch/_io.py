@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +120,25 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
 # --------------------------------------------------------------------------- model fingerprints
 #
 # A patch is exact only for the weights it was computed from, so patches record the model's
-# fingerprint and every use checks it. The digest hashes every weight once per model state; each
-# later check only compares a key of cheap per-parameter attributes (no pass over the weights,
-# no device sync).
+# fingerprint and every use checks it. The digest hashes every weight once per model state; a
+# later check reads two integers per parameter (storage address, torch's version counter) of the
+# parameters it saw last time: no walk over the modules, no pass over the weights, no device sync.
 
-_FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+
+@dataclass
+class _State:
+    refs: list  # weak references to the parameters, in named_parameters order
+    ptrs: tuple  # storage address of each
+    versions: tuple  # torch version counter of each (bumped by in-place ops, optimizer steps, load_state_dict)
+    digest: str
+
+    def current(self) -> bool:
+        params = [r() for r in self.refs]  # a replaced module's parameters are gone: None
+        return (all(p is not None for p in params) and tuple(p.data_ptr() for p in params) == self.ptrs
+                and tuple(_version(p) for p in params) == self.versions)
+
+
+_FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
 _CHUNK = 1 << 22  # elements hashed per step: bounds the float32 copy of a half-precision weight
 
 
@@ -132,12 +147,6 @@ def _version(p: Tensor) -> int:
         return p._version
     except RuntimeError:  # inference tensors keep no version counter
         return -1
-
-
-def state_key(params: list[tuple[str, Tensor]]) -> tuple:
-    """Per parameter: name, identity, storage address and torch's version counter (bumped by
-    in-place ops, optimizer steps, ``load_state_dict``). Python attribute reads only."""
-    return tuple((name, id(p), p.data_ptr(), _version(p)) for name, p in params)
 
 
 def _digest(params: list[tuple[str, Tensor]]) -> str:
@@ -151,35 +160,45 @@ def _digest(params: list[tuple[str, Tensor]]) -> str:
     return h.hexdigest()[:32]
 
 
+def _state(params: list[tuple[str, Tensor]], digest: str) -> _State:
+    ps = [p for _, p in params]
+    return _State([weakref.ref(p) for p in ps], tuple(p.data_ptr() for p in ps), tuple(_version(p) for p in ps), digest)
+
+
 def fingerprint(model: nn.Module, cached: bool = True) -> str:
     """A digest (sha256) of the model's parameter names, shapes and values (as float32).
 
     Casting to float32 makes ``model.double()`` keep the fingerprint of the float32 model it came
-    from. With ``cached=True`` the digest is reused while every parameter keeps its identity,
-    storage and version counter (``state_key``), so a check costs a few attribute reads per
-    parameter. Writes through ``p.data`` bypass torch's version counter and so escape the cached
-    check; ``cached=False`` (what ``load_patch(path, model)`` uses) always re-hashes.
+    from. With ``cached=True`` the digest is reused while the parameters last seen keep their
+    storage and version counter and are still alive (``_State.current``), which catches in-place
+    edits, optimizer steps, ``load_state_dict``, ``.to()`` and replaced modules. Writes through
+    ``p.data`` bypass torch's version counter and escape it; ``cached=False`` (what
+    ``load_patch(path, model)`` uses) always re-hashes.
     """
-    params = list(model.named_parameters())
-    key = state_key(params)
     hit = _FINGERPRINTS.get(model)
-    if cached and hit is not None and hit[0] == key:
-        return hit[1]
+    if cached and hit is not None and hit.current():
+        return hit.digest
+    params = list(model.named_parameters())
     digest = _digest(params)
-    _FINGERPRINTS[model] = (key, digest)
+    _FINGERPRINTS[model] = _state(params, digest)
     return digest
 
 
-def restored(model: nn.Module, key_before: tuple, touched: set[str]) -> None:
-    """After ``apply`` wrote and restored the parameters named ``touched`` bit for bit, keep the
-    cached digest valid: only their version counters moved. Any other change drops nothing and
-    blesses nothing (the next check re-hashes)."""
+def restored(model: nn.Module, before: "_State | None", touched: set[int]) -> None:
+    """After ``apply`` wrote and restored the parameters with ids ``touched`` bit for bit, keep the
+    cached digest: only their version counters moved. Anything else changed: re-hash next time."""
     hit = _FINGERPRINTS.get(model)
-    if hit is None or hit[0] != key_before:
+    if before is None or hit is not before:
         return
-    key = state_key(list(model.named_parameters()))
-    same = len(key) == len(key_before) and all(
-        a == b or (a[0] in touched and a[:3] == b[:3]) for a, b in zip(key, key_before)
-    )
-    if same:
-        _FINGERPRINTS[model] = (key, hit[1])
+    params = [r() for r in hit.refs]
+    if any(p is None for p in params) or tuple(p.data_ptr() for p in params) != hit.ptrs:
+        return
+    versions = tuple(_version(p) for p in params)
+    if all(v == w or id(p) in touched for p, v, w in zip(params, versions, hit.versions)):
+        hit.versions = versions
+
+
+def cached_state(model: nn.Module) -> "_State | None":
+    """The current cached fingerprint state of ``model`` (``None`` if stale or absent)."""
+    hit = _FINGERPRINTS.get(model)
+    return hit if hit is not None and hit.current() else None

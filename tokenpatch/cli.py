@@ -23,6 +23,7 @@ from .errors import TokenpatchError
 log = logging.getLogger("tokenpatch")
 
 USAGE_ERROR = 2
+REPRODUCE_TIME = "about 5 s on a 2-core CPU"  # the README says the same (tests/test_cli.py)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,8 +124,8 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("reproduce", help="run the paper experiments; write results/report.md, figures, JSON",
                        formatter_class=fmt,
-                       description="Run every section of the report on the shipped checkpoint (about 15 s on a 2-core "
-                                   "CPU) and write report.md, its PNG figures and results.json to --out.")
+                       description=f"Run every section of the report on the shipped checkpoint ({REPRODUCE_TIME}) "
+                                   "and write report.md, its PNG figures and results.json to --out.")
     r.add_argument("--out", default="results", help="output folder")
     r.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
     r.add_argument("--tasks", type=_count(1), default=256, help="fresh tasks for the equivalence section")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import operator
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Union
 
@@ -256,7 +257,12 @@ class Patch(Mapping):
     def check_model(self, model: nn.Module, cached: bool = True) -> None:
         """Raise unless every key names a parameter of ``model`` of the right shape, and (when the
         patch records one) the model's weights are the ones the patch was computed from
-        (``tokenpatch._io.fingerprint``; ``cached=False`` re-hashes every weight)."""
+        (``tokenpatch._io.fingerprint``; ``cached=False`` re-hashes every weight). Once a model
+        passes, later checks against the same unchanged model cost a few integer reads per parameter."""
+        digest = _io.fingerprint(model, cached)
+        seen = self.__dict__.get("_checked")
+        if cached and seen is not None and seen[0]() is model and seen[1] == digest:
+            return
         params = dict(model.named_parameters())
         for name, d in self._deltas.items():
             if name not in params:
@@ -266,11 +272,12 @@ class Patch(Mapping):
             if got != shape:
                 raise InputError(f"patch delta for {name} has shape {got}, the parameter is {shape}")
         want = self.meta.get("model", {}).get("fingerprint")
-        if want is not None and want != _io.fingerprint(model, cached):
+        if want is not None and want != digest:
             raise InputError(
                 f"this patch was computed for another model (fingerprint {want}, this model "
-                f"{_io.fingerprint(model, cached)}); a token patch is exact only for the weights it came from"
+                f"{digest}); a token patch is exact only for the weights it came from"
             )
+        self._checked = (weakref.ref(model), digest)
 
 
 # --------------------------------------------------------------------------------- files

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from . import _io
 from .arch import weight_layout
 from .delta import Delta, LowRank, Patch
 from .errors import InputError, UnsupportedModelError
@@ -179,6 +180,7 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
         )
     patch.check_model(model)
     params = dict(model.named_parameters())
+    state = _io.cached_state(model)  # unchanged by the round trip below, so kept valid after it
     saved: dict[str, Tensor] = {}
     try:
         with torch.no_grad():
@@ -192,3 +194,4 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
         with torch.no_grad():
             for name, original in saved.items():
                 params[name].copy_(original)
+        _io.restored(model, state, {id(params[name]) for name in saved})

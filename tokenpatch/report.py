@@ -68,7 +68,7 @@ def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, se
         "(`tp.functional_call`), and every layer's output hidden state and the prediction are "
         "compared with the with-context pass. Relative error: `|got - ref|_2 / max(|ref|_2, rms)` per "
         "query vector, max over tasks, where `rms` is the site's RMS vector norm (it keeps a "
-        "prediction near 0 from inflating the ratio; see `tp.LayerError`).",
+        "prediction near 0 from inflating the ratio; see `tp.SiteError`).",
         "",
         "| site | float32 max abs | float32 max rel | (unfloored) | float64 max abs | float64 max rel |",
         "|---|---|---|---|---|---|",
