@@ -87,3 +87,17 @@ def test_math_runs_in_at_least_float32():
     p = solve.input_patch(w, torch.randn(2, 3).half(), torch.randn(2, 3).half())
     assert p.u.dtype == torch.float32 and p.v.dtype == torch.float32
     assert solve.work_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
+
+
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_half_weights_are_read_block_by_block(layout, monkeypatch):
+    """``W (s_C - s_0)`` of a float16 weight runs in float32 one block of rows at a time (never a
+    float32 copy of the whole matrix) and equals the product with the whole weight cast."""
+    w = torch.randn(37, 11).half()  # [rows, cols] as math
+    stored = w if layout == "out_in" else w.T.contiguous()  # Conv1D stores [in, out]
+    x = torch.randn(3, 11)
+    monkeypatch.setattr(solve, "_BLOCK", 50)  # 4 rows per block: 10 blocks
+    got = solve.apply_weight(stored, x, layout)
+    torch.testing.assert_close(got, x @ w.float().T, rtol=0, atol=1e-5)
+    p = solve.input_patch(stored, x, torch.randn(3, 11), layout=layout)
+    assert p.u.dtype == torch.float32 and p.shape == (37, 11)
