@@ -14,7 +14,13 @@ from tokenpatch.testing import perturbed
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=200)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "default")
+settings.load_profile(PROFILE)
+
+# Examples per parametrised case of the main exactness sweep (tests/test_equivalence.py): small by
+# default, large under HYPOTHESIS_PROFILE=thorough. Use ``@sweep``, never a hard-coded max_examples.
+SWEEP_EXAMPLES = {"default": 8, "thorough": 100}
+sweep = settings(max_examples=SWEEP_EXAMPLES[PROFILE])
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -5,14 +5,18 @@ drawn by hypothesis. Equivalence is algebra: the bound is 1e-10, errors are ~1e-
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import tokenpatch as tp
-from conftest import random_block, random_model
+from conftest import SWEEP_EXAMPLES, random_block, random_model, sweep
 
 LAYERS = sorted(tp.LAYERS)
 NORMS = ["none", "pre", "post"]
@@ -24,16 +28,36 @@ def sizes(draw):
     n_heads = draw(st.sampled_from([1, 2, 3]))
     d_model = n_heads * draw(st.integers(1, 4))
     seq_len = draw(st.integers(4, 10))
-    start = draw(st.integers(1, seq_len - 3))  # a chunk strictly inside: context on both sides
-    stop = draw(st.integers(start + 1, seq_len - 2))
+    # the removed chunk Y: any nonempty set of positions but the last one (the "last" query), from
+    # position 0 on; a slice or a boolean mask [seq_len], contiguous or not
+    if draw(st.booleans()):
+        start = draw(st.integers(0, seq_len - 2))
+        chunk = slice(start, draw(st.integers(start + 1, seq_len - 1)))
+    else:
+        bits = draw(st.integers(1, 2 ** (seq_len - 1) - 1))  # bit p set: position p removed
+        chunk = torch.tensor([bool(bits >> p & 1) for p in range(seq_len)])
     return dict(n_heads=n_heads, d_model=d_model, d_in=draw(st.integers(1, 5)), d_mlp=draw(st.integers(1, 12)),
-                batch=draw(st.integers(1, 3)), seq_len=seq_len, chunk=slice(start, stop), seed=draw(st.integers(0, 2**16)))
+                batch=draw(st.integers(1, 3)), seq_len=seq_len, chunk=chunk, seed=draw(st.integers(0, 2**16)))
+
+
+def _kept_and_queries(seq_len, query, remove):
+    """Independently of make_plan: the positions of C \\ Y and the query positions."""
+    removed = set(range(seq_len)[remove]) if isinstance(remove, slice) else set(remove.nonzero().flatten().tolist())
+    kept = [p for p in range(seq_len) if p not in removed]
+    return kept, ([seq_len - 1] if query == -1 else kept if query == "all" else [q % seq_len for q in query])
 
 
 def _check(model, inputs, query, remove):
     patch = tp.token_patch(model, inputs, query=query, remove=remove)
     result = tp.verify(model, inputs, patch)
     assert result.max_abs <= 1e-10, result.table()
+    if remove is not None:  # the model on C \ Y as the test builds it, patched, gives the with-context outputs
+        kept, queries = _kept_and_queries(inputs.shape[1], query, remove)
+        assert list(patch.meta["query"]) == queries and patch.positions == tuple(kept.index(q) for q in queries)
+        with torch.no_grad():
+            out = tp.functional_call(model, patch, inputs[:, kept])  # [B, len(kept), d_out]
+            ref = model(inputs)[:, queries]  # [B, len(queries), d_out]
+        torch.testing.assert_close(out[:, list(patch.positions)], ref, rtol=0, atol=1e-10)
     # rank 1 per matrix and per query, stored as factors
     for name, delta in patch.items():
         if isinstance(delta, tp.LowRank):
@@ -43,9 +67,10 @@ def _check(model, inputs, query, remove):
 
 
 @pytest.mark.parametrize("layer,norm,residual,query,remove", COMBOS)
-@settings(max_examples=8)
+@sweep
 @given(s=sizes())
 def test_single_block_exact(layer, norm, residual, query, remove, s):
+    """One block, h [batch, seq_len, d_model]: exact patches for the drawn sizes and chunk."""
     config = tp.ICLConfig(d_in=s["d_model"], d_model=s["d_model"], n_layers=1, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
                           layer=layer, norm=norm, residual=residual)
     block = random_block(config, s["seed"])
@@ -54,14 +79,32 @@ def test_single_block_exact(layer, norm, residual, query, remove, s):
 
 
 @pytest.mark.parametrize("layer,norm,residual,query,remove", COMBOS)
-@settings(max_examples=8)
+@sweep
 @given(s=sizes())
 def test_three_layer_model_exact(layer, norm, residual, query, remove, s):
+    """A 3-layer model, x [batch, seq_len, d_in] -> [batch, seq_len, 2]: exact patches."""
     config = tp.ICLConfig(d_in=s["d_in"], d_out=2, d_model=s["d_model"], n_layers=3, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
                           layer=layer, norm=norm, residual=residual)
     model = random_model(config, s["seed"])
     x = torch.randn(s["batch"], s["seq_len"], s["d_in"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
     _check(model, x, -1 if query == "last" else "all", None if remove == "context" else s["chunk"])
+
+
+def test_sweep_size_follows_the_profile():
+    """HYPOTHESIS_PROFILE=thorough enlarges both sweeps: a fresh interpreter importing this module
+    under that profile sees SWEEP_EXAMPLES["thorough"] examples per case (a hard-coded
+    max_examples on either decorator would pin it)."""
+    sweeps = (test_single_block_exact, test_three_layer_model_exact)
+    assert all(t._hypothesis_internal_use_settings.max_examples == sweep.max_examples for t in sweeps)
+    here = Path(__file__).resolve().parent
+    code = ("import test_equivalence as t; print(*(f._hypothesis_internal_use_settings.max_examples "
+            "for f in (t.test_single_block_exact, t.test_three_layer_model_exact)))")
+    env = {**os.environ, "HYPOTHESIS_PROFILE": "thorough",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(here.parent), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert [int(n) for n in run.stdout.split()] == [SWEEP_EXAMPLES["thorough"]] * 2
+    assert SWEEP_EXAMPLES["thorough"] > SWEEP_EXAMPLES["default"]
 
 
 @pytest.mark.parametrize("layer", LAYERS)
