@@ -22,7 +22,7 @@ def shipped():
 
 def test_with_context_inputs_are_refused(shipped):
     """The patch was made for the query alone; run on the with-context tokens it would silently
-    add the context twice (the value 4.59 instead of 2.93 before this check)."""
+    add the context a second time and return a wrong prediction."""
     model, batch, patch = shipped
     with pytest.raises(tp.InputError, match="made for no-context sequences of length 1, got length 17"):
         tp.functional_call(model, patch, batch.tokens)

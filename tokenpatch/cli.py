@@ -167,7 +167,7 @@ def _train(args) -> int:
         try:
             _, _, extra = read_checkpoint(out)
         except (FileFormatError, OSError) as exc:
-            raise _usage(f"--out {out} exists and is not a tokenpatch training checkpoint ({exc}); "
+            raise _usage(f"--out {out} exists and is not a tokenpatch training checkpoint; "
                          "choose another path (nothing is overwritten)") from exc
         if "rng" not in extra and not args.no_resume:
             raise _usage(f"--out {out} holds weights only (an export), so training cannot resume from it; "

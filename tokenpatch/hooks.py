@@ -57,17 +57,16 @@ class _Hook:
         self.length = Plan.from_meta(meta).stripped_len if "query" in meta and "seq_len" in meta else None
 
     def _check(self, x: Tensor) -> None:
+        if x.ndim != 3:
+            raise InputError(f"{self.name}: expected inputs [batch, pos, features], got {tuple(x.shape)}")
         (rows, queries), at = self.patch.lead, self.patch.acts == "at_positions"
         n = x.shape[0]
         want_n = rows if at else rows * queries
-        if x.ndim != 3:
-            raise InputError(f"{self.name}: expected inputs [batch, pos, features], got {tuple(x.shape)}")
         if n != want_n and not (self.broadcast and rows == 1 and n % (1 if at else queries) == 0):
-            layout = f"{rows} sequence(s), patch row b acting at positions {list(self.patch.positions)}" if at else \
-                f"{want_n} no-context sequence(s), sequence b*{queries}+q for patch [b, q]"
-            hint = " or pass broadcast=True to run its one row of patches over every sequence" if rows == 1 else ""
-            raise InputError(f"{self.name}: the patch holds [batch, query] = {[rows, queries]} patches, made for "
-                             f"{layout}, but the input batch is {n}; tp.strip_context gives the right inputs{hint}")
+            made = "one row per sequence" if at else "one per no-context sequence"
+            hint = "; or pass broadcast=True to run its one row of patches over every sequence" if rows == 1 else ""
+            raise InputError(f"{self.name}: the patch holds [batch, query] = {[rows, queries]} patches, {made}, "
+                             f"but the input batch is {n}; tp.strip_context gives the right inputs{hint}")
         t = x.shape[1]
         if at and t <= max(self.patch.positions):
             raise InputError(f"{self.name}: the patch acts at positions {list(self.patch.positions)} but the "
