@@ -22,6 +22,7 @@ patch goes.
 from .arch import Adapter, Sites, adapter_for
 from .arch import register as register_adapter
 from .delta import Patch, load_patch, save_patch
+from .dynamics import Trajectory, trajectory
 from .errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
 from .hooks import apply, functional_call
 from .layers import LAYERS, make_layer
@@ -40,6 +41,8 @@ load = load_patch
 
 __all__ = [
     "token_patch",
+    "trajectory",
+    "Trajectory",
     "verify",
     "apply",
     "functional_call",

@@ -44,6 +44,17 @@ class ContextualLayer(nn.Module):
         """``A(x)``: the output for each row of ``x`` [N, d] run as a sequence of its own."""
         return self(x[:, None, :])[:, 0, :]
 
+    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor) -> Tensor:
+        """Virtual query rows: row ``p`` of ``hq [B, P, d]`` read right after the first ``lengths[p]``
+        positions of ``h [B, T, d]``, i.e. ``A([h_1..h_n, hq_p])`` at its last position -> ``[B, P, d]``.
+
+        By causality the rows of ``h`` are the same in every prefix, so one call gives the layer's
+        output at the query for every context prefix (``tp.trajectory``). This default runs the
+        layer once per row; attention and the recurrent layers override it to share the context.
+        """
+        rows = [self(torch.cat([h[:, :n], hq[:, p : p + 1]], 1))[:, -1] for p, n in enumerate(lengths.tolist())]
+        return torch.stack(rows, 1)  # [B, P, d]
+
 
 class _Attention(ContextualLayer):
     """Shared projections of the two attention layers: ``q``, ``k``, ``v``, then ``out``.
@@ -93,6 +104,17 @@ class _Attention(ContextualLayer):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor) -> Tensor:
+        """Keys and values of the context come from ``h`` once; row ``p`` attends to the first
+        ``lengths[p]`` of them and to its own key and value."""
+        k, v = self._split(self.k(h)), self._split(self.v(h))  # [B, H, T, dh]
+        q, k_self, v_self = (self._split(f(hq)) for f in (self.q, self.k, self.v))  # [B, H, P, dh]
+        visible = torch.arange(h.shape[1], device=h.device)[None, :] < lengths.to(h.device)[:, None]  # [P, T]
+        return self._merge(self._attend_prefix(q, k, v, k_self, v_self, visible))
+
+    def _attend_prefix(self, q, k, v, k_self, v_self, visible) -> Tensor:
+        raise NotImplementedError
+
 
 class SoftmaxAttention(_Attention):
     """Causal multi-head softmax attention, no positional encoding.
@@ -105,6 +127,14 @@ class SoftmaxAttention(_Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, dh]
+
+    def _attend_prefix(self, q, k, v, k_self, v_self, visible) -> Tensor:
+        scale = q.shape[-1] ** -0.5
+        s_ctx = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # [B, H, P, T]
+        s_self = (q * k_self).sum(-1, keepdim=True) * scale  # [B, H, P, 1]
+        top = torch.maximum(s_ctx.amax(-1, keepdim=True), s_self)  # [B, H, P, 1]
+        w_ctx, w_self = torch.exp(s_ctx - top), torch.exp(s_self - top)
+        return (w_ctx @ v + w_self * v_self) / (w_ctx.sum(-1, keepdim=True) + w_self)  # [B, H, P, dh]
 
 
 class LinearAttention(_Attention):
@@ -123,6 +153,12 @@ class LinearAttention(_Attention):
         scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)  # [B, H, T, T]
         return (scores @ v) / scores.sum(-1, keepdim=True)  # [B, H, T, dh]
 
+    def _attend_prefix(self, q, k, v, k_self, v_self, visible) -> Tensor:
+        q, k, k_self = F.elu(q) + 1, F.elu(k) + 1, F.elu(k_self) + 1
+        s_ctx = (q @ k.transpose(-1, -2)).masked_fill(~visible, 0.0)  # [B, H, P, T]
+        s_self = (q * k_self).sum(-1, keepdim=True)  # [B, H, P, 1]
+        return (s_ctx @ v + s_self * v_self) / (s_ctx.sum(-1, keepdim=True) + s_self)  # [B, H, P, dh]
+
 
 class _Recurrent(ContextualLayer):
     """A torch recurrent module over the sequence from a zero state; output = hidden state h_t."""
@@ -131,6 +167,25 @@ class _Recurrent(ContextualLayer):
 
     def forward(self, h: Tensor) -> Tensor:
         return self.rnn(h)[0]  # [B, T, d]
+
+    def states(self, h: Tensor):
+        """The recurrent state after every position, ``[B, T, d]`` (LSTM: ``(h_t, c_t)``)."""
+        return self.rnn(h)[0]
+
+    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor) -> Tensor:
+        """The state after each prefix is in the full pass; each row is one step from it."""
+        batch, rows, d = hq.shape
+        start = self._gather(self.states(h), lengths)  # state after lengths[p] positions, [B, P, d] (each)
+        flat = lambda t: t.reshape(1, batch * rows, d)  # noqa: E731
+        init = tuple(flat(t) for t in start) if isinstance(start, tuple) else flat(start)
+        return self.rnn(hq.reshape(batch * rows, 1, d), init)[0].reshape(batch, rows, d)
+
+    @staticmethod
+    def _gather(states, lengths: Tensor):
+        if isinstance(states, tuple):
+            return tuple(_Recurrent._gather(s, lengths) for s in states)
+        zero = torch.zeros_like(states[:, :1])  # the state before any position
+        return torch.cat([zero, states], 1)[:, lengths.to(states.device)]  # [B, P, d]
 
 
 class ElmanRNN(_Recurrent):
@@ -161,6 +216,24 @@ class LSTMLayer(_Recurrent):
     def __init__(self, d_model: int, bias: bool = True):
         super().__init__()
         self.rnn = nn.LSTM(d_model, d_model, bias=bias, batch_first=True)
+
+    def states(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """``(h_t, c_t)`` after every position: torch returns only the last cell state, so the
+        recurrence is stepped here with the module's own weights (gates in torch's order i, f, g, o)."""
+        r = self.rnn
+        pre = h @ r.weight_ih_l0.T  # [B, T, 4d]  the input part of every step at once
+        if r.bias:
+            pre = pre + r.bias_ih_l0 + r.bias_hh_l0
+        state = torch.zeros_like(h[:, 0])  # [B, d]
+        cell = torch.zeros_like(state)
+        hs, cs = [], []
+        for t in range(h.shape[1]):
+            i, f, g, o = (pre[:, t] + state @ r.weight_hh_l0.T).chunk(4, -1)
+            cell = torch.sigmoid(f) * cell + torch.sigmoid(i) * torch.tanh(g)
+            state = torch.sigmoid(o) * torch.tanh(cell)
+            hs.append(state)
+            cs.append(cell)
+        return torch.stack(hs, 1), torch.stack(cs, 1)  # [B, T, d] each
 
 
 LAYERS: dict[str, type[ContextualLayer]] = {

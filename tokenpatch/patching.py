@@ -34,9 +34,9 @@ from ._progress import progress_bar
 from .arch import Sites, adapter_for, weight_layout
 from .delta import Delta, LowRank, Patch
 from .errors import InputError, ZeroAnchorError
-from .plans import Plan, at_queries, make_plan, strip
+from .plans import at_queries, make_plan, strip
 
-__all__ = ["token_patch", "strip_context"]
+__all__ = ["token_patch", "strip_context", "layer_patch", "take"]
 
 
 def strip_context(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = None) -> Any:
@@ -49,7 +49,7 @@ def strip_context(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = 
     return strip(adapter, inputs, make_plan(adapter.seq_len(inputs), query, remove))
 
 
-def _take(t: Tensor, positions: list[int]) -> Tensor:
+def take(t: Tensor, positions: list[int]) -> Tensor:
     """``t[:, positions]``, without a copy when ``positions`` is every position in order."""
     return t if positions == list(range(t.shape[1])) else t[:, positions]
 
@@ -66,9 +66,9 @@ def _stored(delta: LowRank, layout: str) -> LowRank:
     return delta if layout == "out_in" else LowRank(delta.v, delta.u)
 
 
-def _layer_patch(model, sites: Sites, ctx, anchor, layer: int, plan: Plan) -> dict[str, Delta]:
+def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels) -> dict[str, Delta]:
     """The layer's deltas from with-context ``ctx = (m, s, hidden)`` and ``anchor = (m, s)``,
-    each ``[batch, query, ...]``."""
+    each ``[batch, query, ...]``; ``labels[q]`` names query ``q`` in errors (its position)."""
     (m_c, s_c, hidden_c), (m_0, s_0) = ctx, anchor
     deltas: dict[str, Delta] = {}
     acts_on = "the MLP input without context"
@@ -85,7 +85,7 @@ def _layer_patch(model, sites: Sites, ctx, anchor, layer: int, plan: Plan) -> di
                 acts_on = "the MLP hidden state with context"
                 deltas[name] = _stored(solve.output_patch(m_c, m_0, hidden_c), _math_weight(model, name)[1])
     except ZeroAnchorError as exc:
-        where = [(b, plan.query[q]) for b, q in exc.index]
+        where = [(b, labels[q]) for b, q in exc.index]
         raise ZeroAnchorError(
             f"layer {layer}: no minimal patch of {name} exists at (batch, query position) {where[:5]}: "
             f"the vector it acts on ({acts_on}) is zero, yet the context changes what it must produce",
@@ -139,8 +139,8 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
             m_0, s_0 = adapter.mix(model, i, h0)
             anchor = (at_queries(m_0, plan, batch), at_queries(s_0, plan, batch))
         hidden_c, out_c = adapter.finish(model, i, m_c, s_c)
-        ctx = (_take(m_c, q), _take(s_c, q), _take(hidden_c, q))  # each [B, Q, .]
-        deltas.update(_layer_patch(model, adapter.sites(model, i), ctx, anchor, i, plan))
+        ctx = (take(m_c, q), take(s_c, q), take(hidden_c, q))  # each [B, Q, .]
+        deltas.update(layer_patch(model, adapter.sites(model, i), ctx, anchor, i, plan.query))
         if plan.mode == "chunk" and i + 1 < n_layers:
             # next no-context states: unpatched at context positions, with-context at the queries
             # (the patched layer reproduces them exactly)

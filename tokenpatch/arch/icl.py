@@ -57,6 +57,11 @@ class ICLAdapter(Adapter):
         a, a0 = block.mixer.with_alone(block.mixer_input(h), positions)  # [B, T, d], [B, P, d]
         return block.combine(h, a), block.combine(h[:, positions], a0)
 
+    def mix_prefixes(self, model, i: int, h: Tensor, hq: Tensor, lengths: Tensor):
+        block = self._blocks(model)[i]
+        a = block.mixer.prefix_queries(block.mixer_input(h), block.mixer_input(hq), lengths)  # [B, P, d]
+        return block.combine(hq, a)
+
     def finish(self, model, i: int, m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         return self._blocks(model)[i].finish(m, s)
 
