@@ -125,7 +125,8 @@ def trajectory(model: nn.Module, inputs: Any, query: int = -1, *, steps: bool = 
     ``inputs [batch, pos, d]``; ``query``: the position whose output the patches reproduce (the
     context is every token before it; later tokens are ignored). ``steps=True`` also computes the
     one-token-removal increments. Cost: one forward pass over the context plus, per layer, the
-    ``N + 1`` virtual query rows and their single-token anchors (``benchmarks/trajectory.py``).
+    ``N + 1`` virtual query rows, whose anchors (each row alone) share their value vectors
+    (``benchmarks/trajectory.py``).
     """
     adapter = adapter_for(model)
     inputs = adapter.check_inputs(model, inputs)
@@ -142,10 +143,8 @@ def trajectory(model: nn.Module, inputs: Any, query: int = -1, *, steps: bool = 
     increments: dict[str, Delta] = {}
     labels = list(range(q + 1))
     for i in progress_bar(range(adapter.n_layers(model)), progress, desc="trajectory", unit="layer"):
-        m_c, s_c = adapter.mix_prefixes(model, i, ctx, rows, lengths)  # [B, N+1, d]
+        (m_c, s_c), anchor = adapter.mix_prefixes(model, i, ctx, rows, lengths, with_alone=True)  # [B, N+1, d]
         hidden_c, out_rows = adapter.finish(model, i, m_c, s_c)
-        m_0, s_0 = adapter.mix(model, i, rows.reshape(-1, 1, width))  # each row alone: the anchors
-        anchor = (m_0.reshape(batch, q + 1, -1), s_0.reshape(batch, q + 1, -1))
         sites = adapter.sites(model, i)
         deltas.update(layer_patch(model, sites, (m_c, s_c, hidden_c), anchor, i, labels))
         if steps:  # anchor: the same row with c_i removed, i.e. read after c_1..c_{i-1}

@@ -44,7 +44,7 @@ class ContextualLayer(nn.Module):
         """``A(x)``: the output for each row of ``x`` [N, d] run as a sequence of its own."""
         return self(x[:, None, :])[:, 0, :]
 
-    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor) -> Tensor:
+    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor, with_alone: bool = False):
         """Virtual query rows: row ``p`` of ``hq [B, P, d]`` read right after the first ``lengths[p]``
         positions of ``h [B, T, d]``, i.e. ``A([h_1..h_n, hq_p])`` at its last position -> ``[B, P, d]``.
 
@@ -53,7 +53,8 @@ class ContextualLayer(nn.Module):
         layer once per row; attention and the recurrent layers override it to share the context.
         """
         rows = [self(torch.cat([h[:, :n], hq[:, p : p + 1]], 1))[:, -1] for p, n in enumerate(lengths.tolist())]
-        return torch.stack(rows, 1)  # [B, P, d]
+        a = torch.stack(rows, 1)  # [B, P, d]
+        return (a, self.alone(hq.reshape(-1, hq.shape[-1])).reshape(hq.shape)) if with_alone else a
 
 
 class _Attention(ContextualLayer):
@@ -104,13 +105,16 @@ class _Attention(ContextualLayer):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor) -> Tensor:
+    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor, with_alone: bool = False):
         """Keys and values of the context come from ``h`` once; row ``p`` attends to the first
-        ``lengths[p]`` of them and to its own key and value."""
+        ``lengths[p]`` of them and to its own key and value. ``with_alone``: also each row alone,
+        ``A(hq_p) = out(v_p)`` from the value already computed -> ``(a, a_alone)``."""
         k, v = self._split(self.k(h)), self._split(self.v(h))  # [B, H, T, dh]
-        q, k_self, v_self = (self._split(f(hq)) for f in (self.q, self.k, self.v))  # [B, H, P, dh]
+        v_rows = self.v(hq)  # [B, P, d]
+        q, k_self, v_self = self._split(self.q(hq)), self._split(self.k(hq)), self._split(v_rows)  # [B, H, P, dh]
         visible = torch.arange(h.shape[1], device=h.device)[None, :] < lengths.to(h.device)[:, None]  # [P, T]
-        return self._merge(self._attend_prefix(q, k, v, k_self, v_self, visible))
+        a = self._merge(self._attend_prefix(q, k, v, k_self, v_self, visible))  # [B, P, d]
+        return (a, self.out(v_rows)) if with_alone else a
 
     def _attend_prefix(self, q, k, v, k_self, v_self, visible) -> Tensor:
         raise NotImplementedError
@@ -129,12 +133,11 @@ class SoftmaxAttention(_Attention):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, dh]
 
     def _attend_prefix(self, q, k, v, k_self, v_self, visible) -> Tensor:
-        scale = q.shape[-1] ** -0.5
-        s_ctx = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))  # [B, H, P, T]
-        s_self = (q * k_self).sum(-1, keepdim=True) * scale  # [B, H, P, 1]
-        top = torch.maximum(s_ctx.amax(-1, keepdim=True), s_self)  # [B, H, P, 1]
-        w_ctx, w_self = torch.exp(s_ctx - top), torch.exp(s_self - top)
-        return (w_ctx @ v + w_self * v_self) / (w_ctx.sum(-1, keepdim=True) + w_self)  # [B, H, P, dh]
+        q = q * q.shape[-1] ** -0.5
+        scores = torch.cat([q @ k.transpose(-1, -2), (q * k_self).sum(-1, keepdim=True)], -1)  # [B, H, P, T+1]
+        scores.masked_fill_(~F.pad(visible, (0, 1), value=True), float("-inf"))  # context j < lengths[p], and self
+        w = torch.softmax(scores, -1)
+        return w[..., :-1] @ v + w[..., -1:] * v_self  # [B, H, P, dh]
 
 
 class LinearAttention(_Attention):
@@ -172,13 +175,14 @@ class _Recurrent(ContextualLayer):
         """The recurrent state after every position, ``[B, T, d]`` (LSTM: ``(h_t, c_t)``)."""
         return self.rnn(h)[0]
 
-    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor) -> Tensor:
+    def prefix_queries(self, h: Tensor, hq: Tensor, lengths: Tensor, with_alone: bool = False):
         """The state after each prefix is in the full pass; each row is one step from it."""
         batch, rows, d = hq.shape
         start = self._gather(self.states(h), lengths)  # state after lengths[p] positions, [B, P, d] (each)
         flat = lambda t: t.reshape(1, batch * rows, d)  # noqa: E731
         init = tuple(flat(t) for t in start) if isinstance(start, tuple) else flat(start)
-        return self.rnn(hq.reshape(batch * rows, 1, d), init)[0].reshape(batch, rows, d)
+        a = self.rnn(hq.reshape(batch * rows, 1, d), init)[0].reshape(batch, rows, d)
+        return (a, self.alone(hq.reshape(-1, d)).reshape(hq.shape)) if with_alone else a
 
     @staticmethod
     def _gather(states, lengths: Tensor):

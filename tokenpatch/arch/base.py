@@ -118,9 +118,10 @@ class Adapter:
         m0, s0 = self.mix(model, i, h[:, positions].reshape(-1, 1, d))  # [B*P, 1, .]
         return self.mix(model, i, h), (m0.reshape(batch, len(positions), -1), s0.reshape(batch, len(positions), -1))
 
-    def mix_prefixes(self, model: nn.Module, i: int, h: Tensor, hq: Tensor, lengths: Tensor):
+    def mix_prefixes(self, model: nn.Module, i: int, h: Tensor, hq: Tensor, lengths: Tensor, with_alone: bool = False):
         """``(m, s)`` of virtual query rows: row ``p`` of ``hq [B, P, d]`` placed right after the first
-        ``lengths[p]`` positions of ``h [B, T, d]`` (``tp.trajectory``) -> ``[B, P, .]`` each."""
+        ``lengths[p]`` positions of ``h [B, T, d]`` (``tp.trajectory``) -> ``[B, P, .]`` each; with
+        ``with_alone`` also ``(m, s)`` of each row alone (the anchors): ``((m, s), (m0, s0))``."""
         raise UnsupportedModelError(f"the {self.name} adapter cannot run virtual query rows (tp.trajectory)")
 
     def finish(self, model: nn.Module, i: int, m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:

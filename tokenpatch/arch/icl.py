@@ -57,10 +57,10 @@ class ICLAdapter(Adapter):
         a, a0 = block.mixer.with_alone(block.mixer_input(h), positions)  # [B, T, d], [B, P, d]
         return block.combine(h, a), block.combine(h[:, positions], a0)
 
-    def mix_prefixes(self, model, i: int, h: Tensor, hq: Tensor, lengths: Tensor):
+    def mix_prefixes(self, model, i: int, h: Tensor, hq: Tensor, lengths: Tensor, with_alone: bool = False):
         block = self._blocks(model)[i]
-        a = block.mixer.prefix_queries(block.mixer_input(h), block.mixer_input(hq), lengths)  # [B, P, d]
-        return block.combine(hq, a)
+        out = block.mixer.prefix_queries(block.mixer_input(h), block.mixer_input(hq), lengths, with_alone)
+        return (block.combine(hq, out[0]), block.combine(hq, out[1])) if with_alone else block.combine(hq, out)
 
     def finish(self, model, i: int, m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         return self._blocks(model)[i].finish(m, s)
