@@ -22,11 +22,13 @@ patch goes.
 from .arch import Adapter, Sites, adapter_for
 from .arch import register as register_adapter
 from .delta import Patch, load_patch, save_patch
+from . import diagnostics
 from .dynamics import Trajectory, trajectory
 from .errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
 from .hooks import apply, functional_call
 from .layers import LAYERS, make_layer
 from .lowrank import LowRank
+from .online_gd import Replay, replay
 from .models import Block, ICLConfig, ICLTransformer, load_model, save_model
 from .patching import strip_context, token_patch
 from .plans import Plan, make_plan
@@ -43,6 +45,9 @@ __all__ = [
     "token_patch",
     "trajectory",
     "Trajectory",
+    "replay",
+    "Replay",
+    "diagnostics",
     "verify",
     "apply",
     "functional_call",

@@ -1,0 +1,91 @@
+"""Convergence diagnostics of a trajectory, from the factors (``docs/dynamics.md``).
+
+Every quantity is a Frobenius norm or inner product of low-rank matrices, read from Gram
+matrices of the factors: ``<U V^T, X Y^T>_F = sum((U^T X) * (V^T Y))``. No dense update is formed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .dynamics import Trajectory
+from .errors import InputError
+from .lowrank import LowRank
+
+__all__ = ["inner", "step_norms", "total_norms", "decay_exponent", "step_alignment", "layer_alignment",
+           "effective_rank"]
+
+
+def inner(a: LowRank, b: LowRank) -> Tensor:
+    """``<a, b>_F`` per leading index: ``sum_kl (u_k . x_l)(v_k . y_l)`` -> ``[*lead]``."""
+    return ((a.u @ b.u.transpose(-1, -2)) * (a.v @ b.v.transpose(-1, -2))).sum((-1, -2))
+
+
+def _matrix(traj: Trajectory, name: str) -> LowRank:
+    d = traj.patches[name]
+    if not isinstance(d, LowRank):
+        raise InputError(f"{name} is a dense (vector) delta; the diagnostics take a matrix of "
+                         f"{[n for n, x in traj.patches.items() if isinstance(x, LowRank)]}")
+    return d.to(torch.promote_types(d.dtype, torch.float64))
+
+
+def total_norms(traj: Trajectory, name: str) -> Tensor:
+    """``|dW_i|_F`` for every prefix ``i = 0..N`` -> ``[B, N + 1]``."""
+    return _matrix(traj, name).norm()
+
+
+def step_norms(traj: Trajectory, name: str) -> Tensor:
+    """``|dW_i - dW_{i-1}|_F`` for ``i = 1..N`` -> ``[B, N]``: the size of the update token ``c_i`` makes."""
+    d = _matrix(traj, name)
+    now, before = d.index((slice(None), slice(1, None))), d.index((slice(None), slice(None, -1)))
+    sq = inner(now, now) - 2 * inner(now, before) + inner(before, before)
+    return sq.clamp_min(0).sqrt()
+
+
+def decay_exponent(norms: Tensor, start: int = 2) -> Tensor:
+    """Least-squares slope of ``log norm_i`` against ``log i`` over ``i >= start`` (1-based steps),
+    per row of ``norms [B, N]`` -> ``[B]``. Negative: the updates shrink as ``i^slope``."""
+    n = norms.shape[-1]
+    if n - start + 1 < 2:
+        raise InputError(f"a slope needs two steps at i >= {start}; there are {n} steps")
+    i = torch.arange(start, n + 1, dtype=torch.float64)
+    x = i.log() - i.log().mean()  # [M]
+    y = norms[..., start - 1 :].double().clamp_min(torch.finfo(torch.float64).tiny).log()  # [B, M]
+    return ((y - y.mean(-1, keepdim=True)) * x).sum(-1) / (x * x).sum()
+
+
+def _cosine(a: LowRank, b: LowRank) -> Tensor:
+    den = (inner(a, a) * inner(b, b)).sqrt()
+    return torch.where(den > 0, inner(a, b) / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(den))
+
+
+def step_alignment(traj: Trajectory, name: str) -> Tensor:
+    """Cosine (normalised Frobenius inner product) of consecutive steps ``i - 1 -> i`` and
+    ``i -> i + 1`` for ``i = 1..N-1`` -> ``[B, N - 1]``."""
+    d = _matrix(traj, name)
+    u, v = d.u, d.v  # [B, N+1, 1, .]
+    steps = LowRank(torch.cat([u[:, 1:], -u[:, :-1]], -2), torch.cat([v[:, 1:], v[:, :-1]], -2))  # [B, N], rank 2
+    return _cosine(steps.index((slice(None), slice(1, None))), steps.index((slice(None), slice(None, -1))))
+
+
+def layer_alignment(traj: Trajectory, names: list[str], prefix: int = -1) -> Tensor:
+    """Cosine between the patches of matrices ``names`` (same shape, e.g. every layer's ``fc_in``)
+    at one prefix (default: all the context) -> ``[B, L, L]``."""
+    ds = [_matrix(traj, n) for n in names]
+    if len({d.shape for d in ds}) != 1:
+        raise InputError(f"layer_alignment needs matrices of one shape, got {[d.shape for d in ds]}")
+    at = [d.index((slice(None), prefix)) for d in ds]  # [B] each, rank 1
+    return torch.stack([torch.stack([_cosine(a, b) for b in at], -1) for a in at], -2)
+
+
+def effective_rank(delta: LowRank) -> Tensor:
+    """``exp(H(p))`` with ``p`` the normalised singular values of ``U^T V`` (Roy & Vetterli, 2007),
+    from the factors: ``U = Q_u R_u``, ``V = Q_v R_v`` so the singular values are those of
+    ``R_u R_v^T`` (``rank x rank``) -> ``[*lead]``. 1 for a rank-1 update."""
+    u, v = delta.u.double(), delta.v.double()  # [*lead, r, rows], [*lead, r, cols]
+    r_u = torch.linalg.qr(u.transpose(-1, -2)).R  # [*lead, r, r]
+    r_v = torch.linalg.qr(v.transpose(-1, -2)).R
+    sv = torch.linalg.svdvals(r_u @ r_v.transpose(-1, -2))  # [*lead, r]  those of U^T V = Q_u (R_u R_v^T) Q_v^T
+    p = sv / sv.sum(-1, keepdim=True).clamp_min(torch.finfo(sv.dtype).tiny)
+    return torch.exp(-(p * p.clamp_min(torch.finfo(p.dtype).tiny).log()).sum(-1))
