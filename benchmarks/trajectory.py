@@ -40,7 +40,7 @@ def largest_allocation(fn) -> int:
     """The largest single tensor allocation (bytes) made while ``fn`` runs."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    return max((e.cpu_memory_usage for e in prof.events() if e.name == "[memory]"), default=0)
+    return max((e.self_cpu_memory_usage for e in prof.events()), default=0)
 
 
 def per_prefix(model, x):
