@@ -10,9 +10,11 @@ Methods, in one process on the same inputs:
 * ``ours``        -- ``tp.trajectory(model, x)``: factors of every layer and every prefix;
 * ``per_prefix``  -- ``tp.token_patch(model, x[:, [0..i-1] + [query]])`` for i = 0..N.
 
-Peak memory is the net tensor memory a call allocates (``patch_cost.peak_bytes``). The largest
-tensor ``ours`` allocates is also recorded, against the size of one dense ``d_mlp x d_model``
-update: no dense update is ever formed. Prints a table; writes ``benchmarks/results/trajectory.json``.
+Peak memory is the net tensor memory a call allocates (``patch_cost.peak_bytes``); the largest
+single allocation of ``ours`` is recorded beside the size of one dense ``d_mlp x d_model`` update
+(the code never forms one: every product is ``[rows] x [cols]`` factors; the largest tensors are
+the MLP activations of the query rows and the attention scores). Prints a table; writes
+``benchmarks/results/trajectory.json``.
 
     python benchmarks/trajectory.py
 """

@@ -112,12 +112,21 @@ class _Attention(ContextualLayer):
         k, v = self._split(self.k(h)), self._split(self.v(h))  # [B, H, T, dh]
         v_rows = self.v(hq)  # [B, P, d]
         q, k_self, v_self = self._split(self.q(hq)), self._split(self.k(hq)), self._split(v_rows)  # [B, H, P, dh]
-        visible = torch.arange(h.shape[1], device=h.device)[None, :] < lengths.to(h.device)[:, None]  # [P, T]
-        a = self._merge(self._attend_prefix(q, k, v, k_self, v_self, visible))  # [B, P, d]
+        a = self._merge(self._attend_prefix(q, k, v, k_self, v_self, lengths))  # [B, P, d]
         return (a, self.out(v_rows)) if with_alone else a
 
-    def _attend_prefix(self, q, k, v, k_self, v_self, visible) -> Tensor:
+    def _attend_prefix(self, q, k, v, k_self, v_self, lengths) -> Tensor:
         raise NotImplementedError
+
+
+def _visible(lengths: Tensor, n_keys: int, device) -> Tensor:
+    """``[P, T]``: row ``p`` sees context key ``j`` iff ``j < lengths[p]``."""
+    return torch.arange(n_keys, device=device)[None, :] < lengths.to(device)[:, None]
+
+
+# torch's fused CPU attention also returns the log-sum-exp of each row's scores, which lets the
+# prefix rows use it (below); private, so it is looked up and used only where it exists.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class SoftmaxAttention(_Attention):
@@ -132,11 +141,20 @@ class SoftmaxAttention(_Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, dh]
 
-    def _attend_prefix(self, q, k, v, k_self, v_self, visible) -> Tensor:
-        q = q * q.shape[-1] ** -0.5
+    def _attend_prefix(self, q, k, v, k_self, v_self, lengths) -> Tensor:
+        scale = q.shape[-1] ** -0.5
+        rows = q.shape[2]
+        if (_FLASH_CPU is not None and q.device.type == "cpu" and 1 < rows <= k.shape[2] + 1
+                and torch.equal(lengths.cpu(), torch.arange(rows))):
+            # row p >= 1 sees keys 0..p-1: causal attention of rows 1.. over the first rows-1 keys, fused;
+            # then its own key joins with weight sigmoid(q.k_self - logsumexp(context scores))
+            out, lse = _FLASH_CPU(q[:, :, 1:], k[:, :, : rows - 1], v[:, :, : rows - 1], 0.0, True, scale=scale)[:2]
+            w = torch.sigmoid((q[:, :, 1:] * k_self[:, :, 1:]).sum(-1) * scale - lse)[..., None]  # [B, H, P-1, 1]
+            return torch.cat([v_self[:, :, :1], out + w * (v_self[:, :, 1:] - out)], 2)  # row 0: itself only
+        q = q * scale
         scores = torch.cat([q @ k.transpose(-1, -2), (q * k_self).sum(-1, keepdim=True)], -1)  # [B, H, P, T+1]
-        scores.masked_fill_(~F.pad(visible, (0, 1), value=True), float("-inf"))  # context j < lengths[p], and self
-        w = torch.softmax(scores, -1)
+        visible = F.pad(_visible(lengths, k.shape[2], q.device), (0, 1), value=True)  # context j < lengths[p], and self
+        w = torch.softmax(scores.masked_fill_(~visible, float("-inf")), -1)
         return w[..., :-1] @ v + w[..., -1:] * v_self  # [B, H, P, dh]
 
 
@@ -156,9 +174,9 @@ class LinearAttention(_Attention):
         scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)  # [B, H, T, T]
         return (scores @ v) / scores.sum(-1, keepdim=True)  # [B, H, T, dh]
 
-    def _attend_prefix(self, q, k, v, k_self, v_self, visible) -> Tensor:
+    def _attend_prefix(self, q, k, v, k_self, v_self, lengths) -> Tensor:
         q, k, k_self = F.elu(q) + 1, F.elu(k) + 1, F.elu(k_self) + 1
-        s_ctx = (q @ k.transpose(-1, -2)).masked_fill(~visible, 0.0)  # [B, H, P, T]
+        s_ctx = (q @ k.transpose(-1, -2)).masked_fill(~_visible(lengths, k.shape[2], q.device), 0.0)  # [B, H, P, T]
         s_self = (q * k_self).sum(-1, keepdim=True)  # [B, H, P, 1]
         return (s_ctx @ v + s_self * v_self) / (s_ctx.sum(-1, keepdim=True) + s_self)  # [B, H, P, dh]
 
