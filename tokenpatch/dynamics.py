@@ -106,9 +106,12 @@ def _zero_first(deltas: dict[str, Delta]) -> dict[str, Delta]:
 
 
 def _query_position(query: Any, seq_len: int) -> int:
-    if isinstance(query, bool) or not isinstance(query, (int, Tensor)) and not hasattr(query, "__index__"):
-        raise InputError(f"trajectory takes one query position (an int), got {query!r}")
-    q = operator.index(query)
+    try:
+        if isinstance(query, bool):
+            raise TypeError
+        q = operator.index(query)  # ints, numpy integers, integer 0-d tensors
+    except TypeError:
+        raise InputError(f"trajectory takes one query position (an int), got {query!r}") from None
     if not -seq_len <= q < seq_len:
         raise InputError(f"query position {q} is outside the sequence of length {seq_len}")
     q %= seq_len
