@@ -51,11 +51,14 @@ __all__ = [
     "as_dtype",
     "as_device",
     "DEFAULT_CHECKPOINT",
+    "SHIPPED",
     "MODEL_FORMAT",
 ]
 
 MODEL_FORMAT = "tokenpatch.model/1"
 DEFAULT_CHECKPOINT = "linreg-pre10.safetensors"
+# Shipped checkpoints (tokenpatch/data/), one per contextual layer: the same recipe, only the layer differs.
+SHIPPED = {"softmax": DEFAULT_CHECKPOINT}
 NORMS = ("none", "pre", "post")
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 LAYER_NAMES = {"softmax": "softmax-attention", "linear": "linear-attention", "rnn": "Elman-RNN", "gru": "GRU", "lstm": "LSTM"}
@@ -242,17 +245,25 @@ def read_checkpoint(path) -> tuple[ICLTransformer, dict[str, Any], dict[str, Ten
     return model.eval(), doc, extra
 
 
-def load_model(path=None, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> ICLTransformer:
-    """Load a checkpoint (default: the one shipped with tokenpatch) in eval mode.
+def load_model(path=None, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, *,
+               layer: str | None = None) -> ICLTransformer:
+    """Load a checkpoint (default: one shipped with tokenpatch) in eval mode.
 
-    ``dtype``: a torch dtype or its name (``"float64"``, ``"float16"``, ``"bfloat16"``, ...);
-    ``device``: e.g. ``"cpu"``, ``"cuda:0"``. The shipped model: a 10-layer Pre-LN
-    softmax-attention ``ICLTransformer`` trained on in-context linear regression (``tokenpatch
-    train --help`` retrains it); ``model.meta`` holds its task, training record and evaluation.
+    ``path``: a file written by ``save_model`` / ``tokenpatch train``; without it, the shipped model
+    whose contextual layer is ``layer`` (``SHIPPED``; default ``"softmax"``): 10-layer Pre-LN
+    ``ICLTransformer`` models trained on in-context linear regression with one recipe, only the
+    layer differing (``tokenpatch train --layer ...`` retrains them). ``dtype``: a torch dtype or its
+    name (``"float64"``, ``"float16"``, ...); ``device``: e.g. ``"cpu"``, ``"cuda:0"``.
+    ``model.meta`` holds the task, the training record and the evaluation.
     """
     dtype, device = as_dtype(dtype), as_device(device)
+    if path is not None and layer is not None:
+        raise InputError("give a checkpoint path or a shipped model's layer, not both")
     if path is None:
-        ref = resources.files("tokenpatch") / "data" / DEFAULT_CHECKPOINT
+        layer = layer or "softmax"
+        if layer not in SHIPPED:
+            raise InputError(f"no shipped model with layer {layer!r}; shipped: {sorted(SHIPPED)}")
+        ref = resources.files("tokenpatch") / "data" / SHIPPED[layer]
         with resources.as_file(ref) as p:
             model = read_checkpoint(Path(p))[0]
     else:
