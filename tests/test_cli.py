@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import tokenpatch as tp
 from tokenpatch.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,14 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys):
     for fig in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
-    assert set(data["sections"]) == {"equivalence", "model"}
+    assert set(data["sections"]) == {"equivalence", "model", "dynamics"}
+    dyn = data["sections"]["dynamics"]
+    assert set(dyn["models"]) == set(tp.models.SHIPPED)
+    for record in dyn["models"].values():  # every layer's fitted exponent quartiles, ordered
+        for layer in record["layers"].values():
+            q = layer["exponent_quartiles"]
+            assert len(q) == 3 and q[0] <= q[1] <= q[2]
+    assert dyn["models"]["softmax"]["nlms_deviation_median"][0] <= 1e-10  # exact at the first layer
     eq = data["sections"]["equivalence"]
     assert eq["title"] == "Context is a weight update: exact equivalence"
     assert eq["met"] == {"float32": True, "float64": True}

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter  # noqa: E402
 
-__all__ = ["layer_errors", "training_curve"]
+__all__ = ["layer_errors", "training_curve", "step_norms", "heatmap"]
 
 Rows = list[tuple[str, float, float]]  # [(site, max_abs, max_rel), ...]
 
@@ -84,6 +84,43 @@ def training_curve(history: list[list[float]], zero_mse: float, path: str | Path
     ax.set_title(title)
     ax.grid(True, which="major", alpha=0.3)
     _below(ax, ncols=3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def step_norms(curves: dict[str, dict[str, list[float]]], path: str | Path, title: str) -> Path:
+    """Median step norm ``|dW_i - dW_{i-1}|_F`` against the context token ``i`` (log-log), one panel
+    per layer of the model, one line per model. ``curves``: panel -> model label -> medians."""
+    path = Path(path)
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.2 * len(curves), 4.2), constrained_layout=True, squeeze=False)
+    for ax, (panel, lines) in zip(axes[0], curves.items()):
+        for label, ys in lines.items():
+            ax.loglog(range(1, len(ys) + 1), ys, "o-", ms=3, label=label)
+        ax.set_xlabel("context token i")
+        ax.set_ylabel("median step norm (log)")
+        ax.set_title(panel)
+        ax.grid(True, which="both", alpha=0.3)
+        _below(ax, ncols=3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def heatmap(matrix: list[list[float]], labels: list[str], path: str | Path, title: str) -> Path:
+    """A square matrix of cosines in [-1, 1] with its values written in the cells."""
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(6.2, 5.2), constrained_layout=True)
+    im = ax.imshow(matrix, vmin=-1, vmax=1, cmap="RdBu_r")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_yticks(range(len(labels)), labels)
+    for i, row in enumerate(matrix):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if abs(value) > 0.6 else "black")
+    fig.colorbar(im, ax=ax, label="cosine")
+    ax.set_title(title, fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -21,6 +21,7 @@ from ._progress import progress_bar
 from .models import ICLTransformer, load_model
 from .patching import token_patch
 from .tasks.linreg import evaluate, task_of
+from .report_dynamics import dynamics_section
 from .verify import TOLERANCES, verify
 
 __all__ = ["Section", "equivalence_section", "model_section", "reproduce"]
@@ -152,6 +153,8 @@ def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None,
         equivalence_section(model, out, n_tasks=n_tasks, seed=seed, progress=progress),
         model_section(model, out),
     ]
+    if checkpoint is None:  # the shipped models, one per contextual layer
+        sections.append(dynamics_section(out, progress=progress))
     seconds = time.perf_counter() - t0
     threads = torch.get_num_threads()
     source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"
