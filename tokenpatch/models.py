@@ -58,7 +58,7 @@ __all__ = [
 MODEL_FORMAT = "tokenpatch.model/1"
 DEFAULT_CHECKPOINT = "linreg-pre10.safetensors"
 # Shipped checkpoints (tokenpatch/data/), one per contextual layer: the same recipe, only the layer differs.
-SHIPPED = {"softmax": DEFAULT_CHECKPOINT}
+SHIPPED = {"softmax": DEFAULT_CHECKPOINT, **{k: f"linreg-{k}-pre10.safetensors" for k in ("linear", "rnn", "gru", "lstm")}}
 NORMS = ("none", "pre", "post")
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 LAYER_NAMES = {"softmax": "softmax-attention", "linear": "linear-attention", "rnn": "Elman-RNN", "gru": "GRU", "lstm": "LSTM"}
