@@ -111,6 +111,16 @@ def bench(name: str, model, x, repeats: int, with_dense: bool = True) -> dict:
     return row
 
 
+def write_results(args, rows: list[dict]) -> None:
+    """``rows`` and the machine they were measured on, as JSON at ``args.out``."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
+            "machine": platform.machine(), "repeats": args.repeats}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -153,12 +163,7 @@ def main() -> None:
     print(f"wide model: all-layer, all-position patches cost {wide_row['ours_over_forward']:.2f}x one forward pass "
           f"(target <= 1.5x: {verdict}); dense per-position updates cost {wide_row['dense_over_forward']:.2f}x and "
           f"{wide_row['dense_over_ours_memory']:.0f}x the memory of ours.")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
-            "machine": platform.machine(), "repeats": args.repeats}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args, rows)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,7 @@ the MLP activations of the query rows and the attention scores). Prints a table;
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +32,7 @@ import tokenpatch as tp
 from tokenpatch.tasks.linreg import task_of
 
 sys.path.insert(0, str(Path(__file__).parent))
-from patch_cost import peak_bytes, timed  # noqa: E402
+from patch_cost import peak_bytes, timed, write_results  # noqa: E402
 
 
 def largest_allocation(fn) -> int:
@@ -96,12 +93,7 @@ def main() -> None:
     print(f"\nwide model, N = 512: one-pass trajectory {w['per_prefix_over_ours']:.0f}x faster than per-prefix "
           f"token_patch (target >= 50x: {'met' if w['per_prefix_over_ours'] >= 50 else 'NOT met'}), "
           f"{w['ours_over_forward']:.2f}x one forward pass (target <= 3x: {'met' if w['ours_over_forward'] <= 3 else 'NOT met'})")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
-            "machine": platform.machine(), "repeats": args.repeats}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args, rows)
 
 
 if __name__ == "__main__":

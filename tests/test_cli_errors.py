@@ -37,7 +37,7 @@ CASES = [  # (argv, what the one line must say); {d} is the fixture folder
     (["verify", "--tasks", "0"], "argument --tasks: 0 is too small: it must be at least 1"),
     (["verify", "--tasks", "-5"], "argument --tasks: -5 is too small"),
     (["verify", "--tasks", "many"], "argument --tasks: 'many' is not an integer"),
-    (["verify", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["verify", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["verify", "--threads", "-1"], "argument --threads: -1 is too small: it must be at least 0"),
     (["reproduce", "--out", "{d}/notes.txt"], "--out {d}/notes.txt is a file; give a folder"),
     (["reproduce", "--tasks", "0"], "argument --tasks: 0 is too small"),

@@ -132,10 +132,15 @@ class _State:
     versions: tuple  # torch version counter of each (bumped by in-place ops, optimizer steps, load_state_dict)
     digest: str
 
+    def same_storage(self) -> list[Tensor] | None:
+        """The parameters, if all are alive and in the storage seen (a replaced module's are gone)."""
+        params = [r() for r in self.refs]
+        ok = all(p is not None for p in params) and tuple(p.data_ptr() for p in params) == self.ptrs
+        return params if ok else None
+
     def current(self) -> bool:
-        params = [r() for r in self.refs]  # a replaced module's parameters are gone: None
-        return (all(p is not None for p in params) and tuple(p.data_ptr() for p in params) == self.ptrs
-                and tuple(_version(p) for p in params) == self.versions)
+        params = self.same_storage()
+        return params is not None and tuple(_version(p) for p in params) == self.versions
 
 
 _FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
@@ -190,8 +195,8 @@ def restored(model: nn.Module, before: "_State | None", touched: set[int]) -> No
     hit = _FINGERPRINTS.get(model)
     if before is None or hit is not before:
         return
-    params = [r() for r in hit.refs]
-    if any(p is None for p in params) or tuple(p.data_ptr() for p in params) != hit.ptrs:
+    params = hit.same_storage()
+    if params is None:
         return
     versions = tuple(_version(p) for p in params)
     if all(v == w or id(p) in touched for p, v, w in zip(params, versions, hit.versions)):

@@ -113,11 +113,13 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="per-layer equivalence errors of token patches on a checkpoint", formatter_class=fmt,
                        description="Patch every layer for fresh tasks, run the model on the query alone with the patch, "
                                    "and print the error per layer against the with-context pass. Exit status 1 if the "
-                                   "tolerance (float32: max rel 1e-4; float64: max abs 1e-10) is not met.")
+                                   "tolerance (float64: max abs 1e-10; float32: max rel 1e-4; float16: 1e-2; "
+                                   "bfloat16: 5e-2) is not met.")
     v.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
     v.add_argument("--tasks", type=_count(1), default=256, help="fresh tasks (batch size)")
     v.add_argument("--seed", type=int, default=2026, help="seed of the fresh tasks")
-    v.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="precision of the check")
+    v.add_argument("--dtype", choices=["float64", "float32", "float16", "bfloat16"], default="float32",
+                   help="precision of the check (tolerance by dtype: tp.TOLERANCES)")
     v.add_argument("--query", choices=["last", "all"], default="last", help="the prediction only, or every position")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     _common(v)

@@ -1,7 +1,7 @@
 """Convergence diagnostics of a trajectory, from the factors (``docs/dynamics.md``).
 
 Every quantity is a Frobenius norm or inner product of low-rank matrices, read from Gram
-matrices of the factors: ``<U V^T, X Y^T>_F = sum((U^T X) * (V^T Y))``. No dense update is formed.
+matrices of the factors (``LowRank.inner``). No dense update is formed.
 """
 
 from __future__ import annotations
@@ -13,13 +13,8 @@ from .dynamics import Trajectory
 from .errors import InputError
 from .lowrank import LowRank
 
-__all__ = ["inner", "step_norms", "total_norms", "decay_exponent", "step_alignment", "layer_alignment",
+__all__ = ["step_norms", "total_norms", "decay_exponent", "step_alignment", "layer_alignment",
            "effective_rank"]
-
-
-def inner(a: LowRank, b: LowRank) -> Tensor:
-    """``<a, b>_F`` per leading index: ``sum_kl (u_k . x_l)(v_k . y_l)`` -> ``[*lead]``."""
-    return ((a.u @ b.u.transpose(-1, -2)) * (a.v @ b.v.transpose(-1, -2))).sum((-1, -2))
 
 
 def _matrix(traj: Trajectory, name: str) -> LowRank:
@@ -39,7 +34,7 @@ def step_norms(traj: Trajectory, name: str) -> Tensor:
     """``|dW_i - dW_{i-1}|_F`` for ``i = 1..N`` -> ``[B, N]``: the size of the update token ``c_i`` makes."""
     d = _matrix(traj, name)
     now, before = d.index((slice(None), slice(1, None))), d.index((slice(None), slice(None, -1)))
-    sq = inner(now, now) - 2 * inner(now, before) + inner(before, before)
+    sq = now.inner(now) - 2 * now.inner(before) + before.inner(before)
     return sq.clamp_min(0).sqrt()
 
 
@@ -56,8 +51,8 @@ def decay_exponent(norms: Tensor, start: int = 2) -> Tensor:
 
 
 def _cosine(a: LowRank, b: LowRank) -> Tensor:
-    den = (inner(a, a) * inner(b, b)).sqrt()
-    return torch.where(den > 0, inner(a, b) / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(den))
+    den = (a.inner(a) * b.inner(b)).sqrt()
+    return torch.where(den > 0, a.inner(b) / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(den))
 
 
 def step_alignment(traj: Trajectory, name: str) -> Tensor:

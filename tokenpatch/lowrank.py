@@ -55,11 +55,14 @@ class LowRank:
         """The materialised delta ``[*lead, rows, cols]``."""
         return torch.einsum("...kr,...kc->...rc", self.u, self.v)
 
+    def inner(self, other: "LowRank") -> Tensor:
+        """Frobenius inner product ``[*lead]`` from the factors:
+        ``<U^T V, X^T Y>_F = sum((U X^T) * (V Y^T))`` (``U [r, rows]``, ``X [r', rows]``, ...)."""
+        return ((self.u @ other.u.transpose(-1, -2)) * (self.v @ other.v.transpose(-1, -2))).sum((-1, -2))
+
     def norm(self) -> Tensor:
-        """Frobenius norm ``[*lead]`` from the factors: ``||U^T V||_F^2 = sum((U U^T) * (V V^T))``."""
-        gu = self.u @ self.u.transpose(-1, -2)  # [*lead, r, r]
-        gv = self.v @ self.v.transpose(-1, -2)  # [*lead, r, r]
-        return (gu * gv).sum((-1, -2)).clamp_min(0).sqrt()
+        """Frobenius norm ``[*lead]`` from the factors: ``sqrt(<delta, delta>_F)``."""
+        return self.inner(self).clamp_min(0).sqrt()
 
     def matvec(self, x: Tensor) -> Tensor:
         """``delta @ x`` for ``x [*lead, cols]`` -> ``[*lead, rows]`` without forming ``delta``."""

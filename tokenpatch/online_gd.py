@@ -62,12 +62,12 @@ def replay(traj: Trajectory, name: str) -> Replay:
     coupling = (a @ v.transpose(-1, -2)).tril(-1)  # [B, N, N]  C[i, k] = v_k . a_i, k < i
     eye = torch.eye(n, dtype=r.dtype, device=r.device)
     e = torch.linalg.solve_triangular(eye + coupling, r, upper=False, unitriangular=True)  # [B, N, rows]
-    dev = _deviation(e, v, r)
+    dev = _deviation(e, v, a, r)
     dtype = delta.u.dtype
     return Replay(e.to(dtype), delta.v[:, 1:, 0], dev)
 
 
-def _deviation(e: Tensor, v: Tensor, r: Tensor) -> Tensor:
+def _deviation(e: Tensor, v: Tensor, a: Tensor, r: Tensor) -> Tensor:
     """``|W_i - W - dW_i|_F / |dW_i|_F`` for every prefix, without cancellation.
 
     With ``r_i = e_i + sum_{k<i} e_k (v_k . a_i)`` the difference is
@@ -76,7 +76,6 @@ def _deviation(e: Tensor, v: Tensor, r: Tensor) -> Tensor:
     of the ``w_ik``, which are formed explicitly, so a zero difference measures as rounding.
     """
     batch, n, _ = e.shape
-    a = v / (v * v).sum(-1, keepdim=True)  # [B, N, cols]
     gram_e = e @ e.transpose(-1, -2)  # [B, N, N]
     out = torch.zeros(batch, n + 1, dtype=e.dtype, device=e.device)
     for i in range(1, n):  # step i (0-based) = prefix i + 1; earlier steps k < i
