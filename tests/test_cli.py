@@ -36,7 +36,15 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys):
     for fig in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
-    assert set(data["sections"]) == {"equivalence", "model", "dynamics"}
+    assert set(data["sections"]) == {"equivalence", "model", "dynamics", "finetune"}
+    ft = data["sections"]["finetune"]
+    for model in ("trained", "untrained"):  # the control sits beside the trained model, per optimizer and layer
+        assert ft[model]["token_patch_max_abs_vs_context"] <= 1e-10
+        for opt in ft[model]["optimizers"].values():
+            for key in ("alignment", "random_alignment", "other_task_alignment", "mean_patch_alignment", "simaou"):
+                rows = opt[key]
+                assert len(rows) == 10 and all(r["ci95"][0] <= r["mean"] <= r["ci95"][1] <= 1 for r in rows)
+            assert opt["loss_mean"][-1] < opt["loss_mean"][0]
     dyn = data["sections"]["dynamics"]
     assert set(dyn["models"]) == set(tp.models.SHIPPED)
     for record in dyn["models"].values():  # every layer's fitted exponent quartiles, ordered

@@ -25,6 +25,7 @@ from .delta import Patch, load_patch, save_patch
 from . import diagnostics
 from .dynamics import Trajectory, trajectory
 from .errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
+from .finetuning import FineTune, finetune, finetuned, simaou
 from .hooks import apply, functional_call
 from .layers import LAYERS, make_layer
 from .lowrank import LowRank
@@ -47,6 +48,10 @@ __all__ = [
     "Trajectory",
     "replay",
     "Replay",
+    "finetune",
+    "finetuned",
+    "FineTune",
+    "simaou",
     "diagnostics",
     "verify",
     "apply",

@@ -14,7 +14,7 @@ from .errors import InputError
 from .lowrank import LowRank
 
 __all__ = ["step_norms", "total_norms", "decay_exponent", "step_alignment", "layer_alignment",
-           "effective_rank"]
+           "effective_rank", "cosine"]
 
 
 def _matrix(traj: Trajectory, name: str) -> LowRank:
@@ -53,6 +53,33 @@ def decay_exponent(norms: Tensor, start: int = 2) -> Tensor:
 def _cosine(a: LowRank, b: LowRank) -> Tensor:
     den = (a.inner(a) * b.inner(b)).sqrt()
     return torch.where(den > 0, a.inner(b) / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(den))
+
+
+def cosine(a: LowRank | Tensor, b: LowRank | Tensor) -> Tensor:
+    """Normalised Frobenius inner product ``<A, B>_F / (|A|_F |B|_F)`` of two batches of matrices,
+    each a ``LowRank`` or a dense ``[*lead, rows, cols]`` tensor, in one layout -> ``[*lead]`` (0 where
+    either is zero). A ``LowRank`` against a dense ``D`` reads ``<U^T V, D>_F = sum_k u_k^T D v_k``
+    from the factors, never forming the low-rank matrix: how the token patch is set beside a
+    fine-tuning update (``tp.finetune``)."""
+    if isinstance(a, Tensor) and isinstance(b, LowRank):
+        a, b = b, a
+    if isinstance(a, LowRank) and isinstance(b, LowRank):
+        return _cosine(a, b)
+    if isinstance(a, LowRank):
+        if tuple(b.shape[-2:]) != a.shape:
+            raise InputError(f"cannot compare a {a.shape} low-rank matrix with dense {tuple(b.shape[-2:])} ones")
+        dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float64)
+        u, v, d = a.u.to(dt), a.v.to(dt), b.to(dt)
+        inner = torch.einsum("...kr,...rc,...kc->...", u, d, v)  # sum_k u_k^T D v_k
+        na, nb = LowRank(u, v).norm(), d.flatten(-2).norm(dim=-1)
+    else:
+        if a.shape[-2:] != b.shape[-2:]:
+            raise InputError(f"cannot compare {tuple(a.shape[-2:])} and {tuple(b.shape[-2:])} matrices")
+        dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float64)
+        a, b = a.to(dt).flatten(-2), b.to(dt).flatten(-2)
+        inner, na, nb = (a * b).sum(-1), a.norm(dim=-1), b.norm(dim=-1)
+    den = na * nb
+    return torch.where(den > 0, inner / den.clamp_min(torch.finfo(dt).tiny), torch.zeros_like(inner))
 
 
 def step_alignment(traj: Trajectory, name: str) -> Tensor:

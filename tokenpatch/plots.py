@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter  # noqa: E402
 
-__all__ = ["layer_errors", "training_curve", "step_norms", "heatmap"]
+__all__ = ["layer_errors", "training_curve", "step_norms", "heatmap", "per_layer", "curves"]
 
 Rows = list[tuple[str, float, float]]  # [(site, max_abs, max_rel), ...]
 
@@ -121,6 +121,66 @@ def heatmap(matrix: list[list[float]], labels: list[str], path: str | Path, titl
                     color="white" if abs(value) > 0.6 else "black")
     fig.colorbar(im, ax=ax, label="cosine")
     ax.set_title(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+Band = tuple[list[float], list[float], list[float]]  # (means, lows, highs), one value per x
+
+
+def _style(label: str, colours: dict[str, str], cycle) -> dict:
+    """Grey dots for baselines (labels starting with "random"), else the label's fixed colour."""
+    if label.startswith("random"):
+        return dict(color="grey", ls=":")
+    return dict(color=colours[label] if label in colours else next(cycle))
+
+
+def per_layer(panels: dict[str, dict[str, Band]], path: str | Path, title: str, ylabel: str = "cosine",
+              colours: dict[str, str] | None = None) -> Path:
+    """One panel per entry of ``panels`` (panel title -> label -> ``(means, lows, highs)`` per layer):
+    means as lines, their intervals as error bars; ``colours``: label -> colour, the same in every
+    figure; labels starting with ``"random"`` are drawn grey."""
+    path, colours = Path(path), colours or {}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), constrained_layout=True, squeeze=False)
+    for ax, (panel, lines) in zip(axes[0], panels.items()):
+        cycle = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+        for label, (mean, low, high) in lines.items():
+            x = range(len(mean))
+            err = [[m - lo for m, lo in zip(mean, low)], [hi - m for m, hi in zip(mean, high)]]
+            ax.errorbar(x, mean, yerr=err, marker="o", ms=3, capsize=2, label=label, **_style(label, colours, cycle))
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_xticks(range(len(mean)), [f"L{i}" for i in range(len(mean))])
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabel)
+        ax.set_title(panel, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        _below(ax)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def curves(panels: dict[str, dict], path: str | Path, title: str, colours: dict[str, str] | None = None) -> Path:
+    """Line panels. ``panels``: title -> ``{"x": label, "y": label, "logx": bool, "logy": bool,
+    "lines": {label: (xs, ys)}}``; ``colours`` and grey baselines as in ``per_layer``."""
+    path, colours = Path(path), colours or {}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), constrained_layout=True, squeeze=False)
+    for ax, (panel, spec) in zip(axes[0], panels.items()):
+        cycle = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+        for label, (xs, ys) in spec["lines"].items():
+            ax.plot(xs, ys, marker="o", ms=3, label=label, **_style(label, colours, cycle))
+        ax.set_xscale("log" if spec.get("logx") else "linear")
+        ax.set_yscale("log" if spec.get("logy") else "linear")
+        if not spec.get("logy"):
+            ax.axhline(0, color="black", lw=0.6)
+        ax.set_xlabel(spec["x"])
+        ax.set_ylabel(spec["y"])
+        ax.set_title(panel, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        _below(ax)
+    fig.suptitle(title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..errors import InputError
 
-__all__ = ["LinRegTask", "LinRegBatch", "least_squares", "ridge", "evaluate", "task_of", "DEFAULT_TASK"]
+__all__ = ["LinRegTask", "LinRegBatch", "least_squares", "ridge", "evaluate", "task_of", "DEFAULT_TASK",
+           "training_points", "fresh_queries"]
 
 
 class LinRegBatch(NamedTuple):
@@ -62,6 +63,30 @@ class LinRegTask:
         tokens[:, -1, -1] = 0.0  # the query token carries no y
         cast = lambda t: t.to(dtype)  # noqa: E731
         return LinRegBatch(cast(tokens), cast(y[:, -1]), cast(w), cast(x), cast(y))
+
+
+def training_points(batch: LinRegBatch, n: int | None = None) -> tuple[Tensor, Tensor]:
+    """The first ``n`` (default: all) context examples as no-context training points, for
+    ``tp.finetune``: sequences ``[x_i; 0]`` of one token ``[B, n, 1, D + 1]`` and targets ``y_i`` ``[B, n, 1]``."""
+    n_ctx = batch.tokens.shape[1] - 1
+    n = n_ctx if n is None else n
+    if not 1 <= n <= n_ctx:
+        raise InputError(f"n must be in 1..{n_ctx} (the context examples), got {n}")
+    tokens = batch.tokens[:, :n].clone()  # [B, n, D+1]
+    tokens[..., -1] = 0.0  # y moves from the token to the target
+    return tokens[:, :, None], batch.y[:, :n, None]
+
+
+def fresh_queries(batch: LinRegBatch, m: int, noise: float = 0.0,
+                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """``m`` new queries of each task of ``batch`` (same ``w``): tokens ``[x; 0]`` ``[B, m, D + 1]`` and
+    targets ``w . x + noise * eps`` ``[B, m]``, drawn in float64 then cast to the batch's dtype."""
+    b, d = batch.w.shape
+    x = torch.randn(b, m, d, generator=generator, dtype=torch.float64)  # [B, m, D]
+    y = torch.einsum("bmd,bd->bm", x, batch.w.double()) + noise * torch.randn(b, m, generator=generator,
+                                                                               dtype=torch.float64)
+    tokens = torch.cat([x, torch.zeros(b, m, 1, dtype=torch.float64)], -1)  # [B, m, D+1]
+    return tokens.to(batch.tokens.dtype), y.to(batch.tokens.dtype)
 
 
 def least_squares(x: Tensor, y: Tensor, x_query: Tensor) -> Tensor:
