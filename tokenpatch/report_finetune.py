@@ -12,10 +12,10 @@ from torch import Tensor
 from . import plots
 from ._progress import progress_bar
 from .diagnostics import cosine
+from .delta import Patch
 from .dynamics import trajectory
 from .finetuning import finetune, finetuned, simaou
 from .hooks import functional_call
-from .delta import Patch
 from .lowrank import LowRank
 from .models import ICLTransformer, load_model
 from .patching import token_patch
@@ -88,10 +88,8 @@ def compare(model: ICLTransformer, n_tasks: int = 32, n_queries: int = 16, steps
         preds = {"with_context": model(with_ctx)[:, -1, 0], "zero_shot": model(alone)[:, -1, 0]}
     x_ctx, y_ctx = batch.x[:, :-1], batch.y[:, :-1]
     preds["least_squares"] = torch.stack([least_squares(x_ctx, y_ctx, queries[:, j, :-1]) for j in range(n_queries)], 1)
-    own = token_patch(model, batch.tokens)  # the token patch of each task's own query, used on held-out queries
-    spread = Patch({n: LowRank(d.u.expand(-1, n_queries, -1, -1), d.v.expand(-1, n_queries, -1, -1))
-                    if isinstance(d, LowRank) else d.expand(-1, n_queries, *d.shape[2:]) for n, d in own.items()},
-                   None, own.meta)
+    own = token_patch(model, batch.tokens)  # [B, 1]: each task's patch for its own query, used on held-out ones
+    spread = own.map(lambda t: t.expand(-1, n_queries, *t.shape[2:]))  # [B, m]: the same patch for every query
     with torch.no_grad():
         preds["token_patch_own_query"] = functional_call(model, spread, alone)[:, -1, 0]
         preds["token_patch_each_query"] = functional_call(model, held, alone)[:, -1, 0]
@@ -125,8 +123,7 @@ def compare(model: ICLTransformer, n_tasks: int = 32, n_queries: int = 16, steps
             "loss_mean": ft.losses.mean(0).tolist(),
         }
     out["heldout_mse"] = {k: float(((v.reshape(n_tasks, n_queries) - y_q) ** 2).mean()) for k, v in preds.items()}
-    out["token_patch_max_abs_vs_context"] = float((preds["token_patch_each_query"]
-                                                    - preds["with_context"]).abs().max())
+    out["token_patch_max_abs_vs_context"] = float((preds["token_patch_each_query"] - preds["with_context"]).abs().max())
     return out
 
 
