@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import tokenpatch as tp
-from conftest import random_block
 
 TASK = tp.LinRegTask(dim=4, n_context=16, noise=0.1)
 

@@ -34,6 +34,7 @@ from .models import Block, ICLConfig, ICLTransformer, load_model, save_model
 from .patching import strip_context, token_patch
 from .plans import Plan, make_plan
 from .tasks.linreg import LinRegTask
+from .thought import LayerFit, ThoughtPatch, ThoughtWarning, evaluate_thought_patch, thought_patch
 from .verify import TOLERANCES, LayerError, SiteError, Verification, verify
 
 __version__ = "0.2.0"
@@ -52,6 +53,11 @@ __all__ = [
     "finetuned",
     "FineTune",
     "simaou",
+    "thought_patch",
+    "ThoughtPatch",
+    "LayerFit",
+    "ThoughtWarning",
+    "evaluate_thought_patch",
     "diagnostics",
     "verify",
     "apply",

@@ -1,0 +1,220 @@
+"""tp.thought_patch: one query gives the token patch; few queries interpolate; the streamed, cached
+and recomputed fits are the same fit; the closed form is the ridge solution it claims; bad systems
+warn and stay finite; the result is a Patch like any other."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tokenpatch as tp
+from tokenpatch.errors import InputError
+from tokenpatch.thought import ThoughtWarning
+from conftest import random_model, sweep
+
+COMBOS = list(itertools.product(sorted(tp.LAYERS), ["none", "pre", "post"], [True, False]))
+
+
+def _dense(d):
+    return d.dense() if isinstance(d, tp.LowRank) else d
+
+
+def _close(a: tp.Patch, b: tp.Patch, tol: float) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(float((_dense(a[n]).reshape(_dense(b[n]).shape) - _dense(b[n])).abs().max()) for n in a) <= tol
+
+
+def _rel(a: tp.Patch, b: tp.Patch) -> float:
+    return max(float((_dense(a[n]) - _dense(b[n])).abs().max() / _dense(a[n]).abs().max().clamp_min(1e-300)) for n in a)
+
+
+def _setup(layer="softmax", norm="pre", residual=True, seed=0, m=5, t_q=1, p=4, d_mlp=6):
+    config = tp.ICLConfig(d_in=3, d_model=4, n_layers=2, n_heads=2, d_mlp=d_mlp, layer=layer, norm=norm, residual=residual)
+    model = random_model(config, seed)
+    g = torch.Generator().manual_seed(seed)
+    return model, torch.randn(p, 3, generator=g, dtype=torch.float64), torch.randn(m, t_q, 3, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("layer,norm,residual", COMBOS)
+@pytest.mark.parametrize("mode", ["sequential", "teacher"])
+def test_one_query_gives_the_token_patch(layer, norm, residual, mode):
+    model, prompt, q = _setup(layer, norm, residual, m=1)
+    with pytest.warns(ThoughtWarning, match="rank 1 of 4"):  # one query: rank 1, the interpolating regime
+        fit = tp.thought_patch(model, prompt, q, mode=mode, output="vector")
+    token = tp.token_patch(model, torch.cat([prompt, q[0]])[None])
+    assert _close(fit.patch, token, 1e-10)
+    assert all(f.input_residual <= 1e-6 for f in fit.fits)  # read from the sums: ~sqrt(eps) resolution
+
+
+@pytest.mark.parametrize("layer", sorted(tp.LAYERS))
+def test_few_queries_interpolate_every_position(layer):
+    model, prompt, q = _setup(layer, m=2, t_q=2, d_mlp=8)  # 4 positions <= d_in (4) and <= d_hidden + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ThoughtWarning)  # rank 4 of 5 on the affine side: expected here
+        fit = tp.thought_patch(model, prompt, q)
+    ev = tp.evaluate_thought_patch(model, prompt, q, fit.patch)  # on the calibration queries themselves
+    assert ev["mse_to_context"]["thought patch"] <= 1e-20 < ev["mse_to_context"]["no prompt"]
+
+
+@sweep
+@given(seed=st.integers(0, 2**16), mode=st.sampled_from(["sequential", "teacher"]), ridge=st.sampled_from([0.0, 0.3]),
+       output=st.sampled_from(["affine", "vector"]))
+def test_streamed_cached_and_recomputed_fits_agree(seed, mode, ridge, output):
+    model, prompt, q = _setup(seed=seed, m=23, t_q=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ThoughtWarning)
+        one = tp.thought_patch(model, prompt, q, mode=mode, ridge=ridge, output=output)
+        streamed = tp.thought_patch(model, prompt, q, mode=mode, ridge=ridge, output=output, batch_size=5)
+        recomputed = tp.thought_patch(model, prompt, list(q.split(7)), mode=mode, ridge=ridge, output=output,
+                                      cache_bytes=0)
+    # the same sums in another order: equal up to rounding amplified by the condition number
+    cond = max(c for f in one.fits for c in (f.input_condition, f.output_condition or 1) if c != float("inf"))
+    tol = max(1e-10, 1e-14 * cond)
+    assert set(one.patch) == set(streamed.patch) == set(recomputed.patch)
+    assert _rel(one.patch, streamed.patch) <= tol and _rel(one.patch, recomputed.patch) <= tol
+    assert [f.n for f in one.fits] == [46, 46]
+
+
+def test_the_input_side_is_the_ridge_solution():
+    """One block, no norm: S, Delta formed explicitly; dW = W Delta S^T (S S^T + n lambda I)^-1."""
+    config = tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, d_mlp=5, norm="pre")
+    block = random_model(config, 3).blocks[0]
+    g = torch.Generator().manual_seed(0)
+    prompt, q = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(9, 1, 4, generator=g, dtype=torch.float64)
+    lam = 0.2
+    fit = tp.thought_patch(block, prompt, q, ridge=lam, output=None)
+    s_c = block.mix(torch.cat([prompt.expand(9, 3, 4), q], 1))[1][:, -1]  # [m, d]
+    s_0 = block.mix(q)[1][:, 0]
+    w = block.mlp.fc_in.weight.detach()
+    want = w @ (s_c - s_0).T @ s_0 @ torch.linalg.inv(s_0.T @ s_0 + 9 * lam * torch.eye(4, dtype=torch.float64))
+    assert torch.allclose(fit.patch["mlp.fc_in.weight"].dense()[0, 0], want, rtol=0, atol=1e-12)
+    assert fit.fits[0].ridge == lam and fit.fits[0].input_rank == 4 and fit.fits[0].input_condition >= 1
+
+
+def test_rank_deficient_calibration_warns_and_stays_finite():
+    model, prompt, q = _setup(m=1)
+    same = q.expand(30, 1, 3).clone()  # 30 copies of one query: rank 1
+    with pytest.warns(ThoughtWarning, match=r"rank-deficient \(rank 1 of 4, condition number inf\)"):
+        fit = tp.thought_patch(model, prompt, same)
+    assert all(torch.isfinite(_dense(d)).all() for d in fit.patch.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ThoughtWarning)  # a ridge makes it well posed: no warning
+        tp.thought_patch(model, prompt, same, ridge=1e-3)
+
+
+def test_a_thought_patch_is_a_patch(tmp_path):
+    model, prompt, q = _setup(m=40)
+    fit = tp.thought_patch(model, prompt, q, ridge=1e-2)
+    assert fit.patch.lead == (1, 1) and fit.patch.acts == "everywhere"
+    tp.save_patch(fit.patch, tmp_path / "t.safetensors")
+    back = tp.load_patch(tmp_path / "t.safetensors")
+    assert _close(back, fit.patch, 0)
+    x = torch.randn(6, 2, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    hooked = tp.functional_call(model, back, x, broadcast=True, any_length=True)
+    with tp.apply(model, back):
+        written = model(x)
+    assert torch.allclose(hooked, written, rtol=0, atol=1e-12)
+    # rank-k truncation: the best rank-k approximation of every matrix delta
+    cut = fit.truncate(1)
+    for n, d in fit.patch.items():
+        if isinstance(d, tp.LowRank):
+            u, s, vh = torch.linalg.svd(d.dense()[0, 0])
+            assert torch.allclose(cut[n].dense()[0, 0], s[0] * torch.outer(u[:, 0], vh[0]), atol=1e-12)
+        else:
+            assert torch.equal(cut[n], d)
+    assert set(fit.vector()) | set(fit.matrices()) == set(fit.patch)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="both"), "mode must be 'sequential' or 'teacher'"),
+    (dict(output="matrix"), "output must be 'affine', 'vector' or None"),
+    (dict(ridge=-1), "ridge must be a number >= 0"),
+    (dict(inputs=False, output=None), "nothing to fit"),
+])
+def test_bad_arguments_are_one_clear_error(kwargs, match):
+    model, prompt, q = _setup()
+    with pytest.raises(InputError, match=match):
+        tp.thought_patch(model, prompt, q, **kwargs)
+
+
+def test_bad_inputs_are_one_clear_error():
+    model, prompt, q = _setup()
+    with pytest.raises(InputError, match="one-shot iterator"):
+        tp.thought_patch(model, prompt, iter(q.split(2)))
+    with pytest.raises(InputError, match=r"prompt must be a tensor \[P, ...\]"):
+        tp.thought_patch(model, prompt[None].expand(2, -1, -1), q)
+    with pytest.raises(InputError, match="the model reads width 3"):
+        tp.thought_patch(model, prompt, torch.zeros(2, 1, 5, dtype=torch.float64))
+    nobias = random_model(tp.ICLConfig(d_in=3, d_model=4, n_layers=2, n_heads=2, bias=False), 0)
+    with pytest.raises(InputError, match="without a bias; a thought vector needs a bias"):
+        tp.thought_patch(nobias, prompt, q, output="vector")
+
+
+def test_the_shipped_model_generalises_past_the_interpolation_threshold():
+    model = tp.load_model(dtype="float64")
+    task = tp.tasks.linreg.task_of(model)
+    g = torch.Generator().manual_seed(0)
+    batch = task.sample(1, g, dtype=torch.float64)
+    prompt = batch.tokens[0, :-1]
+    test = torch.cat([torch.randn(500, 1, 4, generator=g, dtype=torch.float64), torch.zeros(500, 1, 1, dtype=torch.float64)], -1)
+    gaps = {}
+    for m in (64, 2048):
+        cal = torch.cat([torch.randn(m, 1, 4, generator=g, dtype=torch.float64), torch.zeros(m, 1, 1, dtype=torch.float64)], -1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ThoughtWarning)
+            fit = tp.thought_patch(model, prompt, cal)
+        gaps[m] = tp.evaluate_thought_patch(model, prompt, test, fit.patch)["gap_closed"]["thought patch"]
+    assert gaps[2048] >= 0.9 > gaps[64]
+
+
+def test_the_output_side_is_the_affine_ridge_fit_with_a_free_intercept():
+    config = tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, d_mlp=5, norm="pre")
+    block = random_model(config, 4).blocks[0]
+    g = torch.Generator().manual_seed(1)
+    prompt, q = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(12, 1, 4, generator=g, dtype=torch.float64)
+    lam = 0.1
+    fit = tp.thought_patch(block, prompt, q, ridge=lam)
+    m_c, s_c = (t[:, -1] for t in block.mix(torch.cat([prompt.expand(12, 3, 4), q], 1)))
+    m_0, s_0 = (t[:, 0] for t in block.mix(q))
+    w_in = block.mlp.fc_in.weight.detach() + fit.patch["mlp.fc_in.weight"].dense()[0, 0]
+    hidden = block.mlp.act(s_0 @ w_in.T + block.mlp.fc_in.bias.detach())  # [m, H] with the input patch
+    f = block.mlp.fc_out
+    t = (m_c + f(block.mlp.hidden(s_c))) - (m_0 + f(hidden))  # [m, d]
+    x = torch.cat([hidden, torch.ones(12, 1, dtype=torch.float64)], 1)  # [m, H+1]
+    pen = torch.diag(torch.tensor([1.0] * 5 + [0.0], dtype=torch.float64))
+    a = torch.linalg.solve(x.T @ x / 12 + lam * pen, x.T @ t / 12).T  # [d, H+1]
+    assert torch.allclose(fit.patch["mlp.fc_out.weight"].dense()[0, 0], a[:, :-1], rtol=0, atol=1e-12)
+    assert torch.allclose(fit.patch["mlp.fc_out.bias"][0, 0], a[:, -1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "teacher"])
+def test_deeper_anchors_come_from_the_patched_model_or_the_teacher(mode):
+    """Layer 1's input fit, by hand: sequential anchors are the layer-0-patched no-prompt states,
+    teacher anchors the with-prompt ones."""
+    model, prompt, q = _setup(m=30, d_mlp=7)
+    lam = 0.05
+    fit = tp.thought_patch(model, prompt, q, mode=mode, ridge=lam, output=None)
+    below = tp.Patch({"blocks.0.mlp.fc_in.weight": fit.patch["blocks.0.mlp.fc_in.weight"]}, None, fit.patch.meta)
+    with_prompt = model(torch.cat([prompt.expand(30, -1, -1), q], 1), return_hidden=True)[1][0][:, 4:]  # [m, 1, d]
+    student = tp.functional_call(model, below, q, broadcast=True, any_length=True, return_hidden=True)[1][0]
+    anchors = model.blocks[1].mix(student if mode == "sequential" else with_prompt)[1][:, 0]  # [m, d]
+    ctx = model.blocks[0](model.read_in(prompt)[None].expand(30, -1, -1))
+    s_c = model.blocks[1].mix(torch.cat([ctx, with_prompt], 1))[1][:, -1]
+    w = model.blocks[1].mlp.fc_in.weight.detach()
+    want = w @ (s_c - anchors).T @ anchors @ torch.linalg.inv(anchors.T @ anchors + 30 * lam * torch.eye(4, dtype=torch.float64))
+    assert torch.allclose(fit.patch["blocks.1.mlp.fc_in.weight"].dense()[0, 0], want, rtol=0, atol=1e-11)
+
+
+def test_states_are_kept_only_within_the_memory_budget():
+    from tokenpatch.thought import _Source
+
+    model, prompt, q = _setup(m=10)
+    batches = list(q.split(4))
+    need = 2 * 10 * 4 * 8  # two states of 10 positions x d_model 4, float64
+    assert _Source(model, prompt[None], batches, "sequential", need).cached
+    assert not _Source(model, prompt[None], batches, "sequential", need - 1).cached
