@@ -218,3 +218,16 @@ def test_states_are_kept_only_within_the_memory_budget():
     need = 2 * 10 * 4 * 8  # two states of 10 positions x d_model 4, float64
     assert _Source(model, prompt[None], batches, "sequential", need).cached
     assert not _Source(model, prompt[None], batches, "sequential", need - 1).cached
+
+
+def test_rank_during_the_fit_cuts_every_matrix_and_the_layers_above_see_it():
+    model, prompt, q = _setup(m=40, d_mlp=7)
+    full = tp.thought_patch(model, prompt, q, ridge=1e-3)
+    cut = tp.thought_patch(model, prompt, q, ridge=1e-3, rank=1)
+    assert all(d.rank == 1 for d in cut.patch.values() if isinstance(d, tp.LowRank))
+    assert max(d.rank for d in full.patch.values() if isinstance(d, tp.LowRank)) > 1
+    # layer 0's input side is the same fit, cut; above it the fits differ (they see the cut patch)
+    name = "blocks.0.mlp.fc_in.weight"
+    assert torch.allclose(cut.patch[name].dense(), full.truncate(1)[name].dense(), atol=1e-12)
+    assert not torch.allclose(cut.patch["blocks.1.mlp.fc_in.weight"].dense(), full.truncate(1)["blocks.1.mlp.fc_in.weight"].dense())
+    assert _close(tp.thought_patch(model, prompt, q, ridge=1e-3, rank=100).patch, full.patch, 1e-12)

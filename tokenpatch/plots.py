@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter  # noqa: E402
 
-__all__ = ["layer_errors", "training_curve", "step_norms", "heatmap", "per_layer", "curves"]
+__all__ = ["layer_errors", "training_curve", "step_norms", "heatmap", "per_layer", "curves", "thought_curves"]
 
 Rows = list[tuple[str, float, float]]  # [(site, max_abs, max_rel), ...]
 
@@ -162,15 +162,20 @@ def per_layer(panels: dict[str, dict[str, Band]], path: str | Path, title: str, 
     return path
 
 
-def curves(panels: dict[str, dict], path: str | Path, title: str, colours: dict[str, str] | None = None) -> Path:
+def curves(panels: dict[str, dict], path: str | Path, title: str, colours: dict[str, str] | None = None,
+           wide: bool = False) -> Path:
     """Line panels. ``panels``: title -> ``{"x": label, "y": label, "logx": bool, "logy": bool,
-    "lines": {label: (xs, ys)}}``; ``colours`` and grey baselines as in ``per_layer``."""
+    "lines": {label: (xs, ys)}}``; ``colours`` and grey baselines as in ``per_layer``; ``wide``:
+    panels twice as wide (many lines)."""
     path, colours = Path(path), colours or {}
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), constrained_layout=True, squeeze=False)
+    width = 9.0 if wide else 5.2
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4.8), constrained_layout=True, squeeze=False)
     for ax, (panel, spec) in zip(axes[0], panels.items()):
         cycle = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
         for label, (xs, ys) in spec["lines"].items():
-            ax.plot(xs, ys, marker="o", ms=3, label=label, **_style(label, colours, cycle))
+            flat = len(xs) == 2 and ys[0] == ys[1]  # a reference level
+            ax.plot(xs, ys, marker=None if flat else "o", ms=3, label=label,
+                    **({"ls": "--"} if flat else {}), **_style(label, colours, cycle))
         ax.set_xscale("log" if spec.get("logx") else "linear")
         ax.set_yscale("log" if spec.get("logy") else "linear")
         if not spec.get("logy"):
@@ -180,6 +185,40 @@ def curves(panels: dict[str, dict], path: str | Path, title: str, colours: dict[
         ax.set_title(panel, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         _below(ax)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def thought_curves(curve: dict, ridge: dict, d_in: int, d_hidden: int, path: str | Path, title: str) -> Path:
+    """Left: train and test error (median, 25-75% band) against the number of calibration queries
+    ``curve["m"]``, log-log, with the interpolation thresholds ``d_in`` and ``d_hidden + 1`` marked.
+    Right: the same against the ridge ``ridge["ridge"]`` at ``ridge["m"]`` queries. Errors below
+    1e-20 (exact interpolation) are drawn at 1e-20."""
+    path = Path(path)
+    floor = 1e-20
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
+    for ax, xs, data in ((left, curve["m"], curve), (right, list(range(len(ridge["ridge"]))), ridge)):
+        for key, colour in (("train", "C0"), ("test", "C3")):
+            q = [[max(v, floor) for v in row] for row in data[key]]
+            ax.plot(xs, [r[1] for r in q], "o-", color=colour, label=f"{key} (median over prompts)")
+            ax.fill_between(xs, [r[0] for r in q], [r[2] for r in q], color=colour, alpha=0.2)
+        ax.set_yscale("log")
+        ax.axhline(1, color="grey", ls=":", label="no prompt, no patch")
+        ax.set_ylabel("error / no-prompt error (log)")
+        ax.grid(True, which="major", alpha=0.3)
+    left.set_xscale("log")
+    for x, label in ((d_in, f"d_in = {d_in}"), (d_hidden + 1, f"d_hidden + 1 = {d_hidden + 1}")):
+        left.axvline(x, color="black", ls="--", lw=0.8)
+        left.annotate(label, (x, floor), xytext=(3, 6), textcoords="offset points", fontsize=8)
+    left.set_xlabel("calibration queries m (log)")
+    left.set_title("against the number of calibration queries (lambda = 0)", fontsize=10)
+    right.set_xticks(range(len(ridge["ridge"])), [f"{v:g}" for v in ridge["ridge"]])
+    right.set_xlabel("ridge lambda")
+    right.set_title(f"against the ridge, m = {ridge['m']}", fontsize=10)
+    for ax in (left, right):
+        _below(ax, ncols=3)
     fig.suptitle(title)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -23,6 +23,7 @@ from .patching import token_patch
 from .tasks.linreg import evaluate, task_of
 from .report_dynamics import dynamics_section
 from .report_finetune import finetune_section
+from .report_thought import thought_section
 from .verify import TOLERANCES, verify
 
 __all__ = ["Section", "equivalence_section", "model_section", "reproduce"]
@@ -157,6 +158,7 @@ def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None,
     if checkpoint is None:  # the shipped models, one per contextual layer
         sections.append(dynamics_section(out, progress=progress))
         sections.append(finetune_section(out, progress=progress))
+        sections.append(thought_section(out, progress=progress))
     seconds = time.perf_counter() - t0
     threads = torch.get_num_threads()
     source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from . import _io
 from ._progress import progress_bar
-from .arch import adapter_for, weight_layout
+from .arch import Adapter, adapter_for, weight_layout
 from .delta import Delta, LowRank, Patch
 from .errors import InputError
 from .hooks import _hooked
@@ -100,9 +100,7 @@ class ThoughtPatch:
         rank-``rank`` approximation in Frobenius norm: the factors are stored in SVD order)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise InputError(f"rank must be an int >= 1, got {rank!r}")
-        cut = {n: LowRank(d.u[..., :rank, :], d.v[..., :rank, :]) if isinstance(d, LowRank) else d
-               for n, d in self.patch.items()}
-        return Patch(cut, None, {**self.patch.meta, "rank": rank})
+        return Patch(_cut(dict(self.patch.items()), rank), None, {**self.patch.meta, "rank": rank})
 
     def vector(self) -> Patch:
         """Only the dense (bias) deltas: the thought vector."""
@@ -111,6 +109,13 @@ class ThoughtPatch:
     def matrices(self) -> Patch:
         """Only the matrix deltas: the thought matrices."""
         return _subset(self.patch, dense=False)
+
+
+def _cut(deltas: dict[str, Delta], rank: int | None) -> dict[str, Delta]:
+    """Matrix deltas (factors in SVD order) cut to their top ``rank`` terms; others unchanged."""
+    if rank is None:
+        return dict(deltas)
+    return {n: LowRank(d.u[..., :rank, :], d.v[..., :rank, :]) if isinstance(d, LowRank) else d for n, d in deltas.items()}
 
 
 def _subset(patch: Patch, dense: bool) -> Patch:
@@ -229,6 +234,7 @@ class _Source:
             self.ctx.append(h)
             h = a.finish(model, i, *a.mix(model, i, h))[1]
         self.data, self.layer, self.patch = data, 0, None
+        self.rows = type(a).mix_prefixes is not Adapter.mix_prefixes  # the adapter runs virtual query rows
         width = self.ctx[0].shape[-1] * self.ctx[0].element_size()
         total = sum(q.shape[0] * (q.shape[1] if q.ndim > 2 else 1) for q in data) if isinstance(data, list) else None
         self.cached = total is not None and 2 * total * width <= cache_bytes
@@ -241,6 +247,11 @@ class _Source:
         return hq, a.embed(m, q)
 
     def _teacher_mix(self, i: int, hq: Tensor) -> tuple[Tensor, Tensor]:
+        """``(m_C, s_C)`` of the query positions read after the prompt, from the prompt's states."""
+        if hq.shape[1] == 1 and self.rows:  # one-token queries as virtual rows after the prompt: O(b P), not O(b P^2)
+            lengths = torch.full((hq.shape[0],), self.p, dtype=torch.long)
+            m_c, s_c = self.adapter.mix_prefixes(self.model, i, self.ctx[i], hq.transpose(0, 1), lengths)  # [1, b, .]
+            return m_c.transpose(0, 1), s_c.transpose(0, 1)
         ctx = self.ctx[i].expand(hq.shape[0], *self.ctx[i].shape[1:])
         m_c, s_c = self.adapter.mix(self.model, i, torch.cat([ctx, hq], 1))
         return m_c[:, self.p:], s_c[:, self.p:]
@@ -291,13 +302,16 @@ def _input_deltas(model: nn.Module, names, d: Tensor) -> dict[str, Delta]:
 def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: float = 0.0,
                   mode: Literal["sequential", "teacher"] = "sequential", inputs: bool = True,
                   output: Literal["affine", "vector"] | None = "affine", batch_size: int = 4096,
-                  cache_bytes: int = 2**30, progress: bool | None = None) -> ThoughtPatch:
+                  rank: int | None = None, cache_bytes: int = 2**30, progress: bool | None = None) -> ThoughtPatch:
     """Fit one static patch that stands in for ``prompt`` (module docstring).
 
     ``prompt [P, ...]`` (or ``[1, P, ...]``): the context to drop, as model inputs (embeddings
     ``[P, d_in]`` for our models). ``queries``: calibration queries ``[m, T_q, ...]`` read after the
     prompt, every position fitted; or a re-iterable of such batches. ``ridge``: ``lambda`` of the
-    per-position mean objective. ``inputs`` / ``output``: which sides to fit. The states of the
+    per-position mean objective. ``inputs`` / ``output``: which sides to fit. ``rank``: keep every
+    matrix delta at its top ``rank`` singular directions *during* the fit, so that the output side
+    and the layers above fit on top of the truncated update (``ThoughtPatch.truncate`` cuts after
+    the fit instead, and the layers above never see it). The states of the
     calibration positions are kept between layers while they fit in ``cache_bytes`` and recomputed
     otherwise (memory then independent of the number of queries). Returns a ``ThoughtPatch``.
     """
@@ -309,6 +323,8 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
         raise InputError(f"ridge must be a number >= 0, got {ridge!r}")
     if not inputs and output is None:
         raise InputError("nothing to fit: inputs=False and output=None")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise InputError(f"rank must be None or an int >= 1, got {rank!r}")
     if not isinstance(prompt, Tensor) or prompt.ndim not in (2, 3) or (prompt.ndim == 3 and prompt.shape[0] != 1):
         raise InputError("prompt must be a tensor [P, ...] (or [1, P, ...]) of model inputs, got "
                          f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__}")
@@ -322,18 +338,19 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
         fit = {"layer": i, "ridge": float(ridge)}
         if inputs and sites.inputs:
             acc = _accumulate((s_0.flatten(0, -2), (s_c - s_0).flatten(0, -2)) for _, s_c, _, s_0 in source)
-            d, rank, cond = _solve(acc, ridge, False, f"layer {i} input side")
+            d, solved_rank, cond = _solve(acc, ridge, False, f"layer {i} input side")
             w = _math(model, sites.inputs[0])
-            fit.update(n=acc.n, input_residual=_residual(acc, d, w.T @ w), input_rank=rank, input_condition=cond)
-            deltas.update(_input_deltas(model, sites.inputs, d))
+            fit.update(n=acc.n, input_residual=_residual(acc, d, w.T @ w), input_rank=solved_rank, input_condition=cond)
+            deltas.update(_cut(_input_deltas(model, sites.inputs, d), rank))
         if output is not None and sites.output is not None:
             fit.update(_fit_output(model, adapter, i, sites.output, source, deltas, output, ridge))
+            deltas.update(_cut(deltas, rank))
         fits.append(LayerFit(**{"n": 0, **fit}))
         source.advance(Patch(deltas, None, {}) if deltas else None)
     if not deltas:
         raise InputError("nothing was fitted: the model has no input sites and no output sites")
     meta = {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, "thought": {
-        "mode": mode, "ridge": float(ridge), "inputs": inputs, "output": output, "prompt_len": source.p,
+        "mode": mode, "ridge": float(ridge), "inputs": inputs, "output": output, "rank": rank, "prompt_len": source.p,
         "positions": fits[0].n}}
     return ThoughtPatch(Patch(deltas, None, meta), fits)
 
@@ -390,14 +407,16 @@ def _math(model: nn.Module, name: str) -> Tensor:
 @torch.no_grad()
 def evaluate_thought_patch(model: nn.Module, prompt: Tensor, queries: Tensor,
                            patches: Patch | Mapping[str, Patch], targets: Tensor | None = None,
-                           batch_size: int = 4096) -> dict:
+                           batch_size: int = 4096, reference: Tensor | None = None) -> dict:
     """How well static patches stand in for ``prompt`` on ``queries [m, T_q, ...]`` (held out).
 
     Outputs at every query position of: the model with the prompt, without it, and without it
     under each patch (``patches``: one, or ``name -> Patch``). Returns ``{"mse_to_context": {name:
     mean squared difference to the with-prompt outputs}, "gap_closed": {name: 1 - that / the
     no-prompt model's}, "task_mse": {...}}``; ``task_mse`` (with ``targets`` shaped like the outputs)
-    has the same keys plus ``"with prompt"`` and ``"no prompt"``."""
+    has the same keys plus ``"with prompt"`` and ``"no prompt"``. ``reference``: the with-prompt
+    outputs if already known (``[m, T_q, d_out]``, as the ``"with_prompt"`` entry of the return
+    value), to evaluate several patches on one test set without running the prompt again."""
     patches = {"thought patch": patches} if isinstance(patches, Patch) else dict(patches)
     adapter = adapter_for(model)
     prompt = adapter.check_inputs(model, prompt if prompt.ndim == 3 else prompt[None])
@@ -405,16 +424,21 @@ def evaluate_thought_patch(model: nn.Module, prompt: Tensor, queries: Tensor,
     outs: dict[str, list[Tensor]] = {k: [] for k in ["with prompt", "no prompt", *patches]}
     for q in queries.split(batch_size):
         q = adapter.check_inputs(model, q)
-        outs["with prompt"].append(adapter.run(model, torch.cat([prompt.expand(q.shape[0], -1, -1), q], 1))[0][:, p:])
+        if reference is None:
+            outs["with prompt"].append(adapter.run(model, torch.cat([prompt.expand(q.shape[0], -1, -1), q], 1))[0][:, p:])
         outs["no prompt"].append(adapter.run(model, q)[0])
         for name, patch in patches.items():
             patch.check_model(model)
             with _hooked(model, patch, True, True):
                 outs[name].append(adapter.run(model, q)[0])
+    if reference is not None:
+        if reference.shape != torch.Size([sum(o.shape[0] for o in outs["no prompt"]), *outs["no prompt"][0].shape[1:]]):
+            raise InputError(f"reference {tuple(reference.shape)} is not the with-prompt outputs of these queries")
+        outs["with prompt"] = [reference]
     cat = {k: torch.cat(v).double() for k, v in outs.items()}
     ref = cat["with prompt"]
     mse = {k: float(((v - ref) ** 2).mean()) for k, v in cat.items() if k != "with prompt"}
-    res = {"mse_to_context": mse, "gap_closed": {k: 1 - v / mse["no prompt"] if mse["no prompt"] > 0 else float("nan")
+    res = {"with_prompt": cat["with prompt"], "mse_to_context": mse, "gap_closed": {k: 1 - v / mse["no prompt"] if mse["no prompt"] > 0 else float("nan")
                                                  for k, v in mse.items()}}
     if targets is not None:
         t = targets.double().reshape(ref.shape)
