@@ -3,6 +3,7 @@ stands in for a prompt on queries it has never seen, on the shipped model."""
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from pathlib import Path
@@ -124,9 +125,16 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
     baseline = _baselines(model, prompts[:2], cals[:2], tests[:2], defaults[:2], batches[:2], progress)
     data = {"n_prompts": n_prompts, "n_test": n_test, "seed": seed, "d_in": d_in, "d_hidden": d_hidden,
             "curve": curve, "ridge": ridge, "ablation_m": ABLATION_M,
-            "ablation": {k: _summary(v) for k, v in ablation.items()}, "gradient_baseline": baseline}
+            "ablation": {_slug(k): _summary(v) for k, v in ablation.items()},
+            "labels": {_slug(k): k for k in [*ablation, *baseline["rows"]]},
+            "gradient_baseline": {**baseline, "rows": {_slug(k): v for k, v in baseline["rows"].items()}}}
     return Section("thought", "Thought patches: one static update for a whole prompt",
                    *_write(out, data), data)
+
+
+def _slug(label: str) -> str:
+    """A table label as a results.json key: ``"rank 4 truncation"`` -> ``"rank_4_truncation"``."""
+    return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -166,7 +174,7 @@ def _baselines(model, prompts, cals, tests, fits, batches, progress) -> dict:
 
 def _reading(ab: dict) -> str:
     """What the ablation table says, from its medians."""
-    gap = lambda name: ab[name]["gap_closed"][1]  # noqa: E731
+    gap = lambda name: ab[_slug(name)]["gap_closed"][1]  # noqa: E731
     default, teacher = gap("sequential, input + affine output (default)"), gap("teacher-forced, input + affine output")
     ranks = ", ".join(f"rank {k}: {gap(f'sequential, rank {k} during the fit'):.3f} during the fit, "
                       f"{gap(f'rank {k} truncation'):.3f} cut afterwards" for k in TRUNCATIONS)
@@ -186,24 +194,25 @@ def _write(out: Path, data: dict) -> tuple[str, str, list[str]]:
     fig1 = plots.thought_curves(c, r, data["d_in"], data["d_hidden"], out / "thought_generalisation.png",
                                 f"Thought patch on {data['n_prompts']} prompts: error relative to dropping the prompt")
     rows = ["| form of the fit | gap closed (median [25%, 75%]) | task MSE (median) | fit time |", "|---|---|---|---|"]
-    order = ["with prompt", "no prompt", "token patch of each query (exact)"]
-    for name, s in sorted(data["ablation"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 3):
+    order = [_slug(k) for k in ("with prompt", "no prompt", "token patch of each query (exact)")]
+    for key, s in sorted(data["ablation"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 3):
+        name = data["labels"][key]
         gap = s.get("gap_closed")
         gap_text = f"{gap[1]:.4f} [{gap[0]:.4f}, {gap[2]:.4f}]" if gap else "-"
         secs = f"{s['seconds'][1]:.2f} s" if "seconds" in s else "-"
         rows.append(f"| {name} | {gap_text} | {s['task_mse'][1]:.4f} | {secs} |")
     base = data["gradient_baseline"]["rows"]
     brow = ["| method | gap closed | calibration MSE to the with-prompt output | wall time |", "|---|---|---|---|"]
-    for name, rs in base.items():
-        brow.append(f"| {name} | " + ", ".join(f"{x['gap_closed']:.5f}" for x in rs) + " | "
+    for key, rs in base.items():
+        brow.append(f"| {data['labels'][key]} | " + ", ".join(f"{x['gap_closed']:.5f}" for x in rs) + " | "
                     + ", ".join(f"{x['calibration_mse']:.2e}" for x in rs) + " | "
                     + ", ".join(f"{x['seconds']:.2f} s" for x in rs) + " |")
-    speed = min(x["seconds"] for x in base["distilled, full matrices"]) / max(x["seconds"] for x in base["closed form"])
-    lines = {f"{k}, prompt {j}": (list(range(len(x["losses"]))), x["losses"])
-             for k, rs in base.items() if k != "closed form" for j, x in enumerate(rs)}
+    speed = min(x["seconds"] for x in base["distilled_full_matrices"]) / max(x["seconds"] for x in base["closed_form"])
+    lines = {f"{data['labels'][k]}, prompt {j}": (list(range(len(x["losses"]))), x["losses"])
+             for k, rs in base.items() if k != "closed_form" for j, x in enumerate(rs)}
     steps = max(len(xs) for xs, _ in lines.values()) - 1
     lines.update({f"closed form, prompt {j}": ([0, steps], [x["calibration_mse"]] * 2)
-                  for j, x in enumerate(base["closed form"])})
+                  for j, x in enumerate(base["closed_form"])})
     fig2 = plots.curves({"Adam on the calibration queries, beside the closed form (flat lines)": {
         "x": "step", "y": "calibration MSE to the with-prompt output", "logy": True, "lines": lines}},
         out / "thought_distillation.png", "Context distillation against the closed-form fit", wide=True)
