@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tokenpatch as tp
 from tokenpatch.cli import main
@@ -136,3 +137,25 @@ def test_docs_exist_and_nothing_cites_files_outside_the_repo():
             assert outside not in text, (path, outside)
     for ref in set(re.findall(r"docs/[a-z-]+\.md", "".join(p.read_text() for p in (ROOT / "tokenpatch").rglob("*.py")))):
         assert (ROOT / ref).exists(), ref
+
+
+def test_compress_writes_a_patch_that_runs_without_the_prompt(tmp_path, capsys):
+    out = tmp_path / "prompt.safetensors"
+    assert main(["compress", "--out", str(out), "--calibration", "512", "--test", "200", "--ridge", "1e-6",
+                 "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "% of the prompt's effect kept" in text and "layer | input residual" in text
+    patch = tp.load_patch(out)
+    assert patch.meta["static"] and len(patch.meta["thought"]["fits"]) == 10
+    model = tp.load_model(dtype="float64")
+    q = torch.cat([torch.randn(7, 1, 4, dtype=torch.float64), torch.zeros(7, 1, 1, dtype=torch.float64)], -1)
+    assert tp.functional_call(model, patch, q).shape == (7, 1, 1)
+    assert main(["compress", "--out", str(out), "--quiet"]) == 2  # nothing is overwritten
+    assert "already exists" in capsys.readouterr().err
+    assert main(["compress", "--out", str(tmp_path / "b.safetensors"), "--prompt", str(out), "--quiet"]) == 2
+    assert "not a tensor named 'prompt'" in capsys.readouterr().err
+    from safetensors.torch import save_file
+    save_file({"prompt": torch.zeros(3, 7)}, str(tmp_path / "wide.safetensors"))
+    assert main(["compress", "--out", str(tmp_path / "c.safetensors"), "--prompt", str(tmp_path / "wide.safetensors"),
+                 "--quiet"]) == 2
+    assert "width 7, the model reads width 5" in capsys.readouterr().err

@@ -44,7 +44,7 @@ def _setup(layer="softmax", norm="pre", residual=True, seed=0, m=5, t_q=1, p=4, 
 @pytest.mark.parametrize("mode", ["sequential", "teacher"])
 def test_one_query_gives_the_token_patch(layer, norm, residual, mode):
     model, prompt, q = _setup(layer, norm, residual, m=1)
-    with pytest.warns(ThoughtWarning, match="rank 1 of 4"):  # one query: rank 1, the interpolating regime
+    with pytest.warns(ThoughtWarning, match="span 1 of 4 dimensions"):  # one query: rank 1, the interpolating regime
         fit = tp.thought_patch(model, prompt, q, mode=mode, output="vector")
     token = tp.token_patch(model, torch.cat([prompt, q[0]])[None])
     assert _close(fit.patch, token, 1e-10)
@@ -99,7 +99,8 @@ def test_the_input_side_is_the_ridge_solution():
 def test_rank_deficient_calibration_warns_and_stays_finite():
     model, prompt, q = _setup(m=1)
     same = q.expand(30, 1, 3).clone()  # 30 copies of one query: rank 1
-    with pytest.warns(ThoughtWarning, match=r"rank-deficient \(rank 1 of 4, condition number inf\)"):
+    with pytest.warns(ThoughtWarning, match=r"rank-deficient \(the calibration positions span 1 of 4 dimensions, "
+                                            r"condition number inf\)"):
         fit = tp.thought_patch(model, prompt, same)
     assert all(torch.isfinite(_dense(d)).all() for d in fit.patch.values())
     with warnings.catch_warnings():
@@ -115,7 +116,7 @@ def test_a_thought_patch_is_a_patch(tmp_path):
     back = tp.load_patch(tmp_path / "t.safetensors")
     assert _close(back, fit.patch, 0)
     x = torch.randn(6, 2, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    hooked = tp.functional_call(model, back, x, broadcast=True, any_length=True)
+    hooked = tp.functional_call(model, back, x)  # a static patch runs on any no-prompt inputs
     with tp.apply(model, back):
         written = model(x)
     assert torch.allclose(hooked, written, rtol=0, atol=1e-12)

@@ -34,7 +34,8 @@ from .models import Block, ICLConfig, ICLTransformer, load_model, save_model
 from .patching import strip_context, token_patch
 from .plans import Plan, make_plan
 from .tasks.linreg import LinRegTask
-from .thought import LayerFit, ThoughtPatch, ThoughtWarning, evaluate_thought_patch, thought_patch
+from .distill import Distilled, distill
+from .thought import LayerFit, ThoughtPatch, ThoughtWarning, compress, evaluate_thought_patch, thought_patch
 from .verify import TOLERANCES, LayerError, SiteError, Verification, verify
 
 __version__ = "0.2.0"
@@ -58,6 +59,9 @@ __all__ = [
     "LayerFit",
     "ThoughtWarning",
     "evaluate_thought_patch",
+    "compress",
+    "distill",
+    "Distilled",
     "diagnostics",
     "verify",
     "apply",

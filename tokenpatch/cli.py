@@ -1,4 +1,4 @@
-"""Command line: ``tokenpatch train | verify | reproduce`` (``tokenpatch <command> --help``).
+"""Command line: ``tokenpatch train | verify | compress | reproduce`` (``tokenpatch <command> --help``).
 
 A user mistake (a bad value, a missing or wrong file) is one line on stderr, ``tokenpatch:
 error: ...``, and exit status 2, never a traceback; ``--debug`` (or ``TOKENPATCH_DEBUG=1``) shows
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -124,6 +125,29 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     _common(v)
 
+    c = sub.add_parser("compress", help="compress a prompt into a static thought patch file", formatter_class=fmt,
+                       description="Fit a thought patch (tp.compress): one static weight update that stands in for the "
+                                   "prompt on queries it has never seen, fitted by least squares on calibration queries "
+                                   "read after the prompt. Writes the patch (tp.load_patch reads it; tp.functional_call "
+                                   "runs the model with it and without the prompt), prints the per-layer fit and how "
+                                   "much of the prompt's effect it keeps on fresh queries.")
+    c.add_argument("--out", required=True, help="patch file to write (a new file; nothing is overwritten)")
+    c.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
+    c.add_argument("--prompt", default=None, help="safetensors file with a tensor 'prompt' [P, d_in] (default: the "
+                                                  "context of a fresh task of the checkpoint, drawn with --seed)")
+    c.add_argument("--queries", default=None, help="safetensors file with a tensor 'queries' [m, T_q, d_in] (default: "
+                                                   "--calibration fresh one-token queries of the checkpoint's task)")
+    c.add_argument("--calibration", type=_count(1), default=1024, help="calibration queries drawn when --queries is not given")
+    c.add_argument("--ridge", type=_number(False), default=0.0, help="ridge lambda of the least-squares fits")
+    c.add_argument("--mode", choices=["sequential", "teacher"], default="sequential", help="how deeper layers are fitted")
+    c.add_argument("--output-side", choices=["affine", "vector", "none"], default="affine",
+                   help="the output side of each layer: affine fit, constant thought vector, or none")
+    c.add_argument("--rank", type=_count(1), default=None, help="keep every matrix delta at this rank during the fit "
+                                                                "(default: full rank)")
+    c.add_argument("--test", type=_count(0), default=1000, help="fresh queries to evaluate the patch on (0: skip)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the drawn prompt and queries")
+    _common(c)
+
     r = sub.add_parser("reproduce", help="run the paper experiments; write results/report.md, figures, JSON",
                        formatter_class=fmt,
                        description=f"Run every section of the report on the shipped checkpoint ({REPRODUCE_TIME}) "
@@ -213,6 +237,64 @@ def _verify(args) -> int:
     return 0 if ok else 1
 
 
+def _tensor(path: str, key: str, flag: str) -> torch.Tensor:
+    """Tensor ``key`` of the safetensors file ``path`` (float64)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except SafetensorError as exc:
+        raise _usage(f"{flag} {path} is not a safetensors file ({exc})") from None
+    if key not in tensors:
+        names = sorted(tensors)
+        raise _usage(f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}")
+    return tensors[key].double()
+
+
+def _compress(args) -> int:
+    from .delta import save_patch
+    from .models import load_model
+    from .tasks.linreg import task_of
+    from .thought import ThoughtWarning, compress, evaluate_thought_patch
+
+    _check_out_file(args.out, "--out", may_exist=False)
+    model = load_model(args.checkpoint, dtype="float64")
+    task = task_of(model)
+    g = torch.Generator().manual_seed(args.seed)
+    draw = lambda n: torch.cat([torch.randn(n, 1, task.dim, generator=g, dtype=torch.float64),  # noqa: E731
+                                torch.zeros(n, 1, 1, dtype=torch.float64)], -1)
+    prompt = _tensor(args.prompt, "prompt", "--prompt") if args.prompt else \
+        task.sample(1, g, dtype=torch.float64).tokens[0, :-1]
+    queries = _tensor(args.queries, "queries", "--queries") if args.queries else draw(args.calibration)
+    if queries.ndim == 2:
+        queries = queries[:, None]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ThoughtWarning)
+        patch = compress(model, prompt, queries, ridge=args.ridge, mode=args.mode, rank=args.rank,
+                         output=None if args.output_side == "none" else args.output_side, progress=not args.quiet)
+    save_patch(patch, args.out)
+    fits = patch.meta["thought"]["fits"]
+    print(f"{args.out}: thought patch of a {prompt.shape[0]}-token prompt from {queries.shape[0]} calibration queries "
+          f"({fits[0]['n']} positions), {args.mode} fit, ridge {args.ridge:g}")
+    print("layer | input residual | rank | condition | output residual | rank | condition")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for f in fits:
+        print(f"{f['layer']:>5} | {fmt(f['input_residual'], '.2e'):>14} | {fmt(f['input_rank'], 'd'):>4} | "
+              f"{fmt(f['input_condition'], '.1e'):>9} | {fmt(f['output_residual'], '.2e'):>15} | "
+              f"{fmt(f['output_rank'], 'd'):>4} | {fmt(f['output_condition'], '.1e'):>9}")
+    ill = [w for w in caught if issubclass(w.category, ThoughtWarning)]
+    if ill:
+        print(f"note: {len(ill)} of the least-squares systems were rank-deficient or ill-conditioned (conditions above); "
+              "they took the minimum-norm solution. --ridge (e.g. 1e-6) regularises them")
+    if args.test:
+        ev = evaluate_thought_patch(model, prompt, draw(args.test), patch)
+        print(f"on {args.test} fresh queries without the prompt: {100 * ev['gap_closed']['thought patch']:.2f}% of the "
+              f"prompt's effect kept (output MSE to the with-prompt model {ev['mse_to_context']['thought patch']:.3e}, "
+              f"without the patch {ev['mse_to_context']['no prompt']:.3e})")
+    return 0
+
+
 def _reproduce(args) -> int:
     from .report import reproduce
 
@@ -231,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     debug = args.debug or os.environ.get("TOKENPATCH_DEBUG", "") not in ("", "0")
     try:
-        return {"train": _train, "verify": _verify, "reproduce": _reproduce}[args.command](args)
+        return {"train": _train, "verify": _verify, "compress": _compress, "reproduce": _reproduce}[args.command](args)
     except (TokenpatchError, OSError) as exc:  # user mistakes: bad values, missing or wrong files
         if debug:
             raise

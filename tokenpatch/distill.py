@@ -88,7 +88,7 @@ def distill(model: nn.Module, prompt: Tensor, queries: Tensor, names: list[str],
     with torch.no_grad():
         patch = Patch({n: _factor(d[0].double()).to(params[n].dtype) if d.ndim == 3 else d[None]
                        for n, d in deltas().items()}, None,
-                      {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)},
+                      {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, "static": True,
                        "distill": {"steps": steps, "lr": lr, "rank": rank}})
     return Distilled(patch, torch.stack(losses), time.perf_counter() - t0)
 

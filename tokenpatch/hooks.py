@@ -4,7 +4,9 @@
 ``u (v . x) + db`` to their outputs, the factors never multiplied out. The inputs must be the
 no-context inputs the patch was made for (``tp.strip_context`` gives them); anything else is an
 ``InputError`` unless the call opts in: ``broadcast=True`` to run one row of patches over more
-sequences, ``any_length=True`` to run sequences of another length (e.g. tokens after the query).
+sequences, ``any_length=True`` to run sequences of another length (e.g. tokens after the query). A static
+patch (``patch.meta["static"]``, e.g. a thought patch: one update for any input) runs on any
+no-context inputs as it is.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class _Hook:
         self.name, self.patch = module_name, patch
         w, self.b = deltas.get("weight"), deltas.get("bias")
         self.w_in, self.w_out = (None, None) if w is None else ((w.v, w.u) if layout == "out_in" else (w.u, w.v))
-        self.broadcast, self.any_length = broadcast, any_length
+        static = bool(patch.meta.get("static"))  # one update for any input (a thought patch): runs on all of them
+        self.broadcast, self.any_length = broadcast or static, any_length or static
         meta = patch.meta
         self.length = Plan.from_meta(meta).stripped_len if "query" in meta and "seq_len" in meta else None
 

@@ -54,7 +54,8 @@ from .delta import Delta, LowRank, Patch
 from .errors import InputError
 from .hooks import _hooked
 
-__all__ = ["ThoughtPatch", "LayerFit", "thought_patch", "evaluate_thought_patch", "ThoughtWarning", "COND_WARN"]
+__all__ = ["ThoughtPatch", "LayerFit", "thought_patch", "compress", "evaluate_thought_patch", "ThoughtWarning",
+           "COND_WARN"]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 COND_WARN = 1e10  # condition numbers above this warn and take the eigendecomposition path
@@ -100,7 +101,7 @@ class ThoughtPatch:
         rank-``rank`` approximation in Frobenius norm: the factors are stored in SVD order)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise InputError(f"rank must be an int >= 1, got {rank!r}")
-        return Patch(_cut(dict(self.patch.items()), rank), None, {**self.patch.meta, "rank": rank})
+        return Patch(_cut(dict(self.patch.items()), rank), None, {**self.patch.meta, "truncated_rank": rank})
 
     def vector(self) -> Patch:
         """Only the dense (bias) deltas: the thought vector."""
@@ -164,9 +165,10 @@ def _solve(sums: _Sums, lam: float, free_last: bool, where: str) -> tuple[Tensor
         chol, info = torch.linalg.cholesky_ex(m)
         if int(info) == 0:
             return torch.cholesky_solve(b.T, chol).T, rank, cond
-    warnings.warn(f"thought_patch: {where}: the calibration system is {'rank-deficient' if rank < p else 'ill-conditioned'} "
-                  f"(rank {rank} of {p}, condition number {cond:.2e}); taking the minimum-norm solution. Use more "
-                  "calibration queries or ridge > 0 for a patch that generalises", ThoughtWarning, stacklevel=_caller())
+    what = (f"rank-deficient (the calibration positions span {rank} of {p} dimensions" if rank < p
+            else f"ill-conditioned (rank {p} of {p}") + f", condition number {cond:.2e})"
+    warnings.warn(f"thought_patch: {where}: the least-squares system is {what}; taking the minimum-norm solution "
+                  "(ridge > 0 regularises it; more calibration queries help if they add directions)", ThoughtWarning, stacklevel=_caller())
     inv = torch.where(e > cutoff, 1 / e.clamp_min(cutoff or 1.0), torch.zeros_like(e))  # [p]
     return (b @ vecs) * inv @ vecs.T, rank, cond
 
@@ -302,7 +304,8 @@ def _input_deltas(model: nn.Module, names, d: Tensor) -> dict[str, Delta]:
 def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: float = 0.0,
                   mode: Literal["sequential", "teacher"] = "sequential", inputs: bool = True,
                   output: Literal["affine", "vector"] | None = "affine", batch_size: int = 4096,
-                  rank: int | None = None, cache_bytes: int = 2**30, progress: bool | None = None) -> ThoughtPatch:
+                  rank: int | None = None, cache_bytes: int = 2**30, distributed: bool = False,
+                  progress: bool | None = None) -> ThoughtPatch:
     """Fit one static patch that stands in for ``prompt`` (module docstring).
 
     ``prompt [P, ...]`` (or ``[1, P, ...]``): the context to drop, as model inputs (embeddings
@@ -313,7 +316,11 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
     and the layers above fit on top of the truncated update (``ThoughtPatch.truncate`` cuts after
     the fit instead, and the layers above never see it). The states of the
     calibration positions are kept between layers while they fit in ``cache_bytes`` and recomputed
-    otherwise (memory then independent of the number of queries). Returns a ``ThoughtPatch``.
+    otherwise (memory then independent of the number of queries). ``distributed=True``: this
+    process holds one shard of the calibration queries and every process of the default
+    ``torch.distributed`` group calls ``thought_patch`` with the same arguments (launch with
+    ``torchrun``); the per-layer sums are all-reduced before each solve, so every process gets the
+    fit of all the shards together. Returns a ``ThoughtPatch``.
     """
     if mode not in ("sequential", "teacher"):
         raise InputError(f"mode must be 'sequential' or 'teacher', got {mode!r}")
@@ -328,6 +335,9 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
     if not isinstance(prompt, Tensor) or prompt.ndim not in (2, 3) or (prompt.ndim == 3 and prompt.shape[0] != 1):
         raise InputError("prompt must be a tensor [P, ...] (or [1, P, ...]) of model inputs, got "
                          f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__}")
+    if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise InputError("distributed=True needs an initialised torch.distributed process group "
+                         "(torch.distributed.init_process_group, e.g. under torchrun)")
     source = _Source(model, prompt if prompt.ndim == 3 else prompt[None], _batches(queries, batch_size), mode,
                      cache_bytes)
     adapter = source.adapter
@@ -337,35 +347,59 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
         sites = adapter.sites(model, i)
         fit = {"layer": i, "ridge": float(ridge)}
         if inputs and sites.inputs:
-            acc = _accumulate((s_0.flatten(0, -2), (s_c - s_0).flatten(0, -2)) for _, s_c, _, s_0 in source)
+            acc = _accumulate(((s_0.flatten(0, -2), (s_c - s_0).flatten(0, -2)) for _, s_c, _, s_0 in source),
+                              distributed)
             d, solved_rank, cond = _solve(acc, ridge, False, f"layer {i} input side")
             w = _math(model, sites.inputs[0])
             fit.update(n=acc.n, input_residual=_residual(acc, d, w.T @ w), input_rank=solved_rank, input_condition=cond)
             deltas.update(_cut(_input_deltas(model, sites.inputs, d), rank))
         if output is not None and sites.output is not None:
-            fit.update(_fit_output(model, adapter, i, sites.output, source, deltas, output, ridge))
+            fit.update(_fit_output(model, adapter, i, sites.output, source, deltas, output, ridge, distributed))
             deltas.update(_cut(deltas, rank))
         fits.append(LayerFit(**{"n": 0, **fit}))
         source.advance(Patch(deltas, None, {}) if deltas else None)
     if not deltas:
         raise InputError("nothing was fitted: the model has no input sites and no output sites")
-    meta = {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, "thought": {
+    meta = {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, "static": True, "thought": {
         "mode": mode, "ridge": float(ridge), "inputs": inputs, "output": output, "rank": rank, "prompt_len": source.p,
         "positions": fits[0].n}}
     return ThoughtPatch(Patch(deltas, None, meta), fits)
 
 
-def _accumulate(pairs) -> _Sums:
+def compress(model: nn.Module, prompt: Tensor, queries: Any, **options) -> Patch:
+    """Prompt compression in one call: the thought patch of ``prompt`` fitted on the calibration
+    ``queries`` (``thought_patch`` and its ``options``), with its fit diagnostics in the metadata.
+
+        patch = tp.compress(model, prompt, queries)
+        tp.save_patch(patch, "prompt.safetensors")           # later, elsewhere:
+        out = tp.functional_call(model, tp.load_patch("prompt.safetensors"), new_queries)   # no prompt
+    """
+    fit = thought_patch(model, prompt, queries, **options)
+    meta = dict(fit.patch.meta)
+    meta["thought"] = {**meta["thought"], "fits": [f.to_dict() for f in fit.fits]}
+    return Patch(dict(fit.patch.items()), None, meta)
+
+
+def _accumulate(pairs, distributed: bool = False) -> _Sums:
+    """The sums over every ``(x [N, p], y [N, q])`` pair; with ``distributed``, over every process's pairs."""
     acc = None
     for x, y in pairs:
         acc = acc or _Sums(x.shape[1], y.shape[1], x.device)
         acc.add(x, y)
     if acc is None:
         raise InputError("queries hold no calibration batches")
+    if distributed:  # one all-reduce of the packed sums: the fit of all shards together
+        packed = torch.cat([acc.xx.flatten(), acc.yx.flatten(), acc.yy.flatten(),
+                            torch.tensor([float(acc.n)], dtype=torch.float64, device=acc.xx.device)])
+        torch.distributed.all_reduce(packed)
+        sizes = [acc.xx.numel(), acc.yx.numel(), acc.yy.numel()]
+        xx, yx, yy, n = packed.split([*sizes, 1])
+        acc.xx, acc.yx, acc.yy, acc.n = xx.view_as(acc.xx), yx.view_as(acc.yx), yy.view_as(acc.yy), int(n.item())
     return acc
 
 
-def _fit_output(model, adapter, i: int, site, source: _Source, deltas: dict, output: str, ridge: float) -> dict:
+def _fit_output(model, adapter, i: int, site, source: _Source, deltas: dict, output: str, ridge: float,
+                distributed: bool) -> dict:
     """The output side of layer ``i`` on top of its fitted input side: adds to ``deltas``, returns diagnostics."""
     kind, name = site
     module_name = name.rpartition(".")[0]
@@ -385,7 +419,7 @@ def _fit_output(model, adapter, i: int, site, source: _Source, deltas: dict, out
             x = hidden_0.flatten(0, -2) if output == "affine" else t.new_zeros(t.shape[0], 0)
             yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
 
-    acc = _accumulate(pairs())
+    acc = _accumulate(pairs(), distributed)
     a, rank, cond = _solve(acc, ridge, affine, f"layer {i} output side")
     if output == "affine":
         dw = a[:, :-1] if affine else a  # [d, d_hidden]  math layout
