@@ -24,7 +24,8 @@ from .arch import adapter_for
 from .delta import LowRank, Patch
 from .errors import InputError
 from .finetuning import finetuned
-from .thought import ThoughtPatch, _factor
+from .lstsq import _factor
+from .thought import ThoughtPatch
 
 __all__ = ["Distilled", "distill"]
 
