@@ -15,6 +15,10 @@ The math is in ``docs/`` of the repository (the patch theorem, the deep-model al
 error metric) and in *Learning without training: the implicit dynamics of in-context learning*
 (Dherin et al., 2025).
 
+``trajectory`` gives the patch after every context token (the implicit learning dynamics),
+``finetune`` the explicit fine-tuning it is compared with, ``thought_patch`` / ``compress`` one
+static patch that stands in for a whole prompt on queries never seen.
+
 A new model family is one ``Adapter`` (``tp.register_adapter``); ``tp.Sites`` says where its
 patch goes.
 """
