@@ -30,18 +30,18 @@ class ThoughtWarning(UserWarning):
 
 class _Sums:
     """Streaming sums of a least-squares problem ``A x_j ~ y_j``: ``xx = sum x x^T``, ``yx = sum y x^T``,
-    ``yy = sum y y^T``, ``n``, in float64."""
+    ``yy = sum |y|^2`` (a scalar: only the residual needs it), ``n``, in float64."""
 
     def __init__(self, p: int, q: int, device):
         kw = dict(dtype=torch.float64, device=device)
-        self.xx, self.yx, self.yy, self.n = torch.zeros(p, p, **kw), torch.zeros(q, p, **kw), torch.zeros(q, q, **kw), 0
+        self.xx, self.yx, self.yy, self.n = torch.zeros(p, p, **kw), torch.zeros(q, p, **kw), torch.zeros(1, **kw), 0
 
     def add(self, x: Tensor, y: Tensor) -> None:
         """``x [N, p]``, ``y [N, q]``."""
         x, y = x.double(), y.double()
-        self.xx += x.T @ x
-        self.yx += y.T @ x
-        self.yy += y.T @ y
+        self.xx.addmm_(x.T, x)  # in place: no [p, p] temporary per batch
+        self.yx.addmm_(y.T, x)
+        self.yy += (y * y).sum()
         self.n += x.shape[0]
 
 
@@ -85,13 +85,10 @@ def _caller() -> int:
     return level
 
 
-def _residual(sums: _Sums, a: Tensor, metric: Tensor | None = None) -> float:
-    """``|K (A X - Y)|_F / |K Y|_F`` from the sums, ``metric = K^T K`` (identity if ``None``)."""
-    err = a @ sums.xx @ a.T - a @ sums.yx.T - sums.yx @ a.T + sums.yy  # [q, q]  (AX - Y)(AX - Y)^T
-    if metric is None:
-        num, den = torch.trace(err), torch.trace(sums.yy)
-    else:
-        num, den = (metric * err).sum(), (metric * sums.yy).sum()
+def _residual(sums: _Sums, a: Tensor) -> float:
+    """``|A X - Y|_F / |Y|_F`` from the sums: ``tr(A xx A^T) - 2 tr(A yx^T) + sum |y|^2`` (cancels: see ``LayerFit``)."""
+    num = (a @ sums.xx * a).sum() - 2 * (a * sums.yx).sum() + sums.yy[0]
+    den = sums.yy[0]
     return float(num.clamp_min(0).sqrt() / den.sqrt()) if float(den) > 0 else 0.0
 
 

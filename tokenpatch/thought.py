@@ -61,7 +61,8 @@ __all__ = ["ThoughtPatch", "LayerFit", "thought_patch", "compress", "evaluate_th
 @dataclass(frozen=True)
 class LayerFit:
     """Fit diagnostics of one layer: ``n`` calibration positions; per side the relative training
-    residual ``|fit - target|_F / |target|_F`` (read from the streamed sums, so an exact fit reads as
+    residual ``|fit - target|_F / |target|_F`` (input side: of ``D s_0 ~ s_C - s_0`` in the MLP-input
+    space) (read from the streamed sums, so an exact fit reads as
     ``sqrt(eps * condition)`` or so, not 0; ``evaluate_thought_patch`` on the calibration queries
     measures the fit to full precision), the rank and condition number of the Gram
     matrix solved and the ``lambda`` used (``None`` where the side was not fitted)."""
@@ -165,7 +166,7 @@ class _Source:
         a, m = self.adapter, self.model
         q = a.check_inputs(m, q)
         hq = a.embed(m, torch.cat([self.prompt.expand(q.shape[0], *self.prompt.shape[1:]), q], 1))[:, self.p:]
-        return hq, a.embed(m, q)
+        return hq.clone(), a.embed(m, q)  # a copy: a view would keep the prompt's rows alive in the cache
 
     def _teacher_mix(self, i: int, hq: Tensor) -> tuple[Tensor, Tensor]:
         """``(m_C, s_C)`` of the query positions read after the prompt, from the prompt's states."""
@@ -269,8 +270,7 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
             acc = _accumulate(((s_0.flatten(0, -2), (s_c - s_0).flatten(0, -2)) for _, s_c, _, s_0 in source),
                               distributed)
             d, solved_rank, cond = _solve(acc, ridge, False, f"layer {i} input side")
-            w = _math(model, sites.inputs[0])
-            fit.update(n=acc.n, input_residual=_residual(acc, d, w.T @ w), input_rank=solved_rank, input_condition=cond)
+            fit.update(n=acc.n, input_residual=_residual(acc, d), input_rank=solved_rank, input_condition=cond)
             deltas.update(_cut(_input_deltas(model, sites.inputs, d), rank))
         if output is not None and sites.output is not None:
             fit.update(_fit_output(model, adapter, i, sites.output, source, deltas, output, ridge, distributed))
@@ -329,14 +329,6 @@ def _fit_output(model, adapter, i: int, site, source: _Source, deltas: dict, out
     if affine:
         deltas[name] = a[:, -1][None, None].to(module.bias.dtype)  # [1, 1, d]
     return {"n": acc.n, "output_residual": _residual(acc, a), "output_rank": rank, "output_condition": cond}
-
-
-def _math(model: nn.Module, name: str) -> Tensor:
-    """A weight in math layout ``[out, in]``, float64."""
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    w = getattr(module, attr).detach().double()
-    return w if weight_layout(module, name) == "out_in" else w.T
 
 
 @torch.no_grad()
