@@ -33,7 +33,7 @@ import os, sys
 torch.distributed.init_process_group("gloo")
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 shard = queries[rank::world]  # uneven shards: 151 and 150 queries
-fit = tp.thought_patch(model, prompt, shard, ridge=1e-3, distributed=True, batch_size=64)
+fit = tp.thought_patch(model, prompt, shard, ridge=1e-3, distributed=True, batch_size=64, solver=sys.argv[2])
 assert fit.fits[0].n == 301, fit.fits[0].n
 tp.save_patch(fit.patch, f"{sys.argv[1]}/rank{rank}.safetensors")
 torch.distributed.destroy_process_group()
@@ -52,9 +52,10 @@ def _rel(a: tp.Patch, b: tp.Patch) -> float:
     return max(float((dense(a[n]) - dense(b[n])).abs().max() / dense(a[n]).abs().max()) for n in a)
 
 
-def test_two_processes_fit_what_one_fits(tmp_path):
+@pytest.mark.parametrize("solver", ["normal", "qr"])
+def test_two_processes_fit_what_one_fits(tmp_path, solver):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(tmp_path), solver],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     for p in procs:
@@ -62,7 +63,7 @@ def test_two_processes_fit_what_one_fits(tmp_path):
         assert p.returncode == 0, err[-2000:]
     scope: dict = {}
     exec(SETUP, scope)  # the same model, prompt and queries in this process
-    one = tp.thought_patch(scope["model"], scope["prompt"], scope["queries"], ridge=1e-3)
+    one = tp.thought_patch(scope["model"], scope["prompt"], scope["queries"], ridge=1e-3, solver=solver)
     for r in range(2):
         assert _rel(one.patch, tp.load_patch(tmp_path / f"rank{r}.safetensors")) <= 1e-12
 

@@ -234,3 +234,32 @@ def test_rank_during_the_fit_cuts_every_matrix_and_the_layers_above_see_it():
     assert torch.allclose(cut.patch[name].dense(), full.truncate(1)[name].dense(), atol=1e-12)
     assert not torch.allclose(cut.patch["blocks.1.mlp.fc_in.weight"].dense(), full.truncate(1)["blocks.1.mlp.fc_in.weight"].dense())
     assert _close(tp.thought_patch(model, prompt, q, ridge=1e-3, rank=100).patch, full.patch, 1e-12)
+
+
+def test_the_qr_solver_is_the_same_fit_with_exact_residuals():
+    model, prompt, q = _setup(m=40, d_mlp=7)
+    normal = tp.thought_patch(model, prompt, q, ridge=1e-2)
+    qr = tp.thought_patch(model, prompt, q, ridge=1e-2, solver="qr", batch_size=7)
+    assert _rel(normal.patch, qr.patch) <= 1e-10
+    few = q[:2]  # 2 positions: the fit interpolates, and the QR residual says so to rounding
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ThoughtWarning)
+        exact = tp.thought_patch(model, prompt, few, solver="qr")
+    assert all(f.input_residual <= 1e-12 and f.output_residual <= 1e-12 for f in exact.fits)
+    with pytest.raises(InputError, match="solver must be 'normal' or 'qr'"):
+        tp.thought_patch(model, prompt, q, solver="lu")
+
+
+def test_the_qr_solver_makes_batchings_agree_on_the_ill_conditioned_shipped_model():
+    """Condition numbers up to ~1e11 at ridge 0: the normal equations amplify the rounding of
+    different batchings to ~5e-5 (measured); the streamed QR keeps the fits within 1e-10."""
+    model = tp.load_model(dtype="float64")
+    g = torch.Generator().manual_seed(0)
+    prompt = tp.tasks.linreg.task_of(model).sample(1, g, dtype=torch.float64).tokens[0, :-1]
+    q = torch.cat([torch.randn(3000, 1, 4, generator=g, dtype=torch.float64), torch.zeros(3000, 1, 1, dtype=torch.float64)], -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ThoughtWarning)
+        one = tp.thought_patch(model, prompt, q, solver="qr", batch_size=3000)
+        streamed = tp.thought_patch(model, prompt, q, solver="qr", batch_size=333, cache_bytes=0)
+    assert max(f.input_condition for f in one.fits[1:]) > 1e8  # the hard case it is meant for
+    assert _rel(one.patch, streamed.patch) <= 1e-10
