@@ -60,12 +60,15 @@ __all__ = ["ThoughtPatch", "LayerFit", "thought_patch", "compress", "evaluate_th
 
 @dataclass(frozen=True)
 class LayerFit:
-    """Fit diagnostics of one layer: ``n`` calibration positions; per side the relative training
-    residual ``|fit - target|_F / |target|_F`` (input side: of ``D s_0 ~ s_C - s_0`` in the MLP-input
-    space) (read from the streamed sums, so an exact fit reads as
-    ``sqrt(eps * condition)`` or so, not 0; ``evaluate_thought_patch`` on the calibration queries
-    measures the fit to full precision), the rank and condition number of the Gram
-    matrix solved and the ``lambda`` used (``None`` where the side was not fitted)."""
+    """Fit diagnostics of one layer (``None`` where a side was not fitted):
+
+    * ``n``: calibration positions;
+    * per side, the relative training residual ``|fit - target|_F / |target|_F`` (input side: of
+      ``D s_0 ~ s_C - s_0``, in the MLP-input space). With ``solver="normal"`` it is read from the
+      sums, so an exact fit reads as about ``sqrt(eps * condition)``, not 0; with ``"qr"`` it is
+      exact. ``evaluate_thought_patch`` on the calibration queries measures the fit itself;
+    * per side, the rank and condition number of the normal equations, and the ``lambda`` used.
+    """
 
     layer: int
     n: int
@@ -83,8 +86,8 @@ class LayerFit:
 
 @dataclass(frozen=True)
 class ThoughtPatch:
-    """``patch``: the static patch (lead ``[1, 1]``, acts everywhere; run it on any no-prompt input
-    with ``tp.functional_call(model, patch, x, broadcast=True, any_length=True)`` or ``tp.apply``);
+    """``patch``: the static patch (lead ``[1, 1]``, acts everywhere, ``meta["static"]``: it runs on
+    any no-prompt inputs, ``tp.functional_call(model, patch, x)`` or ``with tp.apply(model, patch)``);
     ``fits``: per-layer ``LayerFit``."""
 
     patch: Patch
