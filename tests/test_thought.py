@@ -80,12 +80,17 @@ def test_streamed_cached_and_recomputed_fits_agree(seed, mode, ridge, output):
     assert [f.n for f in one.fits] == [46, 46]
 
 
-def test_the_input_side_is_the_ridge_solution():
-    """One block, no norm: S, Delta formed explicitly; dW = W Delta S^T (S S^T + n lambda I)^-1."""
+def _one_block(seed: int, m: int):
+    """A bare Pre-LN block (inputs are hidden states), a 3-token prompt and ``m`` one-token queries."""
     config = tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, d_mlp=5, norm="pre")
-    block = random_model(config, 3).blocks[0]
-    g = torch.Generator().manual_seed(0)
-    prompt, q = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(9, 1, 4, generator=g, dtype=torch.float64)
+    block = random_model(config, seed + 3).blocks[0]
+    g = torch.Generator().manual_seed(seed)
+    return block, torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(m, 1, 4, generator=g, dtype=torch.float64)
+
+
+def test_the_input_side_is_the_ridge_solution():
+    """One block: S, Delta formed explicitly; dW = W Delta S^T (S S^T + n lambda I)^-1."""
+    block, prompt, q = _one_block(0, 9)
     lam = 0.2
     fit = tp.thought_patch(block, prompt, q, ridge=lam, output=None)
     s_c = block.mix(torch.cat([prompt.expand(9, 3, 4), q], 1))[1][:, -1]  # [m, d]
@@ -176,10 +181,7 @@ def test_the_shipped_model_generalises_past_the_interpolation_threshold():
 
 
 def test_the_output_side_is_the_affine_ridge_fit_with_a_free_intercept():
-    config = tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, d_mlp=5, norm="pre")
-    block = random_model(config, 4).blocks[0]
-    g = torch.Generator().manual_seed(1)
-    prompt, q = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(12, 1, 4, generator=g, dtype=torch.float64)
+    block, prompt, q = _one_block(1, 12)
     lam = 0.1
     fit = tp.thought_patch(block, prompt, q, ridge=lam)
     m_c, s_c = (t[:, -1] for t in block.mix(torch.cat([prompt.expand(12, 3, 4), q], 1)))
