@@ -50,11 +50,6 @@ def decay_exponent(norms: Tensor, start: int = 2) -> Tensor:
     return ((y - y.mean(-1, keepdim=True)) * x).sum(-1) / (x * x).sum()
 
 
-def _cosine(a: LowRank, b: LowRank) -> Tensor:
-    den = (a.inner(a) * b.inner(b)).sqrt()
-    return torch.where(den > 0, a.inner(b) / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(den))
-
-
 def cosine(a: LowRank | Tensor, b: LowRank | Tensor) -> Tensor:
     """Normalised Frobenius inner product ``<A, B>_F / (|A|_F |B|_F)`` of two batches of matrices,
     each a ``LowRank`` or a dense ``[*lead, rows, cols]`` tensor, in one layout -> ``[*lead]`` (0 where
@@ -64,8 +59,9 @@ def cosine(a: LowRank | Tensor, b: LowRank | Tensor) -> Tensor:
     if isinstance(a, Tensor) and isinstance(b, LowRank):
         a, b = b, a
     if isinstance(a, LowRank) and isinstance(b, LowRank):
-        return _cosine(a, b)
-    if isinstance(a, LowRank):
+        dt = a.dtype
+        inner, na, nb = a.inner(b), a.norm(), b.norm()
+    elif isinstance(a, LowRank):
         if tuple(b.shape[-2:]) != a.shape:
             raise InputError(f"cannot compare a {a.shape} low-rank matrix with dense {tuple(b.shape[-2:])} ones")
         dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float64)
@@ -88,7 +84,7 @@ def step_alignment(traj: Trajectory, name: str) -> Tensor:
     d = _matrix(traj, name)
     u, v = d.u, d.v  # [B, N+1, 1, .]
     steps = LowRank(torch.cat([u[:, 1:], -u[:, :-1]], -2), torch.cat([v[:, 1:], v[:, :-1]], -2))  # [B, N], rank 2
-    return _cosine(steps.index((slice(None), slice(1, None))), steps.index((slice(None), slice(None, -1))))
+    return cosine(steps.index((slice(None), slice(1, None))), steps.index((slice(None), slice(None, -1))))
 
 
 def layer_alignment(traj: Trajectory, names: list[str], prefix: int = -1) -> Tensor:
@@ -98,7 +94,7 @@ def layer_alignment(traj: Trajectory, names: list[str], prefix: int = -1) -> Ten
     if len({d.shape for d in ds}) != 1:
         raise InputError(f"layer_alignment needs matrices of one shape, got {[d.shape for d in ds]}")
     at = [d.index((slice(None), prefix)) for d in ds]  # [B] each, rank 1
-    return torch.stack([torch.stack([_cosine(a, b) for b in at], -1) for a in at], -2)
+    return torch.stack([torch.stack([cosine(a, b) for b in at], -1) for a in at], -2)
 
 
 def effective_rank(delta: LowRank) -> Tensor:
