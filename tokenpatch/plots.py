@@ -126,6 +126,28 @@ def heatmap(matrix: list[list[float]], labels: list[str], path: str | Path, titl
     return path
 
 
+def update_norms_figure(norms, tokens: list[str], path: str | Path, title: str) -> Path:
+    """Per generated token (x) and layer (y), the norm of the layer's implicit update, log colour scale."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    path = Path(path)
+    values = np.asarray(norms, dtype=float).T  # [L, n]
+    positive = values[values > 0]
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.38 * values.shape[1] + 2), 0.18 * values.shape[0] + 2.2),
+                           constrained_layout=True)
+    im = ax.imshow(values, aspect="auto", origin="lower", cmap="viridis",
+                   norm=LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None)
+    ax.set_xticks(range(len(tokens)), [repr(t)[1:-1] for t in tokens], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("layer")
+    ax.set_xlabel("generated token")
+    fig.colorbar(im, ax=ax, label="|implicit update|_F")
+    ax.set_title(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 Band = tuple[list[float], list[float], list[float]]  # (means, lows, highs), one value per x
 
 

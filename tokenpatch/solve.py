@@ -56,6 +56,7 @@ __all__ = [
     "apply_weight",
     "output_shift",
     "output_patch",
+    "output_patch_scaled",
     "patch_family",
 ]
 
@@ -176,6 +177,37 @@ def output_patch(m_ctx: Tensor, m_anchor: Tensor, hidden_ctx: Tensor) -> LowRank
     """Output-matrix form of the residual term: ``dW_out = (m_C - m_0) h_C^T / |h_C|^2``, rank 1,
     for MLPs without an output bias. ``[*lead, d]``, ``[*lead, hidden]`` -> factors."""
     return minimal_patch(output_shift(m_ctx, m_anchor), hidden_ctx)
+
+
+def output_patch_scaled(out_ctx: Tensor, m_anchor: Tensor, down_ctx: Tensor, hidden_ctx: Tensor, scale: Tensor,
+                        eps: float) -> tuple[LowRank, Tensor]:
+    """Output side of a block whose MLP output passes a post-norm ``N(y) = scale * y / rms(y)``,
+    ``rms(y) = sqrt(mean(y^2) + eps)`` (Gemma 2/3: ``scale = 1 + w``), before the residual add.
+
+    The patched no-context layer must output ``out_C``, i.e. the norm must produce
+    ``t = out_C - m_0``. Choose the down-projection output ``m'`` (``t / scale`` per channel), patch
+    the down matrix to produce it from ``h_C`` (rank 1: ``(m' - W h_C) h_C^T / |h_C|^2``, with
+    ``down_ctx = W h_C``), and rescale the norm: ``scale' = scale * rms(m')``. Then
+    ``N'(m') = scale * rms(m') * (t / scale) / rms(m') = t``. The down matrix alone cannot do it:
+    ``|N(y) / scale|_rms < 1`` for every ``y``.
+
+    Channels where ``scale`` is exactly 0 (Gemma 3 270M has nine) output 0 whatever ``m'`` is, so
+    ``t / scale`` is undefined there: keep ``m'_j = (W h_C)_j`` (or ``t_j`` if that is 0) and give the
+    channel its own scale ``t_j rms(m') / m'_j`` (0 where ``t_j = 0``: left unchanged).
+
+    ``out_ctx, m_anchor, down_ctx [*lead, d]``, ``hidden_ctx [*lead, hidden]``, ``scale [d]`` ->
+    ``(down-matrix factors, dense scale delta [*lead, d])``.
+    """
+    dtype = work_dtype(out_ctx, m_anchor, down_ctx, hidden_ctx, scale)
+    t = out_ctx.to(dtype) - m_anchor.to(dtype)  # [*lead, d]  what the norm must output
+    f, scale = down_ctx.to(dtype), scale.to(dtype)  # [*lead, d], [d]
+    live = scale != 0
+    m_new = torch.where(live, t / torch.where(live, scale, 1), torch.where(f != 0, f, t))  # [*lead, d]
+    rms = (m_new.square().mean(-1, keepdim=True) + eps).sqrt()  # [*lead, 1]
+    dead = torch.where(m_new != 0, t * rms / torch.where(m_new != 0, m_new, 1), scale)  # zero-scale channels
+    new_scale = torch.where(live, scale * rms, dead)  # [*lead, d]
+    _check_finite(scale_patch=new_scale)
+    return minimal_patch(m_new - f, hidden_ctx), new_scale - scale
 
 
 def patch_family(r: Tensor, anchor: Tensor, m: Tensor) -> Tensor:

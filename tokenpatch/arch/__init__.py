@@ -10,11 +10,12 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .base import WEIGHT_LAYOUTS, Adapter, Sites, weight_layout
+from .hf import FAMILIES, HFAdapter
 from .icl import ICLAdapter
 
-__all__ = ["Adapter", "ICLAdapter", "Sites", "ADAPTERS", "adapter_for", "register", "weight_layout", "WEIGHT_LAYOUTS"]
+__all__ = ["Adapter", "ICLAdapter", "HFAdapter", "FAMILIES", "Sites", "ADAPTERS", "adapter_for", "register", "weight_layout", "WEIGHT_LAYOUTS"]
 
-ADAPTERS: list[Adapter] = [ICLAdapter()]
+ADAPTERS: list[Adapter] = [ICLAdapter(), HFAdapter()]
 
 
 def register(adapter: Adapter) -> Adapter:
@@ -28,7 +29,11 @@ def adapter_for(model: nn.Module) -> Adapter:
     for adapter in ADAPTERS:
         if adapter.matches(model):
             return adapter
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    hf = "; ".join(f"{f.name}: {', '.join(f.model_types)}" for f in FAMILIES)
+    what = f" (Hugging Face model_type {model_type!r})" if model_type is not None else ""
     raise UnsupportedModelError(
-        f"tokenpatch has no adapter for {type(model).__module__}.{type(model).__name__}; "
-        f"supported: {[a.name for a in ADAPTERS]} (see tokenpatch.arch.register to add one)"
+        f"tokenpatch has no adapter for {type(model).__module__}.{type(model).__name__}{what}; supported: "
+        f"tokenpatch's own ICLTransformer and Block, and Hugging Face causal LMs of model_type [{hf}] "
+        "(see tokenpatch.arch.register to add one)"
     )

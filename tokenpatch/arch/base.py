@@ -26,7 +26,7 @@ weight is stored ``[in, out]`` (``WEIGHT_LAYOUTS``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -43,16 +43,13 @@ class Sites:
     ``output``: ``("bias", name)`` -- add ``m_C - m_0`` to the MLP output bias; ``("matrix", name)``
     -- rank-1 ``(m_C - m_0) h_C^T / |h_C|^2`` on the output weight; ``None`` -- no residual term.
 
-    Planned kinds for the Hugging Face families: Gemma's post-feedforward
-    norm needs ``("matrix+scale", down_proj, norm)`` -- a rank-1 ``down_proj`` patch plus a dense
-    norm-scale delta; a parallel (NeoX) block has no input sites at layers whose MLP input
-    is context-free; an MoE layer's sites depend on the token's selected experts, so its adapter
-    will return per-query sites (router and selected experts' input matrices as inputs, one
-    expert's output matrix scaled by its gate weight as output).
+    ``("matrix+scale", down, norm)`` -- a rank-1 patch of the output matrix ``down`` plus a dense
+    delta of the scale of the post-MLP ``norm`` (Gemma 2/3, ``solve.output_patch_scaled``).
+    A parallel (NeoX) block has no input sites: its MLP input is the same in both passes.
     """
 
     inputs: tuple[str, ...]
-    output: tuple[Literal["bias", "matrix"], str] | None
+    output: tuple[str, ...] | None
 
 
 # How a module applies its ``weight`` to an input: "out_in" means ``y = x @ W.T`` (W stored
@@ -77,6 +74,9 @@ class Adapter:
     ``tokenpatch.arch.ADAPTERS``."""
 
     name: str = "base"
+    # Are the two passes the model's own forward, recorded by hooks (``trace`` and ``anchors``,
+    # Hugging Face models), rather than run layer by layer with ``mix`` and ``finish``?
+    traced: bool = False
     # Does the embedding of a token depend on its position (absolute position embeddings)? Then
     # the first layer's anchor comes from the no-context embedding, not the with-context one.
     position_dependent_embedding: bool = True

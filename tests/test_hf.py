@@ -1,0 +1,178 @@
+"""Hugging Face adapters on tiny random models built from configs (no downloads), float64.
+
+One model per block design (``tokenpatch/arch/hf.py``), with every norm weight and bias moved off
+its initial value (identity norms and zero biases hide bugs). The claims: the patched no-context
+pass reproduces every layer's hidden state and the logits (``tp.verify``), greedy generation
+without the prompt is ordinary greedy generation, a left-padded batch gives each prompt's own
+patches, and the patch runs through ``functional_call``, ``apply`` and a save/load round trip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenpatch as tp
+
+T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
+from transformers.models.gemma2 import modeling_gemma2  # noqa: E402
+from transformers.models.gemma3 import modeling_gemma3  # noqa: E402
+
+VOCAB = 101
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB)
+CONFIGS = {
+    "llama": lambda: T.LlamaConfig(**SMALL, num_key_value_heads=2),
+    "qwen2": lambda: T.Qwen2Config(**SMALL, num_key_value_heads=2),  # biases on q, k, v
+    "qwen3": lambda: T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16),  # q/k norms
+    "mistral": lambda: T.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5),
+    "gemma2": lambda: T.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, sliding_window=5),
+    "gemma3": lambda: T.Gemma3TextConfig(**SMALL, num_key_value_heads=1, head_dim=16, sliding_window=5,
+                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64),
+    "gpt_neox": lambda: T.GPTNeoXConfig(**SMALL, rotary_pct=0.5),  # parallel residual
+    "gpt_neox_sequential": lambda: T.GPTNeoXConfig(**SMALL, use_parallel_residual=False),
+}
+GEMMAS = ("gemma2", "gemma3")
+
+
+def build(name: str, seed: int = 0, attn: str | None = None):
+    torch.manual_seed(seed)
+    attn = attn or ("eager" if name == "gemma2" else "sdpa")  # transformers has no sdpa path for Gemma 2
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=attn)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim == 1:  # norm weights and biases
+                p.add_(0.3 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None  # greedy for the full length
+    return model.double().eval()
+
+
+@pytest.fixture
+def float64_gemma_norms(monkeypatch):
+    """Gemma's RMSNorm computes in float32 whatever the model dtype; evaluate it in float64."""
+    def forward(self, x):
+        return self._norm(x) * (1.0 + self.weight)
+
+    monkeypatch.setattr(modeling_gemma3.Gemma3RMSNorm, "forward", forward)
+    monkeypatch.setattr(modeling_gemma2.Gemma2RMSNorm, "forward", forward)
+
+
+def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))  # 0 is padding
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_layer_and_the_logits(name, float64_gemma_norms):
+    model, x = build(name), ids(2, 12)
+    patch = tp.token_patch(model, x, query=[-1, -4, 3])
+    result = tp.verify(model, x, patch)
+    assert result.max_abs <= 1e-12, result.table()
+    assert result.per_layer[-1].name == "output" and result.per_layer[-1].max_abs <= 1e-12
+    assert len(result.per_layer) == 3 + 1
+
+
+@pytest.mark.parametrize("name", GEMMAS)
+def test_gemma_float32_norm_is_the_only_error(name):
+    """With Gemma's own norm (float32 inside a float64 model) the error is that rounding, ~1e-7;
+    the same patch construction with the norm in float64 is exact (previous test)."""
+    model, x = build(name), ids(2, 12)
+    result = tp.verify(model, x, tp.token_patch(model, x))
+    assert 1e-12 < result.max_abs <= 1e-5, result.table()
+
+
+def test_gemma_zero_scale_channels(float64_gemma_norms):
+    """Channels where the post-feedforward norm's scale 1 + w is exactly 0 (Gemma 3 270M has nine):
+    the textbook construction divides by it; they get their own scale instead."""
+    model, x = build("gemma3"), ids(2, 12)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.post_feedforward_layernorm.weight[[3, 17, 40]] = -1.0
+    patch = tp.token_patch(model, x)
+    scale = patch["model.layers.1.post_feedforward_layernorm.weight"]  # [B, Q, d]
+    assert torch.isfinite(scale).all() and bool((scale[..., [3, 17, 40]] != 0).all())
+    assert tp.verify(model, x, patch).max_abs <= 1e-12
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "gpt_neox"])
+def test_padded_batch_gives_each_prompts_patches(name, float64_gemma_norms):
+    model = build(name)
+    a, b = ids(1, 12, seed=2), ids(1, 7, seed=3)
+    batch = {"input_ids": torch.cat([a, torch.cat([torch.zeros(1, 5, dtype=torch.long), b], 1)]),
+             "attention_mask": torch.cat([torch.ones(1, 12), torch.cat([torch.zeros(1, 5), torch.ones(1, 7)], 1)]).long()}
+    both = tp.token_patch(model, batch, query=[-1, -2])
+    for row, alone in ((0, tp.token_patch(model, a, query=[-1, -2])), (1, tp.token_patch(model, b, query=[-1, -2]))):
+        for name_, delta in both.dense().items():
+            torch.testing.assert_close(delta[row], alone.dense()[name_][0], rtol=0, atol=1e-12)
+    assert tp.verify(model, batch, both).max_abs <= 1e-12
+    stripped = tp.strip_context(model, batch, query=[-1, -2])
+    assert stripped["position_ids"].flatten().tolist() == [11, 10, 6, 5]  # each token keeps its own position
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generation_without_the_prompt(name, float64_gemma_norms):
+    model, x = build(name), ids(2, 9)
+    gen = tp.generate(model, x, max_new_tokens=20)
+    ordinary = model.generate(x, max_new_tokens=20, do_sample=False)[:, 9:]
+    assert torch.equal(gen.tokens, ordinary)
+    assert bool(gen.agree.all()) and float(gen.logit_error.max()) <= 1e-12
+    assert gen.update_norms.shape == (2, 20, 3) and bool((gen.update_norms > 0).all())
+
+
+@torch.no_grad()
+def test_functional_call_apply_and_save_round_trip(tmp_path, float64_gemma_norms):
+    model, x = build("gemma3"), ids(1, 10)
+    patch = tp.token_patch(model, x)  # down_proj rank 1 + a dense norm-scale delta per layer
+    assert any(not isinstance(d, tp.LowRank) for d in patch.values())
+    want = model(x).logits[:, -1]
+    stripped = tp.strip_context(model, x)
+    hooked = tp.functional_call(model, patch, **stripped).logits[:, -1]
+    with tp.apply(model, patch):
+        written = model(**stripped).logits[:, -1]
+    tp.save(patch, tmp_path / "p.safetensors")
+    back = tp.load(tmp_path / "p.safetensors", model)
+    reloaded = tp.functional_call(model, back, **stripped).logits[:, -1]
+    for got in (hooked, written, reloaded):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(model(**stripped).logits[:, -1], build("gemma3")(**stripped).logits[:, -1], rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_gpt2_needs_the_original_position():
+    """Absolute position embeddings: the stripped query keeps its position id; at position 0 the
+    patched pass would be wrong (this is what strip_context's position_ids are for)."""
+    model, x = build("gpt2"), ids(1, 10)
+    patch = tp.token_patch(model, x)
+    stripped = tp.strip_context(model, x)
+    want = model(x).logits[:, -1]
+    right = tp.functional_call(model, patch, **stripped).logits[:, -1]
+    wrong = tp.functional_call(model, patch, input_ids=stripped["input_ids"]).logits[:, -1]
+    assert float((right - want).abs().max()) <= 1e-12 < float((wrong - want).abs().max())
+
+
+def test_bad_inputs_get_one_clear_line():
+    model = build("llama")
+    with pytest.raises(tp.InputError, match="vocabulary"):
+        tp.token_patch(model, torch.tensor([[1, 2, VOCAB]]))
+    with pytest.raises(tp.InputError, match="integer tensor"):
+        tp.token_patch(model, torch.ones(1, 4))
+    with pytest.raises(tp.InputError, match="pad on the left"):
+        tp.token_patch(model, {"input_ids": ids(1, 6), "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])})
+    with pytest.raises(tp.UnsupportedModelError, match="chunk"):
+        tp.token_patch(model, ids(1, 6), remove=slice(1, 3))
+    model.train()
+    with pytest.raises(tp.InputError, match="model.eval"):
+        tp.token_patch(model, ids(1, 6))
+
+
+def test_unknown_architecture_lists_the_supported_ones():
+    config = T.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=50)
+    model = T.AutoModelForMaskedLM.from_config(config).eval()
+    with pytest.raises(tp.UnsupportedModelError, match=r"model_type 'bert'.*llama.*gemma3_text.*gpt2.*gpt_neox"):
+        tp.token_patch(model, torch.tensor([[1, 2, 3]]))
+
+
+def test_eager_attention_with_padding_names_the_cause():
+    model = build("llama", attn="eager")
+    batch = {"input_ids": ids(2, 6), "attention_mask": torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])}
+    with pytest.raises(tp.InputError, match="sdpa"):
+        tp.token_patch(model, batch)

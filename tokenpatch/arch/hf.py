@@ -1,0 +1,366 @@
+"""Hugging Face causal language models: one ``Family`` record per block design.
+
+Both passes are the model's own forward, on unmodified ``transformers`` models:
+
+* the **with-context pass** is one call of the base model on the token ids, with the attention
+  mask and position ids (``model.base_model(input_ids, attention_mask, position_ids)``), so
+  masks, padding, rotary or absolute positions and sliding windows are whatever the model does.
+  Hooks record, at the query positions only, each layer's input ``h``, the residual value ``m``
+  the MLP output is added to, the MLP input ``s``, the input of the output matrix (``hidden``)
+  and the layer output;
+* the **no-context pass** runs every query token alone, at its original position id, through
+  the same forward, with each layer's input (after the first) replaced by the with-context state
+  ``h`` of the query: the patched layers below reproduce it exactly (``docs/deep-models.md``).
+  Its ``(m, s)`` are the anchors. The first layer's input is the real no-context embedding,
+  which keeps absolute position embeddings (GPT-2) right.
+
+So the adapter needs to know only where ``m``, ``s`` and ``hidden`` are read and where the
+output side goes; that is the ``Family`` record. Supported block designs:
+
+* ``llama`` (Llama, Mistral, Qwen2, Qwen3, Gemma 1; no biases, GQA, q/k norms): ``gate_proj`` and
+  ``up_proj`` share the input patch; the output shift is a rank-1 patch of ``down_proj``;
+* ``gemma2`` (Gemma 2, Gemma 3): as Llama, plus the post-feedforward RMSNorm with scale
+  ``1 + w``: a rank-1 ``down_proj`` patch and a dense patch of that norm's scale
+  (``solve.output_patch_scaled``, zero-scale channels included);
+* ``gpt2`` (``Conv1D`` weights stored ``[in, out]``, absolute positions): rank-1 on ``c_fc``, the
+  output shift in the ``c_proj`` bias;
+* ``gpt_neox`` (Pythia): with the parallel residual (the default) the MLP reads the norm of the
+  layer input, the same in both passes, so there is no input patch; the attention difference goes
+  into the ``dense_4h_to_h`` bias. With ``use_parallel_residual=False`` it is the sequential case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import InputError, UnsupportedModelError
+from .base import Adapter, Sites
+
+__all__ = ["Family", "FAMILIES", "HFAdapter", "SCALE_NORMS"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a block design keeps what the patch needs, as module names relative to a decoder layer.
+
+    ``layers``: the decoder layers' ``ModuleList`` under the base model. ``mlp_norm``: the norm
+    whose output is the MLP input ``s``; in a sequential block its input is ``m``. ``attn``: the
+    attention module; a parallel block's ``m`` is the layer input plus its output. ``inputs``: the
+    matrices reading ``s``. ``down``: the MLP output matrix (its input is ``hidden``). ``out_norm``:
+    a norm between the MLP and the residual add (Gemma 2/3), patched in its scale. ``parallel``:
+    whether a model of this family (its config) has a parallel block.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    layers: str
+    mlp_norm: str
+    attn: str
+    inputs: tuple[str, ...]
+    down: str
+    out_norm: str | None = None
+    parallel: Callable[[Any], bool] = field(default=lambda config: False)
+    mlp: str = "mlp"
+
+
+FAMILIES: list[Family] = [
+    Family("llama", ("llama", "mistral", "qwen2", "qwen3", "gemma"), "layers", "post_attention_layernorm",
+           "self_attn", ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"),
+    Family("gemma2", ("gemma2", "gemma3_text"), "layers", "pre_feedforward_layernorm", "self_attn",
+           ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj", out_norm="post_feedforward_layernorm"),
+    Family("gpt2", ("gpt2",), "h", "ln_2", "attn", ("mlp.c_fc",), "mlp.c_proj"),
+    Family("gpt_neox", ("gpt_neox",), "layers", "post_attention_layernorm", "attention", ("mlp.dense_h_to_4h",),
+           "mlp.dense_4h_to_h", parallel=lambda config: bool(getattr(config, "use_parallel_residual", False))),
+]
+
+
+def _rms_unit(module: nn.Module, x: Tensor) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps)``, in at least float32: what an RMSNorm multiplies its scale by."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + module.eps)
+
+
+# Norms whose scale a patch may change: class name -> (the normalised input the scale multiplies,
+# the constant added to the weight to give the scale). ``out = (offset + w) * unit(x)``, so a
+# delta ``dw`` adds ``dw * unit(x)``.
+SCALE_NORMS: dict[str, tuple[Callable[[nn.Module, Tensor], Tensor], float]] = {
+    "Gemma3RMSNorm": (_rms_unit, 1.0),
+    "Gemma2RMSNorm": (_rms_unit, 1.0),
+}
+
+
+def scale_norm(module: nn.Module, name: str = "") -> tuple[Callable[[nn.Module, Tensor], Tensor], float]:
+    for cls in type(module).__mro__:
+        if cls.__name__ in SCALE_NORMS:
+            return SCALE_NORMS[cls.__name__]
+    raise UnsupportedModelError(f"cannot patch the scale of {name or 'module'} ({type(module).__name__}): not a "
+                                f"known norm (known: {sorted(SCALE_NORMS)}); add it to tokenpatch.arch.hf.SCALE_NORMS")
+
+
+def _first(out: Any) -> Tensor:
+    """A module's output tensor (``transformers`` 5 returns a tensor, 4.x a tuple for some layers)."""
+    return out if isinstance(out, Tensor) else out[0]
+
+
+@contextlib.contextmanager
+def _hooks(pairs) -> Iterator[None]:
+    """Register ``(register_fn, hook)`` pairs for the block; removed on exit, errors included."""
+    handles = []
+    try:
+        for register, hook in pairs:
+            handles.append(register(hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def check_finite(rec: list[dict[str, Tensor]], padded: bool) -> None:
+    for i, r in enumerate(rec):
+        if not all(bool(torch.isfinite(t).all()) for t in r.values()):
+            hint = (" (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
+                    if padded else "")
+            raise InputError(f"the model's own forward gives non-finite states at the queries at layer {i}{hint}")
+
+
+class _Zero(nn.Module):
+    """Stands in for an MLP whose output nobody reads: zeros, no work."""
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        return torch.zeros_like(x)
+
+
+@contextlib.contextmanager
+def _without_mlps(layers: nn.ModuleList, name: str) -> Iterator[None]:
+    """Every layer's MLP replaced by ``_Zero`` for the block, put back on exit (errors included).
+
+    The no-context pass needs each layer only up to the MLP input ``s``: every layer's input after
+    the first is replaced by the with-context state, so the MLP outputs are never read, and
+    skipping them leaves the anchors' pass the attention part of the model."""
+    saved = [getattr(layer, name) for layer in layers]
+    try:
+        for layer in layers:
+            setattr(layer, name, _Zero())
+        yield
+    finally:
+        for layer, mlp in zip(layers, saved):
+            setattr(layer, name, mlp)
+
+
+class HFAdapter(Adapter):
+    """Hugging Face causal LMs of the ``FAMILIES`` block designs (see the module docstring).
+
+    Inputs: token ids ``[batch, pos]``, or a mapping with ``input_ids`` and optionally
+    ``attention_mask`` (what a tokenizer returns; padded batches) and ``position_ids``. Without
+    position ids they are counted from the attention mask (``cumsum - 1``), so a left-padded row
+    gets the positions it would have alone.
+    """
+
+    name = "hf"
+    traced = True  # token_patch runs ``trace`` and ``anchors`` instead of the layer-by-layer mix/finish
+
+    @staticmethod
+    def family(model: nn.Module) -> Family | None:
+        mt = getattr(getattr(model, "config", None), "model_type", None)
+        return next((f for f in FAMILIES if mt in f.model_types), None)
+
+    def matches(self, model: nn.Module) -> bool:
+        return self.family(model) is not None
+
+    def _layers(self, model: nn.Module) -> nn.ModuleList:
+        return getattr(model.base_model, self.family(model).layers)
+
+    def n_layers(self, model: nn.Module) -> int:
+        return len(self._layers(model))
+
+    def _prefix(self, model: nn.Module, i: int) -> str:
+        """The qualified name of decoder layer ``i`` in ``model``, with a trailing dot."""
+        target = self._layers(model)[i]
+        return next(name for name, mod in model.named_modules() if mod is target) + "."
+
+    # ------------------------------------------------------------------------- inputs
+    def check_inputs(self, model: nn.Module, inputs: Any) -> dict:
+        """``{"input_ids" [B, T], "attention_mask" [B, T] or None, "position_ids" [B, T]}``."""
+        if model.training:
+            raise InputError("the model is in training mode (dropout would make the two passes differ): call model.eval()")
+        if isinstance(inputs, Tensor):
+            inputs = {"input_ids": inputs}
+        if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
+            raise InputError(f"inputs must be token ids [batch, pos] or a mapping with 'input_ids' (a tokenizer's "
+                             f"output), got {type(inputs).__name__}")
+        ids = inputs["input_ids"]
+        if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"input_ids must be an integer tensor [batch, pos], got "
+                             f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}"
+                             f"{' ' + str(ids.dtype) if isinstance(ids, Tensor) else ''}")
+        vocab = model.get_input_embeddings().num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise InputError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        device = model.get_input_embeddings().weight.device
+        mask = inputs.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, Tensor) or mask.shape != ids.shape:
+                raise InputError(f"attention_mask must have the shape of input_ids {tuple(ids.shape)}")
+            mask = mask.to(device=device, dtype=torch.long)
+            if bool(((mask != 0) & (mask != 1)).any()):
+                raise InputError("attention_mask must hold 0 (padding) and 1 (token) only")
+            if mask.all():
+                mask = None
+        pos = inputs.get("position_ids")
+        if pos is None:
+            pos = (mask.cumsum(-1) - 1).clamp_min(0) if mask is not None else torch.arange(ids.shape[1], device=device).expand(ids.shape)
+        elif not isinstance(pos, Tensor) or pos.shape != ids.shape:
+            raise InputError(f"position_ids must have the shape of input_ids {tuple(ids.shape)}")
+        return {"input_ids": ids.to(device), "attention_mask": mask, "position_ids": pos.to(device)}
+
+    def seq_len(self, inputs: dict) -> int:
+        return inputs["input_ids"].shape[1]
+
+    def batch_size(self, inputs: dict) -> int:
+        return inputs["input_ids"].shape[0]
+
+    def strip(self, inputs: dict, positions: Tensor, separate: bool) -> dict:
+        """Each query token alone at its original position id: ``input_ids``, ``position_ids``
+        ``[B*K, 1]`` (the keyword arguments of the model's forward)."""
+        if not separate:
+            raise UnsupportedModelError("the hf adapter removes all context before each query (remove=None); removing "
+                                        "a chunk from the middle is not supported for Hugging Face models yet")
+        mask = inputs["attention_mask"]
+        if mask is not None and not bool(mask[:, positions].all()):
+            rows = sorted({int(b) for b in (mask[:, positions] == 0).nonzero()[:, 0]})
+            raise InputError(f"a query position is padding in batch rows {rows[:5]}: pad on the left "
+                             "(tokenizer.padding_side = 'left') so the last position is a token in every row")
+        return {"input_ids": inputs["input_ids"][:, positions].reshape(-1, 1),
+                "position_ids": inputs["position_ids"][:, positions].reshape(-1, 1)}
+
+    # ------------------------------------------------------------------------- the two passes
+    def _sites_of(self, model: nn.Module, i: int) -> dict[str, nn.Module]:
+        fam, layer = self.family(model), self._layers(model)[i]
+        return {"layer": layer, "mlp_norm": layer.get_submodule(fam.mlp_norm), "attn": layer.get_submodule(fam.attn),
+                "down": layer.get_submodule(fam.down)}
+
+    @contextlib.contextmanager
+    def recording(self, model: nn.Module, query: Tensor) -> Iterator[list[dict[str, Tensor]]]:
+        """Hooks that record, during any forward of ``model`` inside the block, per layer ``h, m, s,
+        hidden, out`` at positions ``query`` of the sequence run ``[B, Q, .]``; the list is filled
+        on exit (``m`` of a parallel block is ``h`` plus the attention output)."""
+        parallel = self.family(model).parallel(model.config)
+        rec: list[dict[str, Tensor]] = [{} for _ in range(self.n_layers(model))]
+
+        def grab(i, key, take_input):
+            def hook(module, args, *rest):
+                kwargs = rest[0] if take_input and rest and isinstance(rest[0], dict) else {}
+                t = (args[0] if args else kwargs["hidden_states"]) if take_input else _first(rest[-1])
+                rec[i][key] = t[:, query]
+            return hook
+
+        pairs = []
+        for i in range(len(rec)):
+            site = self._sites_of(model, i)
+            pairs.append((lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True), grab(i, "h", True)))
+            pairs.append((site["layer"].register_forward_hook, grab(i, "out", False)))
+            pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
+            pairs.append((site["down"].register_forward_pre_hook, grab(i, "hidden", True)))
+            if parallel:
+                pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
+            else:
+                pairs.append((site["mlp_norm"].register_forward_pre_hook, grab(i, "m", True)))
+        with _hooks(pairs):
+            yield rec
+        if parallel:
+            for r in rec:
+                r["m"] = r["h"] + r.pop("a")
+
+    def trace(self, model: nn.Module, inputs: dict, query: list[int]) -> list[dict[str, Tensor]]:
+        """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``."""
+        with self.recording(model, torch.tensor(query, device=inputs["input_ids"].device)) as rec:
+            model.base_model(**self._forward_kwargs(inputs))
+        check_finite(rec, inputs["attention_mask"] is not None)
+        return rec
+
+    def anchors(self, model: nn.Module, inputs: dict, query: list[int], rec: list[dict[str, Tensor]]):
+        """The no-context pass of each query alone: per layer ``(m_0, s_0)`` ``[B, Q, .]``; the input of
+        layer ``i > 0`` is the with-context state ``rec[i]["h"]``."""
+        parallel = self.family(model).parallel(model.config)
+        batch, n_q = len(inputs["input_ids"]), len(query)
+        out: list[dict[str, Tensor]] = [{} for _ in rec]
+
+        def swap(i):
+            def hook(module, args, kwargs):
+                h = rec[i]["h"].reshape(batch * n_q, 1, -1)
+                return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+            return hook
+
+        def grab(i, key, take_input):
+            def hook(module, args, *rest):
+                t = args[0] if take_input else _first(rest[-1])
+                out[i][key] = t.reshape(batch, n_q, *t.shape[2:])
+            return hook
+
+        def record(i):
+            def hook(module, args, kwargs):
+                out[i]["h"] = (args[0] if args else kwargs["hidden_states"]).reshape(batch, n_q, -1)
+            return hook
+
+        pairs = []
+        for i in range(len(rec)):
+            site = self._sites_of(model, i)
+            register = (lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True))
+            if i > 0:
+                pairs.append((register, swap(i)))
+            elif parallel:
+                pairs.append((register, record(i)))
+            pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
+            if parallel:
+                pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
+            else:
+                pairs.append((site["mlp_norm"].register_forward_pre_hook, grab(i, "m", True)))
+        with _hooks(pairs), _without_mlps(self._layers(model), self.family(model).mlp):
+            model.base_model(**self.strip(inputs, torch.tensor(query), separate=True), use_cache=False)
+        if parallel:  # m_0 = (the layer input) + (the lone token's attention output)
+            for i, o in enumerate(out):
+                o["m"] = (rec[i]["h"] if i > 0 else o.pop("h")) + o.pop("a")
+        return [(o["m"], o["s"]) for o in out]
+
+    @staticmethod
+    def _forward_kwargs(inputs: dict) -> dict:
+        kw = {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"], "use_cache": False}
+        if inputs["attention_mask"] is not None:
+            kw["attention_mask"] = inputs["attention_mask"]
+        return kw
+
+    def run(self, model: nn.Module, inputs: Any) -> tuple[Tensor, list[Tensor]]:
+        """The model's own forward: ``(logits [B, T, vocab], [h^1 .. h^L] each [B, T, d])``."""
+        if not isinstance(inputs, dict) or "attention_mask" not in inputs:
+            inputs = {**inputs, "attention_mask": None} if isinstance(inputs, dict) else self.check_inputs(model, inputs)
+        hidden: list[Tensor] = []
+        layers = self._layers(model)
+        pairs = [(layer.register_forward_hook, lambda mod, a, o: hidden.append(_first(o))) for layer in layers]
+        with _hooks(pairs):
+            logits = model(**self._forward_kwargs(inputs)).logits
+        return logits, hidden
+
+    def sites(self, model: nn.Module, i: int) -> Sites:
+        fam, p = self.family(model), self._prefix(model, i)
+        parallel = fam.parallel(model.config)
+        inputs = () if parallel else tuple(f"{p}{name}.weight" for name in fam.inputs)
+        down = self._sites_of(model, i)["down"]
+        if fam.out_norm is not None:
+            output = ("matrix+scale", f"{p}{fam.down}.weight", f"{p}{fam.out_norm}.weight")
+        elif getattr(down, "bias", None) is not None:
+            output = ("bias", f"{p}{fam.down}.bias")
+        else:
+            output = ("matrix", f"{p}{fam.down}.weight")
+        return Sites(inputs=inputs, output=output)
+
+    def describe(self, model: nn.Module) -> dict:
+        c = model.config
+        return {**super().describe(model), "family": self.family(model).name, "model_type": c.model_type,
+                "n_layers": self.n_layers(model), "hidden_size": c.hidden_size,
+                "name_or_path": getattr(c, "name_or_path", "") or getattr(c, "_name_or_path", "")}

@@ -1,0 +1,117 @@
+"""Generation without the prompt: ``tp.generate`` decodes greedily from token patches.
+
+At every decoding step ``t`` the newest token ``x_t`` (the last prompt token at step 0) is run
+twice:
+
+* with everything before it (the prompt and the tokens generated so far), incrementally, on the
+  model's own KV cache, with hooks recording every layer's states at ``x_t``;
+* alone, at its original position id, with the token patch of all that context applied
+  (``tp.token_patch`` in its default mode: all context before the query removed).
+
+The next token is the argmax of the *patched, context-free* pass; by the patch theorem its
+logits equal the with-context ones, so the continuation is the one ordinary greedy generation
+gives (up to rounding where the top two logits tie). Each step also yields the Frobenius norm of
+every layer's implicit update (the paper's "meta-gradient" signal of model health): ``[B, n, L]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._progress import progress_bar
+from .arch import adapter_for
+from .delta import Patch
+from .errors import InputError, UnsupportedModelError
+from .hooks import functional_call
+from .patching import _meta, traced_deltas
+from .plans import make_plan
+
+__all__ = ["Generation", "generate"]
+
+
+@dataclass
+class Generation:
+    """What ``generate`` decoded, per row ``b`` and step ``t``.
+
+    ``tokens [B, n]``: the tokens chosen from the patched, context-free logits.
+    ``agree [B, n]``: whether the with-context argmax is the same token.
+    ``margin [B, n]``: the with-context logits' top-1 minus top-2 (a small margin is where rounding
+    may flip the choice). ``logit_error [B, n]``: ``max |patched - with-context|`` over the vocabulary.
+    ``update_norms [B, n, L]``: per layer, ``sqrt(sum |dW|_F^2)`` over the layer's deltas.
+    """
+
+    tokens: Tensor
+    agree: Tensor
+    margin: Tensor
+    logit_error: Tensor
+    update_norms: Tensor
+    meta: dict = field(default_factory=dict)
+
+    def text(self, tokenizer) -> list[str]:
+        """The generated tokens decoded, one string per row."""
+        return tokenizer.batch_decode(self.tokens, skip_special_tokens=False)
+
+
+def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
+    """``[B, L]``: per layer, the norm of all its deltas together."""
+    norms = patch.norms()  # {name: [B, 1]}
+    per_layer = []
+    for i in range(adapter.n_layers(model)):
+        sites = adapter.sites(model, i)
+        names = [*sites.inputs, *((sites.output[1:]) if sites.output else ())]
+        per_layer.append(torch.stack([norms[n][:, 0].double() ** 2 for n in names if n in norms]).sum(0).sqrt())
+    return torch.stack(per_layer, -1)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: Any, max_new_tokens: int = 20, *, eos_token_id: int | None = None,
+             progress: bool | None = None) -> Generation:
+    """Greedy decoding of ``max_new_tokens`` tokens with the prompt removed and replaced, at every
+    step, by the token patch of the context (see the module docstring).
+
+    ``prompt``: token ids ``[B, T]`` or a tokenizer's output (``input_ids``, ``attention_mask``;
+    pad on the left). ``eos_token_id``: stop once every row has produced it. Hugging Face models.
+    """
+    adapter = adapter_for(model)
+    if not adapter.traced:
+        raise UnsupportedModelError(f"tp.generate needs a language model; the {adapter.name} adapter has none")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    inputs = adapter.check_inputs(model, prompt)
+    ids, pos, mask = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
+    batch = ids.shape[0]
+    if mask is None:
+        mask = torch.ones_like(ids)
+    adapter.strip(inputs, torch.tensor([ids.shape[1] - 1]), separate=True)  # the last position must be a token
+    plan = make_plan(1, -1, None)  # each step's patch: one lone token
+    cache, step_ids, step_pos = None, ids, pos
+    rows: dict[str, list[Tensor]] = {k: [] for k in ("tokens", "agree", "margin", "logit_error", "update_norms")}
+    for _ in progress_bar(range(max_new_tokens), progress, desc="generate", unit="token"):
+        last = torch.tensor([step_ids.shape[1] - 1], device=ids.device)
+        with adapter.recording(model, last) as rec:
+            out = model(input_ids=step_ids, position_ids=step_pos, attention_mask=mask, cache=cache, use_cache=True,
+                        logits_to_keep=1)
+        cache, ref = out.cache, out.logits[:, -1]  # [B, vocab]
+        lone = {"input_ids": step_ids[:, -1:], "position_ids": step_pos[:, -1:], "attention_mask": None}
+        anchors = adapter.anchors(model, lone, [0], rec)
+        patch = Patch(traced_deltas(model, adapter, rec, anchors, [0]), None,
+                      _meta(model, adapter, plan, batch, rec[0]["out"].dtype))
+        got = functional_call(model, patch, input_ids=lone["input_ids"], position_ids=lone["position_ids"],
+                              logits_to_keep=1).logits[:, -1]  # [B, vocab]
+        nxt = got.argmax(-1)  # [B]
+        top2 = ref.double().topk(2, -1).values
+        rows["tokens"].append(nxt)
+        rows["agree"].append(nxt == ref.argmax(-1))
+        rows["margin"].append(top2[:, 0] - top2[:, 1])
+        rows["logit_error"].append((got.double() - ref.double()).abs().amax(-1))
+        rows["update_norms"].append(_layer_norms(model, adapter, patch))
+        step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        if eos_token_id is not None and bool(torch.stack(rows["tokens"], 1).eq(eos_token_id).any(1).all()):
+            break
+    return Generation(**{k: torch.stack(v, 1) for k, v in rows.items()},
+                      meta={"model": adapter.describe(model), "prompt_len": int(ids.shape[1]), "batch": batch})
