@@ -94,3 +94,17 @@ def test_help_shows_every_default(command, capsys):
         name = "--help" if entry.startswith("-h") else name
         if name not in switches and "(required)" not in " ".join(entry.split()):
             assert "default:" in " ".join(entry.split()), (name, entry)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--model", "gpt-17"], "not a known model"),
+    (["verify", "--prompt", "hello"], "add --model"),
+    (["verify", "--query", "hello"], "'last' or 'all'"),
+    (["verify", "--model", "smollm2-135m", "--prompt", "hello"], "--query TEXT"),
+    (["verify", "--model", "smollm2-135m", "--checkpoint", "x.safetensors", "--prompt", "a", "--query", "b"], "exclude"),
+    (["generate", "--model", "gpt-17", "--prompt", "hello"], "not a known model"),
+])
+def test_language_model_options_are_checked(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -94,3 +94,21 @@ def test_smollm2_float64(smollm2):
         assert torch.equal(gen.tokens[:, : ordinary.shape[1]], ordinary)
     finally:
         model.to(torch.float32)
+
+
+def test_cli_verify_and_generate(smollm2, pretrained_cache_dir, monkeypatch, capsys, tmp_path):
+    """``tokenpatch verify --model`` and ``tokenpatch generate`` on the cached SmolLM2 copy."""
+    from tokenpatch.cli import main
+
+    monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
+    assert main(["verify", "--model", "smollm2-135m", "--prompt", "The capital of France is Paris. The capital of "
+                 "Italy is", "--query", " Rome. The capital of Spain is", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 29" in out and "top-1 agreement 100%" in out and "OK" in out
+    figure = tmp_path / "norms.png"
+    assert main(["generate", "--model", "smollm2-135m", "--prompt", "The capital of France is", "--max-new-tokens",
+                 "6", "--plot", str(figure), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1].split(":", 1)[1] == lines[2].split(":", 1)[1]  # the same continuation both ways
+    assert figure.stat().st_size > 0

@@ -233,11 +233,17 @@ def _train(args) -> int:
     return 0
 
 
-def _pretrained(args):
-    from .pretrained import load_pretrained, pretrained_names
+def _check_model_name(name: str) -> None:
+    from .pretrained import pretrained_names
 
-    if args.model not in pretrained_names():
-        raise _usage(f"--model {args.model!r} is not a known model; choose one of {list(pretrained_names())}")
+    if name not in pretrained_names():
+        raise _usage(f"--model {name!r} is not a known model; choose one of {list(pretrained_names())}")
+
+
+def _pretrained(args):
+    from .pretrained import load_pretrained
+
+    _check_model_name(args.model)
     return load_pretrained(args.model, dtype=args.dtype, progress=None if not args.quiet else False)
 
 
@@ -246,6 +252,7 @@ def _verify_lm(args) -> int:
     from .patching import strip_context, token_patch
     from .verify import verify
 
+    _check_model_name(args.model)
     if args.checkpoint is not None:
         raise _usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
     if not args.prompt or not args.query:
@@ -283,9 +290,13 @@ def _verify_lm(args) -> int:
 _BARS = " ▁▂▃▄▅▆▇█"
 
 
-def _sparkline(values: list[float]) -> str:
-    top = max(values) or 1.0
-    return "".join(_BARS[min(len(_BARS) - 1, round(v / top * (len(_BARS) - 1)))] for v in values)
+def _sparkline(values: list[float], low: float, high: float) -> str:
+    """One bar per value on a log scale from ``low`` to ``high`` (a space: at or below ``low``)."""
+    import math
+
+    span = math.log(high / low) if high > low > 0 else 1.0
+    level = [0 if v <= low else round(math.log(v / low) / span * (len(_BARS) - 1)) for v in values]
+    return "".join(_BARS[min(len(_BARS) - 1, lv)] for lv in level)
 
 
 def _generate(args) -> int:
@@ -311,12 +322,15 @@ def _generate(args) -> int:
         print(f"{args.model}, {args.dtype}; prompt: {args.prompt!r}")
         print(f"with the prompt     : {tokenizer.decode(ordinary)!r}")
         print(f"prompt as patches   : {tokenizer.decode(patched)!r}")
-        print(f"{'step':>4}  {'with prompt':>14}  {'patched':>14}  {'margin':>8}  update norm per layer (0 .. {norms.shape[1] - 1})")
+        positive = norms[norms > 0]
+        low, high = (float(positive.min()), float(positive.max())) if positive.numel() else (0.0, 0.0)
+        print(f"{'step':>4}  {'with prompt':>14}  {'patched':>14}  {'margin':>8}  update norm per layer (0 .. "
+              f"{norms.shape[1] - 1}; log scale {low:.2g} .. {high:.2g})")
         for t in range(len(patched)):
             a = tokenizer.decode(ordinary[t : t + 1]) if t < len(ordinary) else ""
             b = tokenizer.decode(patched[t : t + 1])
             mark = " " if t < len(ordinary) and int(ordinary[t]) == int(patched[t]) else "*"
-            print(f"{t:>4}  {a!r:>14}  {b!r:>14}{mark} {float(gen.margin[0, t]):8.3f}  {_sparkline(norms[t].tolist())}"
+            print(f"{t:>4}  {a!r:>14}  {b!r:>14}{mark} {float(gen.margin[0, t]):8.3f}  {_sparkline(norms[t].tolist(), low, high)}"
                   f"  max {float(norms[t].max()):.3g}")
     if args.plot:
         from .plots import update_norms_figure
