@@ -31,6 +31,10 @@ CONFIGS = {
     "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64),
     "gpt_neox": lambda: T.GPTNeoXConfig(**SMALL, rotary_pct=0.5),  # parallel residual
     "gpt_neox_sequential": lambda: T.GPTNeoXConfig(**SMALL, use_parallel_residual=False),
+    # mixture of experts with a shared expert; layer 1 a plain MLP
+    "qwen2_moe": lambda: T.Qwen2MoeConfig(**SMALL, num_key_value_heads=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                          decoder_sparse_step=1, mlp_only_layers=[1]),
 }
 GEMMAS = ("gemma2", "gemma3")
 
@@ -38,7 +42,8 @@ GEMMAS = ("gemma2", "gemma3")
 def build(name: str, seed: int = 0, attn: str | None = None):
     torch.manual_seed(seed)
     attn = attn or ("eager" if name == "gemma2" else "sdpa")  # transformers has no sdpa path for Gemma 2
-    model = T.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=attn)
+    extra = {"experts_implementation": "eager"} if name == "qwen2_moe" else {}  # float64 experts on CPU
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=attn, **extra)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if p.ndim == 1:  # norm weights and biases
@@ -80,6 +85,15 @@ def test_gemma_float32_norm_is_the_only_error(name):
     assert 1e-12 < result.max_abs <= 1e-5, result.table()
 
 
+def test_gemma_scale_patch_is_zero_where_nothing_changes(float64_gemma_norms):
+    """A query with no context before it needs no change: the down_proj and norm-scale deltas are 0
+    (the new down output is the multiple of t / scale closest to the old one, which is the old one)."""
+    model, x = build("gemma3"), ids(1, 1)
+    patch = tp.token_patch(model, x)
+    for name, delta in patch.dense().items():
+        assert float(delta.abs().max()) <= 1e-12, name
+
+
 def test_gemma_zero_scale_channels(float64_gemma_norms):
     """Channels where the post-feedforward norm's scale 1 + w is exactly 0 (Gemma 3 270M has nine):
     the textbook construction divides by it; they get their own scale instead."""
@@ -93,7 +107,7 @@ def test_gemma_zero_scale_channels(float64_gemma_norms):
     assert tp.verify(model, x, patch).max_abs <= 1e-12
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "gpt_neox", "qwen2_moe"])
 def test_padded_batch_gives_each_prompts_patches(name, float64_gemma_norms):
     model = build(name)
     a, b = ids(1, 12, seed=2), ids(1, 7, seed=3)
@@ -119,10 +133,29 @@ def test_generation_without_the_prompt(name, float64_gemma_norms):
 
 
 @torch.no_grad()
-def test_functional_call_apply_and_save_round_trip(tmp_path, float64_gemma_norms):
-    model, x = build("gemma3"), ids(1, 10)
-    patch = tp.token_patch(model, x)  # down_proj rank 1 + a dense norm-scale delta per layer
-    assert any(not isinstance(d, tp.LowRank) for d in patch.values())
+def test_update_norms_are_the_weight_updates(float64_gemma_norms):
+    """generate's per-layer norm: the input change D counts as W D on each matrix reading it."""
+    model, x = build("llama"), ids(1, 9)
+    gen = tp.generate(model, x, max_new_tokens=1)
+    patch = tp.token_patch(model, x)
+    w = {n: p for n, p in model.named_parameters()}
+    for i in range(3):
+        d = patch[f"model.layers.{i}.mlp:input"].dense()[0, 0]
+        parts = [w[f"model.layers.{i}.mlp.{m}.weight"] @ d for m in ("gate_proj", "up_proj")]
+        parts.append(patch[f"model.layers.{i}.mlp.down_proj.weight"].dense()[0, 0])
+        want = torch.stack([p.norm() for p in parts]).norm()
+        torch.testing.assert_close(gen.update_norms[0, 0, i], want, rtol=1e-12, atol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_moe", "gpt2"])
+def test_functional_call_apply_and_save_round_trip(name, tmp_path, float64_gemma_norms):
+    """Gemma: a dense norm-scale delta per layer; MoE: the input change reaches the router and the
+    stacked experts (apply writes W + W D into each); GPT-2: Conv1D weights stored [in, out]."""
+    model, x = build(name), ids(1, 10)
+    patch = tp.token_patch(model, x)
+    readers = patch.meta["inputs"]["model.layers.0.mlp:input" if name != "gpt2" else "transformer.h.0.mlp:input"]
+    assert len(readers) == {"gemma3": 2, "qwen2_moe": 5, "gpt2": 1}[name]
     want = model(x).logits[:, -1]
     stripped = tp.strip_context(model, x)
     hooked = tp.functional_call(model, patch, **stripped).logits[:, -1]
@@ -133,7 +166,7 @@ def test_functional_call_apply_and_save_round_trip(tmp_path, float64_gemma_norms
     reloaded = tp.functional_call(model, back, **stripped).logits[:, -1]
     for got in (hooked, written, reloaded):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    torch.testing.assert_close(model(**stripped).logits[:, -1], build("gemma3")(**stripped).logits[:, -1], rtol=0, atol=0)
+    torch.testing.assert_close(model(**stripped).logits[:, -1], build(name)(**stripped).logits[:, -1], rtol=0, atol=0)
 
 
 @torch.no_grad()
@@ -176,3 +209,55 @@ def test_eager_attention_with_padding_names_the_cause():
     batch = {"input_ids": ids(2, 6), "attention_mask": torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])}
     with pytest.raises(tp.InputError, match="sdpa"):
         tp.token_patch(model, batch)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3"])
+def test_trajectory_is_the_token_patch_of_every_prefix(name, float64_gemma_norms):
+    model, x = build(name), ids(2, 8)
+    traj = tp.trajectory(model, x, query=-2)
+    for i in range(traj.query + 1):
+        want = tp.token_patch(model, traj.prefix_inputs(x, i)).dense()
+        for key, delta in traj.patch(i).dense().items():
+            torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
+    assert tp.verify(model, traj.prefix_inputs(x, 4), traj.patch(4)).max_abs <= 1e-12
+    with pytest.raises(tp.UnsupportedModelError, match="steps"):
+        tp.trajectory(model, x, steps=True)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2_moe"])
+def test_thought_patch_of_one_query_is_exact_there(name):
+    """One calibration query: the least-squares fit interpolates it (the token patch), so the
+    prompt-free model under the static patch gives the with-prompt logits at that query."""
+    model = build(name)
+    prompt, query = ids(1, 12, seed=4)[0], ids(1, 1, seed=5)
+    fit = tp.thought_patch(model, prompt, query)
+    assert fit.patch.meta["static"] and any(k.endswith(":input") for k in fit.patch)
+    want = model(torch.cat([prompt[None], query], 1)).logits[:, -1]
+    got = tp.functional_call(model, fit.patch, query).logits[:, -1]
+    assert float((got - want).abs().max()) <= 1e-10 < float((model(query).logits[:, -1] - want).abs().max())
+
+
+@torch.no_grad()
+def test_thought_patch_generalises_and_round_trips(tmp_path):
+    model = build("gpt2")
+    prompt, cal, test = ids(1, 12, seed=6)[0], ids(300, 2, seed=7), ids(100, 2, seed=8)
+    patch = tp.compress(model, prompt, cal)
+    want = model(torch.cat([prompt[None].expand(100, -1), test], 1)).logits[:, 12:]
+    err = lambda p: float(((tp.functional_call(model, p, test).logits - want) ** 2).mean())  # noqa: E731
+    base = float(((model(test).logits - want) ** 2).mean())
+    assert err(patch) < 0.1 * base  # held-out queries: most of the prompt's effect is kept
+    tp.save(patch, tmp_path / "t.safetensors")
+    assert err(tp.load(tmp_path / "t.safetensors", model)) == pytest.approx(err(patch), rel=1e-9)
+    hooked = err(patch)
+    with tp.apply(model, patch):  # W + W D written into every matrix reading the MLP input
+        assert float(((model(test).logits - want) ** 2).mean()) == pytest.approx(hooked, rel=1e-9)
+
+
+def test_thought_patch_gemma_output_side_is_refused(float64_gemma_norms):
+    model = build("gemma3")
+    prompt, cal = ids(1, 10, seed=9)[0], ids(20, 2, seed=10)
+    with pytest.raises(tp.UnsupportedModelError, match="output=None"):
+        tp.thought_patch(model, prompt, cal)
+    fit = tp.thought_patch(model, prompt, cal, output=None)
+    assert all(k.endswith(":input") for k in fit.patch)

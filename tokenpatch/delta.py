@@ -1,7 +1,9 @@
 """``Patch``: the mapping ``parameter name -> delta`` and its files.
 
 A ``Patch`` holds one delta per patched parameter of a model, keyed by the name that
-``model.named_parameters()`` gives it. Every delta is batched over the same two leading dims
+``model.named_parameters()`` gives it, or per patched module input, keyed ``"<module>:input"``
+(a rank-1 change ``s -> s + D s`` of what the module reads: the input side of a Hugging Face
+model's MLP, equal to ``W + W D`` on every matrix reading it, ``meta["inputs"]``). Every delta is batched over the same two leading dims
 ``[batch, query]`` -- one patch per (sequence, query position) -- and is either a ``LowRank``
 (``lowrank.py``) for a matrix, or a dense tensor ``[batch, query, *param.shape]`` for a vector
 (a bias or a norm scale).
@@ -38,6 +40,10 @@ from .lowrank import LowRank
 __all__ = ["Patch", "Delta", "save_patch", "load_patch", "PATCH_FORMAT"]
 
 PATCH_FORMAT = "tokenpatch.patch/1"
+# A key ``"<module>:input"`` holds a change of that module's input, ``s -> s + D s`` with ``D`` a
+# ``LowRank`` [d, d]: the same as ``W + W D`` on every matrix that reads it (listed in
+# ``meta["inputs"]``), without forming ``W D`` (``arch.Sites.input_site``).
+INPUT_SUFFIX = ":input"
 
 Delta = Union[LowRank, Tensor]
 
@@ -264,7 +270,21 @@ class Patch(Mapping):
         if cached and seen is not None and seen[0]() is model and seen[1] == digest:
             return
         params = dict(model.named_parameters())
+        readers = self.meta.get("inputs", {})
         for name, d in self._deltas.items():
+            if name.endswith(INPUT_SUFFIX):  # a change of a module's input: the module exists, its readers fit
+                module = name[: -len(INPUT_SUFFIX)]
+                try:
+                    model.get_submodule(module)
+                except AttributeError:
+                    raise InputError(f"patch names the input of {module!r}, which is not a module of "
+                                     f"{type(model).__name__}") from None
+                for reader, layout in readers.get(name, []):
+                    width = None if reader not in params else params[reader].shape[-1 if layout == "out_in" else 0]
+                    if width is None or not isinstance(d, LowRank) or d.shape != (width, width):
+                        raise InputError(f"patch input change {name} ({d.shape if isinstance(d, LowRank) else 'dense'}) "
+                                         f"does not fit {reader} of this model")
+                continue
             if name not in params:
                 raise InputError(f"patch names {name!r}, which is not a parameter of {type(model).__name__}")
             shape = tuple(params[name].shape)

@@ -133,6 +133,8 @@ def trajectory(model: nn.Module, inputs: Any, query: int = -1, *, steps: bool = 
     """
     adapter = adapter_for(model)
     inputs = adapter.check_inputs(model, inputs)
+    if adapter.traced:
+        return _traced_trajectory(model, adapter, inputs, query, steps, progress)
     if adapter.position_dependent_embedding:
         raise UnsupportedModelError(f"tp.trajectory needs position-free embeddings; the {adapter.name} adapter has "
                                     "position-dependent ones")
@@ -169,3 +171,38 @@ def _pad_first(d: Delta) -> Delta:
     if isinstance(d, LowRank):
         return LowRank(torch.cat([torch.zeros_like(d.u[:, :1]), d.u], 1), torch.cat([torch.zeros_like(d.v[:, :1]), d.v], 1))
     return torch.cat([torch.zeros_like(d[:, :1]), d], 1)
+
+
+def _traced_trajectory(model: nn.Module, adapter, inputs: dict, query: Any, steps: bool, progress,
+                       chunk: int = 64) -> Trajectory:
+    """``trajectory`` for a language model: prefix ``i`` is the sequence ``[c_1..c_i, x]`` with the query
+    at position ``i``, run by the model's own forward as one row of a left-padded batch (``N + 1`` rows
+    per sequence, ``chunk`` rows per forward pass), and patched by ``token_patch``."""
+    if steps:
+        raise UnsupportedModelError("steps=True removes one context token from the middle of a prefix; that is not "
+                                    "supported for Hugging Face models yet (the prefix patches are)")
+    if inputs["attention_mask"] is not None:
+        raise InputError("tp.trajectory on a language model takes unpadded sequences (no attention mask)")
+    from .patching import token_patch
+
+    ids = inputs["input_ids"]  # [B, T]
+    q = _query_position(query, ids.shape[1])
+    batch, n = ids.shape[0], q + 1
+    rows = ids[:, q : q + 1, None].expand(batch, n, n).clone()  # [B, n, n]  padding: the query token, masked
+    mask = torch.zeros_like(rows)
+    for i in range(n):  # row i: c_1..c_i, then x, right-aligned
+        rows[:, i, n - 1 - i : n - 1] = ids[:, :i]
+        mask[:, i, n - 1 - i :] = 1
+    rows, mask = rows.reshape(batch * n, n), mask.reshape(batch * n, n)
+    parts = [token_patch(model, {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]}, progress=False)
+             for a in progress_bar(range(0, batch * n, chunk), progress, desc="trajectory", unit="chunk")]
+    flat = Patch.stack(parts, "batch") if len(parts) > 1 else parts[0]  # [B * n, 1]
+    deltas = {name: LowRank(d.u.reshape(batch, n, *d.u.shape[2:]), d.v.reshape(batch, n, *d.v.shape[2:]))
+              if isinstance(d, LowRank) else d.reshape(batch, n, *d.shape[2:]) for name, d in flat.items()}
+    meta = {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, "batch": batch,
+            "model_dtype": str(flat.dtype).removeprefix("torch.")}
+    if "inputs" in flat.meta:
+        meta["inputs"] = flat.meta["inputs"]
+    record = {**meta, "trajectory": {"query": q, "n_context": q}}
+    return Trajectory(Patch(_zero_first(deltas), None, record), None, q, meta)
+

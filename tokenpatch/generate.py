@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ._progress import progress_bar
 from .arch import adapter_for
-from .delta import Patch
+from .delta import INPUT_SUFFIX, LowRank, Patch
 from .errors import InputError, UnsupportedModelError
 from .hooks import functional_call
 from .patching import _meta, traced_deltas
@@ -57,13 +57,28 @@ class Generation:
 
 
 def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
-    """``[B, L]``: per layer, the norm of all its deltas together."""
-    norms = patch.norms()  # {name: [B, 1]}
+    """``[B, L]``: per layer, the Frobenius norm of its whole weight update, ``sqrt(sum |dW|_F^2)``.
+    An input change ``D = d v^T`` counts as ``W D`` on every matrix reading it: ``|W d| |v|``."""
+    params = dict(model.named_parameters())
+    readers = patch.meta.get("inputs", {})
     per_layer = []
     for i in range(adapter.n_layers(model)):
         sites = adapter.sites(model, i)
-        names = [*sites.inputs, *((sites.output[1:]) if sites.output else ())]
-        per_layer.append(torch.stack([norms[n][:, 0].double() ** 2 for n in names if n in norms]).sum(0).sqrt())
+        total = 0.0
+        if sites.input_site is not None:
+            key = f"{sites.input_site}{INPUT_SUFFIX}"
+            d = patch[key]  # LowRank [B, 1, 1, H]: u = d, v
+            for reader, layout in readers.get(key, []):
+                w = params[reader].detach().to(d.u.dtype)
+                wd = torch.einsum("...oi,bqri->bqr...o", w, d.u) if layout == "out_in" else torch.einsum(
+                    "io,bqri->bqro", w, d.u)
+                total = total + (wd.flatten(3).norm(dim=-1) * d.v.norm(dim=-1)).square().sum(-1)[:, 0].double()
+        for name in ((sites.output[1:]) if sites.output else ()):
+            if name in patch:
+                delta = patch[name]
+                norm = delta.norm() if isinstance(delta, LowRank) else delta.flatten(2).norm(dim=-1)
+                total = total + norm[:, 0].double().square()
+        per_layer.append(torch.as_tensor(total).sqrt())
     return torch.stack(per_layer, -1)
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from . import _io
 from .arch import weight_layout
 from .arch.hf import scale_norm
-from .delta import Delta, LowRank, Patch
+from .delta import INPUT_SUFFIX, Delta, LowRank, Patch
 from .errors import InputError, UnsupportedModelError
 from .plans import Plan
 
@@ -93,7 +93,20 @@ class _Hook:
             t = t.expand(n // t.shape[1], *t.shape[1:])
         return t.flatten(0, 1)[:, None]  # [N, 1, ...]
 
+    def _unflatten(self, x: Tensor) -> Tensor:
+        """Tokens flattened to ``[batch * pos, features]`` (modules inside a mixture-of-experts
+        block run so) -> ``[batch, pos, features]``, one sequence per patch of an everywhere-patch."""
+        if x.ndim != 2:
+            return x
+        n = self.patch.lead[0] * self.patch.lead[1]
+        if self.patch.acts != "everywhere" or x.shape[0] % n:
+            raise InputError(f"{self.name}: flattened inputs {tuple(x.shape)} cannot be split into the patch's {n} "
+                             "no-context sequences")
+        return x.view(n, x.shape[0] // n, x.shape[1])
+
     def __call__(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        if args[0].ndim == 2:
+            return self(module, (self._unflatten(args[0]), *args[1:]), self._unflatten(out)).flatten(0, 1)
         x = args[0]
         self._check(x)
         n = x.shape[0]
@@ -111,11 +124,41 @@ class _Hook:
         return out.index_copy(1, where, (out[:, where].to(dt) + delta).to(out.dtype))
 
 
+class _InputHook(_Hook):
+    """Forward pre-hook of a module whose input the patch changes: ``x -> x + D x`` per patch row
+    (``D = sum_k d_k v_k^T``, a ``"<module>:input"`` delta), so every matrix inside reading ``x``
+    computes ``(W + W D) x`` with one product, and routers or stacked experts see the change too."""
+
+    def __init__(self, module_name: str, delta: LowRank, patch: Patch, broadcast: bool, any_length: bool):
+        super().__init__(module_name, {"weight": delta}, "out_in", patch, broadcast, any_length)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        x = args[0] if args else kwargs["hidden_states"]
+        flat = x.ndim == 2
+        x = self._unflatten(x)
+        self._check(x)
+        n = x.shape[0]
+        dt = torch.promote_types(torch.promote_types(x.dtype, self.w_in.dtype), torch.float32)
+        factors = [self._rows(f, n) for f in (self.w_in, self.w_out)]
+        if self.patch.acts == "everywhere":
+            new = (x.to(dt) + _lowrank_add(x.to(dt)[:, None], *factors, None)[:, 0]).to(x.dtype)
+        else:
+            where = torch.tensor(self.patch.positions, device=x.device)
+            change = _lowrank_add(x[:, where].to(dt)[:, :, None], *factors, None)[:, :, 0]  # [N, Q, d]
+            new = x.index_copy(1, where, (x[:, where].to(dt) + change).to(x.dtype))
+        new = new.flatten(0, 1) if flat else new
+        return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
+
+
 @contextlib.contextmanager
 def _hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) -> Iterator[None]:
     """Register the patch's hooks for the duration of the block; removed on exit, errors included."""
     by_module: dict[str, dict[str, Delta]] = {}
+    inputs: dict[str, LowRank] = {}
     for name, delta in patch.items():
+        if name.endswith(INPUT_SUFFIX):
+            inputs[name[: -len(INPUT_SUFFIX)]] = delta
+            continue
         module_name, _, attr = name.rpartition(".")
         by_module.setdefault(module_name, {})[attr] = delta
     handles = []
@@ -136,6 +179,9 @@ def _hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) -
                 layout = weight_layout(module, module_name)
             hook = _Hook(module_name, deltas, layout, patch, broadcast, any_length, unit)
             handles.append(module.register_forward_hook(hook))
+        for module_name, delta in inputs.items():
+            hook = _InputHook(module_name, delta, patch, broadcast, any_length)
+            handles.append(model.get_submodule(module_name).register_forward_pre_hook(hook, with_kwargs=True))
         yield
     finally:
         for handle in handles:
@@ -198,8 +244,17 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
     try:
         with torch.no_grad():
             for name, delta in patch.items():
+                if name.endswith(INPUT_SUFFIX):  # W + W D on every matrix reading that input
+                    d = delta.dense()[0, 0]  # [d, d]
+                    for reader, layout in patch.meta.get("inputs", {}).get(name, []):
+                        p = params[reader]
+                        saved.setdefault(reader, p.detach().clone())
+                        dd = d.to(device=p.device, dtype=torch.promote_types(p.dtype, torch.float32))
+                        w = p.detach().to(dd.dtype)
+                        p.copy_(w + (w @ dd if layout == "out_in" else dd.T @ w))
+                    continue
                 p = params[name]
-                saved[name] = p.detach().clone()
+                saved.setdefault(name, p.detach().clone())
                 dense = delta.dense()[0, 0] if isinstance(delta, LowRank) else delta[0, 0]
                 p.add_(dense.to(device=p.device, dtype=p.dtype))
         yield model

@@ -33,7 +33,7 @@ from . import _io, solve
 from ._progress import progress_bar
 from .arch import Sites, adapter_for, weight_layout
 from .arch.hf import scale_norm
-from .delta import Delta, LowRank, Patch
+from .delta import INPUT_SUFFIX, Delta, LowRank, Patch
 from .errors import InputError, ZeroAnchorError
 from .plans import at_queries, make_plan, strip
 
@@ -68,22 +68,33 @@ def _stored(delta: LowRank, layout: str) -> LowRank:
     return delta if layout == "out_in" else LowRank(delta.v, delta.u)
 
 
-def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Tensor | None = None) -> dict[str, Delta]:
+def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Tensor | None = None,
+                gate_c: Tensor | None = None) -> dict[str, Delta]:
     """The layer's deltas from with-context ``ctx = (m, s, hidden)`` and ``anchor = (m, s)``,
     each ``[batch, query, ...]``; ``labels[q]`` names query ``q`` in errors (its position).
-    ``out_c``: the with-context layer output, needed by a ``"matrix+scale"`` output site."""
+    ``out_c``: the with-context layer output, needed by a ``"matrix+scale"`` output site;
+    ``gate_c``: the with-context gate logit of a ``"gated"`` one."""
     (m_c, s_c, hidden_c), (m_0, s_0) = ctx, anchor
     deltas: dict[str, Delta] = {}
     acts_on = "the MLP input without context"
     name = ""
     try:
-        for name in sites.inputs:
+        if sites.input_site is not None:  # one change of the MLP input, shared by every matrix reading it
+            name = f"{sites.input_site}{INPUT_SUFFIX}"
+            dtype = solve.work_dtype(s_c, s_0)
+            deltas[name] = solve.minimal_patch(s_c.to(dtype) - s_0.to(dtype), s_0)
+        for name in () if sites.input_site is not None else sites.inputs:
             w, layout = _math_weight(model, name)
             deltas[name] = _stored(solve.input_patch(w, s_c, s_0, layout=layout), layout)
         if sites.output is not None:
             kind, name = sites.output[:2]
             if kind == "bias":
                 deltas[name] = solve.output_shift(m_c, m_0)
+            elif kind == "gated":  # a matrix whose output is scaled by sigmoid(gate) (a shared expert)
+                acts_on = "the MLP hidden state with context"
+                gate = torch.sigmoid(gate_c.to(solve.work_dtype(m_c, gate_c)))  # [B, Q, 1]
+                shift = solve.output_shift(m_c, m_0) / gate
+                deltas[name] = _stored(solve.minimal_patch(shift, hidden_c), _math_weight(model, name)[1])
             elif kind == "matrix+scale":
                 acts_on = "the MLP hidden state with context"
                 w, layout = _math_weight(model, name)
@@ -173,8 +184,10 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
 
 
 def _meta(model: nn.Module, adapter, plan, batch: int, dtype: torch.dtype) -> dict:
-    return {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, **plan.describe(),
+    meta = {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, **plan.describe(),
             "batch": batch, "model_dtype": str(dtype).removeprefix("torch.")}
+    readers = input_readers(model, adapter)
+    return {**meta, "inputs": readers} if readers else meta
 
 
 def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Patch:
@@ -196,5 +209,22 @@ def traced_deltas(model: nn.Module, adapter, rec: list[dict], anchors: list, lab
     for i in progress_bar(range(len(rec)), progress, desc="token_patch", unit="layer"):
         r = rec[i]
         deltas.update(layer_patch(model, adapter.sites(model, i), (r["m"], r["s"], r["hidden"]), anchors[i], i,
-                                  labels, out_c=r["out"]))
+                                  labels, out_c=r["out"], gate_c=r.get("gate")))
     return deltas
+
+
+def input_readers(model: nn.Module, adapter) -> dict[str, list[list[str]]]:
+    """``{"<module>:input": [[parameter, layout], ...]}``: what each input-site delta changes, for the
+    patch's metadata (``apply`` writes ``W + W D`` into each of them)."""
+    out = {}
+    for i in range(adapter.n_layers(model)):
+        sites = adapter.sites(model, i)
+        if sites.input_site is not None:
+            out[f"{sites.input_site}{INPUT_SUFFIX}"] = [[n, _param_layout(model, n)] for n in sites.inputs]
+    return out
+
+
+def _param_layout(model: nn.Module, name: str) -> str:
+    """A weight's layout; a tensor of stacked matrices (experts ``[E, out, in]``) is ``out_in``."""
+    module = model.get_submodule(name.rpartition(".")[0])
+    return weight_layout(module, name) if getattr(module, name.rpartition(".")[2]).ndim == 2 else "out_in"

@@ -260,6 +260,13 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
         raise InputError(f"solver must be 'normal' or 'qr', got {solver!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
         raise InputError(f"rank must be None or an int >= 1, got {rank!r}")
+    adapter = adapter_for(model)
+    if adapter.traced:  # a language model: token ids, the model's own forward (thought_hf.py)
+        from .thought_hf import thought_patch_lm
+
+        return thought_patch_lm(model, adapter, prompt, _batches(queries, batch_size), ridge=ridge, mode=mode,
+                                inputs=inputs, output=output, rank=rank, solver=solver, distributed=distributed,
+                                progress=progress, fit_types=(ThoughtPatch, LayerFit))
     if not isinstance(prompt, Tensor) or prompt.ndim not in (2, 3) or (prompt.ndim == 3 and prompt.shape[0] != 1):
         raise InputError("prompt must be a tensor [P, ...] (or [1, P, ...]) of model inputs, got "
                          f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__}")

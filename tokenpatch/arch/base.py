@@ -46,16 +46,25 @@ class Sites:
     ``("matrix+scale", down, norm)`` -- a rank-1 patch of the output matrix ``down`` plus a dense
     delta of the scale of the post-MLP ``norm`` (Gemma 2/3, ``solve.output_patch_scaled``).
     A parallel (NeoX) block has no input sites: its MLP input is the same in both passes.
+
+    ``input_site``: a module whose input is ``s`` (the MLP). Then the input side is one delta
+    ``"<input_site>:input"``, the change of that input ``s -> s + (s_C - s_0) (s_0 . s) / |s_0|^2``,
+    which equals the rank-1 patch ``W (s_C - s_0) s_0^T / |s_0|^2`` of every matrix in ``inputs``
+    (``W (I + D) = W + W D``) without forming ``W (s_C - s_0)``: it costs O(d) per query, and it
+    covers matrices that are not ``nn.Linear`` modules (a router, experts stored as one 3-D tensor).
     """
 
     inputs: tuple[str, ...]
     output: tuple[str, ...] | None
+    input_site: str | None = None
 
 
 # How a module applies its ``weight`` to an input: "out_in" means ``y = x @ W.T`` (W stored
 # [out, in], torch's nn.Linear); "in_out" means ``y = x @ W`` (W stored [in, out], GPT-2's Conv1D).
 # Keyed by class name so optional libraries need not be imported.
-WEIGHT_LAYOUTS: dict[str, str] = {"Linear": "out_in", "Conv1D": "in_out"}
+WEIGHT_LAYOUTS: dict[str, str] = {"Linear": "out_in", "Conv1D": "in_out",
+                                  # mixture-of-experts routers: a weight [experts, d] applied with F.linear
+                                  "Qwen2MoeTopKRouter": "out_in", "MixtralTopKRouter": "out_in"}
 
 
 def weight_layout(module: nn.Module, name: str = "") -> str:

@@ -66,16 +66,26 @@ class Family:
     out_norm: str | None = None
     parallel: Callable[[Any], bool] = field(default=lambda config: False)
     mlp: str = "mlp"
+    down_gate: str | None = None
+    dense: str | None = None
 
 
 FAMILIES: list[Family] = [
     Family("llama", ("llama", "mistral", "qwen2", "qwen3", "gemma"), "layers", "post_attention_layernorm",
-           "self_attn", ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"),
+           "self_attn", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj"),
     Family("gemma2", ("gemma2", "gemma3_text"), "layers", "pre_feedforward_layernorm", "self_attn",
-           ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj", out_norm="post_feedforward_layernorm"),
-    Family("gpt2", ("gpt2",), "h", "ln_2", "attn", ("mlp.c_fc",), "mlp.c_proj"),
-    Family("gpt_neox", ("gpt_neox",), "layers", "post_attention_layernorm", "attention", ("mlp.dense_h_to_4h",),
+           ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj", out_norm="post_feedforward_layernorm"),
+    Family("gpt2", ("gpt2",), "h", "ln_2", "attn", ("mlp.c_fc.weight",), "mlp.c_proj"),
+    Family("gpt_neox", ("gpt_neox",), "layers", "post_attention_layernorm", "attention", ("mlp.dense_h_to_4h.weight",),
            "mlp.dense_4h_to_h", parallel=lambda config: bool(getattr(config, "use_parallel_residual", False))),
+    # Mixture of experts with a shared expert: the router and every expert read the MLP input (one
+    # input change patches them all, so the same experts are chosen with the same weights); the
+    # output shift goes into the shared expert's down_proj, divided by its sigmoid gate. Layers with
+    # a plain MLP (``mlp_only_layers``) are patched as Llama's.
+    Family("qwen2_moe", ("qwen2_moe",), "layers", "post_attention_layernorm", "self_attn",
+           ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.shared_expert.gate_proj.weight",
+            "mlp.shared_expert.up_proj.weight", "mlp.shared_expert_gate.weight"),
+           "mlp.shared_expert.down_proj", down_gate="mlp.shared_expert_gate", dense="llama"),
 ]
 
 
@@ -121,6 +131,10 @@ def _hooks(pairs) -> Iterator[None]:
 
 
 def check_finite(rec: list[dict[str, Tensor]], padded: bool) -> None:
+    """Raise if the recorded states hold NaN or inf, naming the first layer (a non-finite value
+    anywhere reaches the last layer's output through the residual stream: one check suffices)."""
+    if bool(torch.isfinite(rec[-1]["out"]).all()):
+        return
     for i, r in enumerate(rec):
         if not all(bool(torch.isfinite(t).all()) for t in r.values()):
             hint = (" (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
@@ -240,24 +254,46 @@ class HFAdapter(Adapter):
                 "position_ids": inputs["position_ids"][:, positions].reshape(-1, 1)}
 
     # ------------------------------------------------------------------------- the two passes
-    def _sites_of(self, model: nn.Module, i: int) -> dict[str, nn.Module]:
+    def _layer_family(self, model: nn.Module, i: int) -> Family:
+        """The family record of layer ``i``: the model's, or its ``dense`` one where the layer has a
+        plain MLP (a mixture-of-experts model's dense layers)."""
         fam, layer = self.family(model), self._layers(model)[i]
-        return {"layer": layer, "mlp_norm": layer.get_submodule(fam.mlp_norm), "attn": layer.get_submodule(fam.attn),
-                "down": layer.get_submodule(fam.down)}
+        try:
+            layer.get_submodule(fam.down)
+            return fam
+        except AttributeError:
+            if fam.dense is None:
+                raise
+            return next(f for f in FAMILIES if f.name == fam.dense)
+
+    def _sites_of(self, model: nn.Module, i: int) -> dict[str, nn.Module]:
+        fam, layer = self._layer_family(model, i), self._layers(model)[i]
+        out = {"layer": layer, "mlp_norm": layer.get_submodule(fam.mlp_norm), "attn": layer.get_submodule(fam.attn),
+               "down": layer.get_submodule(fam.down)}
+        if fam.down_gate is not None:
+            out["down_gate"] = layer.get_submodule(fam.down_gate)
+        return out
 
     @contextlib.contextmanager
-    def recording(self, model: nn.Module, query: Tensor) -> Iterator[list[dict[str, Tensor]]]:
+    def recording(self, model: nn.Module, query: Tensor, every: bool = False) -> Iterator[list[dict[str, Tensor]]]:
         """Hooks that record, during any forward of ``model`` inside the block, per layer ``h, m, s,
-        hidden, out`` at positions ``query`` of the sequence run ``[B, Q, .]``; the list is filled
-        on exit (``m`` of a parallel block is ``h`` plus the attention output)."""
+        hidden, out`` at positions ``query`` of the sequence run ``[B, Q, .]`` (``every``: the query is
+        every position in order, kept without a copy); the list is filled on exit (``m`` of a
+        parallel block is ``h`` plus the attention output)."""
         parallel = self.family(model).parallel(model.config)
         rec: list[dict[str, Tensor]] = [{} for _ in range(self.n_layers(model))]
+
+        shape: list[int] = []  # [batch, pos] of the sequences running (set by each layer's first hook)
 
         def grab(i, key, take_input):
             def hook(module, args, *rest):
                 kwargs = rest[0] if take_input and rest and isinstance(rest[0], dict) else {}
                 t = (args[0] if args else kwargs["hidden_states"]) if take_input else _first(rest[-1])
-                rec[i][key] = t[:, query]
+                if key == "h":
+                    shape[:] = t.shape[:2]
+                if t.ndim == 2:  # a module run on the flattened tokens [batch * pos, .] (inside an MoE block)
+                    t = t.view(*shape, -1)
+                rec[i][key] = t if every else t[:, query]
             return hook
 
         pairs = []
@@ -267,6 +303,8 @@ class HFAdapter(Adapter):
             pairs.append((site["layer"].register_forward_hook, grab(i, "out", False)))
             pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
             pairs.append((site["down"].register_forward_pre_hook, grab(i, "hidden", True)))
+            if "down_gate" in site:
+                pairs.append((site["down_gate"].register_forward_hook, grab(i, "gate", False)))
             if parallel:
                 pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
             else:
@@ -279,7 +317,8 @@ class HFAdapter(Adapter):
 
     def trace(self, model: nn.Module, inputs: dict, query: list[int]) -> list[dict[str, Tensor]]:
         """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``."""
-        with self.recording(model, torch.tensor(query, device=inputs["input_ids"].device)) as rec:
+        every = query == list(range(self.seq_len(inputs)))
+        with self.recording(model, torch.tensor(query, device=inputs["input_ids"].device), every) as rec:
             model.base_model(**self._forward_kwargs(inputs))
         check_finite(rec, inputs["attention_mask"] is not None)
         return rec
@@ -347,17 +386,19 @@ class HFAdapter(Adapter):
         return logits, hidden
 
     def sites(self, model: nn.Module, i: int) -> Sites:
-        fam, p = self.family(model), self._prefix(model, i)
+        fam, p = self._layer_family(model, i), self._prefix(model, i)
         parallel = fam.parallel(model.config)
-        inputs = () if parallel else tuple(f"{p}{name}.weight" for name in fam.inputs)
+        inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
         down = self._sites_of(model, i)["down"]
-        if fam.out_norm is not None:
+        if fam.down_gate is not None:
+            output = ("gated", f"{p}{fam.down}.weight")
+        elif fam.out_norm is not None:
             output = ("matrix+scale", f"{p}{fam.down}.weight", f"{p}{fam.out_norm}.weight")
         elif getattr(down, "bias", None) is not None:
             output = ("bias", f"{p}{fam.down}.bias")
         else:
             output = ("matrix", f"{p}{fam.down}.weight")
-        return Sites(inputs=inputs, output=output)
+        return Sites(inputs=inputs, output=output, input_site=None if parallel else f"{p}{fam.mlp}")
 
     def describe(self, model: nn.Module) -> dict:
         c = model.config

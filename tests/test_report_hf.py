@@ -1,0 +1,125 @@
+"""The report's real-language-model section (``tokenpatch.report_hf``): a one-line note that loads
+nothing when no model is installed (and ``reproduce`` still succeeds), and on SmolLM2 the numbers
+the section states are the ones it measured and meet the real-model targets."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import tokenpatch as tp
+from tokenpatch import pretrained, report
+from tokenpatch.report import Section
+from tokenpatch.report_hf import LAYER_TOL, N_QUERIES, NEW_TOKENS, PROMPT, real_models_section
+
+FIGURE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
+
+
+def keys(obj):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield k
+            yield from keys(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from keys(v)
+
+
+def bad_keys(data: dict) -> list[str]:
+    return [k for k in keys(json.loads(json.dumps(data))) if not re.fullmatch(r"[a-z0-9_]+", k)]
+
+
+def nothing_installed(monkeypatch) -> None:
+    def missing(name):
+        raise tp.UnsupportedModelError(f"{name} needs the Python packages transformers, gguf, accelerate; missing here: "
+                                       f'transformers; install them with: {pretrained.HF_INSTALL}')
+
+    def never(*args, **kwargs):
+        raise AssertionError("load_pretrained called although no model is installed")
+
+    monkeypatch.setattr(pretrained, "check_requirements", missing)
+    monkeypatch.setattr(pretrained, "load_pretrained", never)
+
+
+def test_skipped_without_models_is_one_line_and_loads_nothing(monkeypatch, tmp_path):
+    nothing_installed(monkeypatch)
+    section = real_models_section(tmp_path, progress=False)
+    assert section.key == "real_models" and section.title == "Real language models"
+    assert "\n" not in section.body and section.body.startswith("Skipped")
+    assert pretrained.HF_INSTALL in section.body and "to include it" in section.body
+    for spec in pretrained.PRETRAINED.values():
+        if pretrained._find_spec(spec.module) is None:  # a model package missing here: its command is named
+            assert spec.install in section.body
+    assert section.figures == [] and list(tmp_path.iterdir()) == []
+    assert section.data["skipped"] is True and set(section.data["missing"]) == {"smollm2_135m", "gemma3_270m"}
+    assert bad_keys(section.data) == []
+
+
+def test_reproduce_succeeds_with_the_note(monkeypatch, tmp_path):
+    """``reproduce`` with no model installed: the other sections (stubbed here: they have their own
+    tests) and the one-line note, numbered like any section, in report.md and results.json."""
+    nothing_installed(monkeypatch)
+    for name in ("equivalence_section", "model_section", "dynamics_section", "finetune_section", "thought_section"):
+        key = name.removesuffix("_section")
+        monkeypatch.setattr(report, name, lambda *a, _key=key, **k: Section(_key, _key.title(), "stub", [], {}))
+    monkeypatch.setattr(report, "load_model", lambda checkpoint=None: None)
+    path = report.reproduce(tmp_path, progress=False)
+    text = path.read_text()
+    body = text.split("## 6. Real language models\n\n", 1)[1]
+    assert body.strip().count("\n") == 0 and body.startswith("Skipped")
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert list(data["sections"])[-1] == "real_models" and data["sections"]["real_models"]["skipped"] is True
+    assert bad_keys(data) == []
+
+
+@pytest.mark.slow
+def test_section_on_smollm2(smollm2, pretrained_cache_dir, monkeypatch, tmp_path):
+    """SmolLM2 only (Gemma reported as missing): every number the section writes is the one in its
+    data, and meets the targets; the figures exist; the results keys are snake_case."""
+    model, tokenizer = smollm2
+    monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))  # the fixture's cache: no conversion
+    real_check = pretrained.check_requirements
+
+    def only_smollm2(name):
+        if name != "smollm2-135m":
+            raise tp.UnsupportedModelError(f"{name}: not installed in this test; install it with: pip install it")
+        real_check(name)
+
+    monkeypatch.setattr(pretrained, "check_requirements", only_smollm2)
+    section = real_models_section(tmp_path, progress=False)
+    data = section.data
+    assert section.key == "real_models" and not data["skipped"]
+    assert list(data["models"]) == ["smollm2_135m"] and list(data["missing"]) == ["gemma3_270m"]
+    assert "Not included: **gemma3-270m**" in section.body
+    assert bad_keys({"title": section.title, "figures": section.figures, **data}) == []
+
+    r = data["models"]["smollm2_135m"]
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    assert r["prompt_tokens"] == ids.shape[1] >= 64 and len(r["queries"]) == N_QUERIES
+    per_layer = [e["max_rel"] for e in r["verify"]["per_layer"][:-1]]
+    assert len(per_layer) == r["n_layers"] == 30 and r["verify"]["n"] == N_QUERIES
+    assert r["layer_max_rel"] == max(per_layer) <= LAYER_TOL and r["layer_target_met"]
+    assert f"**{r['layer_max_rel']:.2e}** (met)" in section.body and "NOT MET" not in section.body
+    assert r["decided_agree"] == r["n_decided"] and f"{r['top1_agree']}/{N_QUERIES}" in section.body
+    assert r["n_decided"] == sum(m >= 1e-2 for m in r["query_margins"])
+    assert r["max_logit_diff"] < 1e-2
+
+    g = r["generation"]
+    with torch.no_grad():  # ordinary greedy decoding again, independently of the section
+        ordinary = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                  do_sample=False, pad_token_id=model.generation_config.pad_token_id)[0, ids.shape[1]:]
+    assert g["ordinary_tokens"] == ordinary.tolist() and g["compared"] == len(ordinary)
+    assert len(g["tokens"]) == NEW_TOKENS and g["tokens"][: g["compared"]] == g["ordinary_tokens"]
+    assert g["identical"] and "**yes**" in section.body and g["agree_with_context"] == NEW_TOKENS
+    assert g["smallest_margin"] == min(g["margins"][: g["compared"]]) and f"{g['smallest_margin']:.2e}" in section.body
+    assert tokenizer.decode(ordinary).replace("\n", "\\n") in section.body
+    assert torch.tensor(g["update_norms"]).shape == (NEW_TOKENS, 30)
+    assert "zero_scale" not in r  # a Llama: no post-feedforward norm
+
+    shown = FIGURE.findall(section.body)
+    assert shown == section.figures == ["real_models_layers.png", "real_models_smollm2_135m_update_norms.png"]
+    for name in shown:
+        assert (tmp_path / name).stat().st_size > 10_000  # a real PNG
