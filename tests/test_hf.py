@@ -107,6 +107,23 @@ def test_gemma_zero_scale_channels(float64_gemma_norms):
     assert tp.verify(model, x, patch).max_abs <= 1e-12
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "gpt_neox", "gpt_neox_sequential", "qwen2_moe"])
+def test_chunk_removed_and_keep_bos(name, float64_gemma_norms):
+    """A chunk removed from the middle: the other context tokens stay, unpatched; the patches act at
+    the queries' positions in the shorter sequence, and act together (two queries here)."""
+    model, x = build(name), ids(2, 12)
+    patch = tp.token_patch(model, x, query=[-1, 7], remove=slice(2, 6))
+    assert patch.acts == "at_positions" and patch.positions == (7, 3)
+    assert tp.verify(model, x, patch).max_abs <= 1e-12
+    bos = tp.token_patch(model, x, keep_bos=True)  # the first token and the query
+    stripped = tp.strip_context(model, x, keep_bos=True)
+    assert stripped["input_ids"].shape == (2, 2) and stripped["position_ids"][0].tolist() == [0, 11]
+    assert tp.verify(model, x, bos).max_abs <= 1e-12
+    with torch.no_grad():
+        got = tp.functional_call(model, bos, **stripped).logits[:, -1]
+        torch.testing.assert_close(got, model(x).logits[:, -1], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "gpt_neox", "qwen2_moe"])
 def test_padded_batch_gives_each_prompts_patches(name, float64_gemma_norms):
     model = build(name)
@@ -190,8 +207,8 @@ def test_bad_inputs_get_one_clear_line():
         tp.token_patch(model, torch.ones(1, 4))
     with pytest.raises(tp.InputError, match="pad on the left"):
         tp.token_patch(model, {"input_ids": ids(1, 6), "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0]])})
-    with pytest.raises(tp.UnsupportedModelError, match="chunk"):
-        tp.token_patch(model, ids(1, 6), remove=slice(1, 3))
+    with pytest.raises(tp.InputError, match="keep_bos"):
+        tp.token_patch(model, ids(1, 6), remove=slice(1, 3), keep_bos=True)
     model.train()
     with pytest.raises(tp.InputError, match="model.eval"):
         tp.token_patch(model, ids(1, 6))

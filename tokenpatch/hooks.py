@@ -95,11 +95,12 @@ class _Hook:
 
     def _unflatten(self, x: Tensor) -> Tensor:
         """Tokens flattened to ``[batch * pos, features]`` (modules inside a mixture-of-experts
-        block run so) -> ``[batch, pos, features]``, one sequence per patch of an everywhere-patch."""
+        block run so) -> ``[batch, pos, features]``, the no-context sequences the patch was made for."""
         if x.ndim != 2:
             return x
-        n = self.patch.lead[0] * self.patch.lead[1]
-        if self.patch.acts != "everywhere" or x.shape[0] % n:
+        rows, queries = self.patch.lead
+        n = rows if self.patch.acts == "at_positions" else rows * queries  # the no-context sequences
+        if x.shape[0] % n:
             raise InputError(f"{self.name}: flattened inputs {tuple(x.shape)} cannot be split into the patch's {n} "
                              "no-context sequences")
         return x.view(n, x.shape[0] // n, x.shape[1])
@@ -114,8 +115,12 @@ class _Hook:
         dt = torch.promote_types(torch.promote_types(x.dtype, ref.dtype), torch.float32)
         factors = [self._rows(f, n) for f in (self.w_in, self.w_out)]
         b = self._rows(self.b, n)  # [N, G, out]
-        if self.unit is not None:  # a norm-scale delta, acting everywhere: dw * unit(x)
+        if self.unit is not None and self.patch.acts == "everywhere":  # a norm-scale delta: dw * unit(x)
             return (out.to(dt) + b.to(dt) * self.unit(module, x).to(dt)).to(out.dtype)  # [N, 1, out] * [N, T, out]
+        if self.unit is not None:  # at positions: patch [b, q] at position positions[q] of sequence b
+            where = torch.tensor(self.patch.positions, device=x.device)
+            change = b.to(dt) * self.unit(module, x[:, where]).to(dt)  # [N, Q, out]
+            return out.index_copy(1, where, (out[:, where].to(dt) + change).to(out.dtype))
         if self.patch.acts == "everywhere":
             delta = _lowrank_add(x.to(dt)[:, None], *factors, b)[:, 0]  # [N, T, out]
             return (out.to(dt) + delta).to(out.dtype)
@@ -167,11 +172,11 @@ def _hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) -
             module = model.get_submodule(module_name)
             unit, layout = None, "out_in"
             if set(deltas) - {"weight", "bias"} or isinstance(deltas.get("bias"), LowRank) or (
-                    isinstance(deltas.get("weight"), Tensor) and ("bias" in deltas or patch.acts != "everywhere")):
+                    isinstance(deltas.get("weight"), Tensor) and "bias" in deltas):
                 raise UnsupportedModelError(
                     f"cannot apply deltas {sorted(deltas)} to {module_name} ({type(module).__name__}): "
                     "functional_call supports low-rank weight and dense bias deltas of linear layers, and dense "
-                    "scale deltas of known norms acting everywhere"
+                    "scale deltas of known norms"
                 )
             if isinstance(deltas.get("weight"), Tensor):
                 unit = scale_norm(module, module_name)[0]

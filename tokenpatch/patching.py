@@ -40,15 +40,29 @@ from .plans import at_queries, make_plan, strip
 __all__ = ["token_patch", "strip_context", "layer_patch", "take"]
 
 
-def strip_context(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = None) -> Any:
-    """The no-context inputs a patch from ``token_patch(model, inputs, query, remove)`` runs on.
+def strip_context(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = None, *, keep_bos: bool = False) -> Any:
+    """The no-context inputs a patch from ``token_patch(model, inputs, query, remove, keep_bos=...)`` runs on.
 
     Default ``remove``: every query alone, ``[batch * query, 1, ...]`` batch-major, matching the
-    flattened ``[batch, query]`` patch. With a chunk removed: ``[batch, len(C \\ Y), ...]``.
+    flattened ``[batch, query]`` patch. With a chunk removed: ``[batch, len(C \\ Y), ...]``. For a
+    language model, a dict of the forward's keyword arguments (``input_ids``, ``position_ids``: each
+    token keeps its original position).
     """
     adapter = adapter_for(model)
     inputs = adapter.check_inputs(model, inputs)
-    return strip(adapter, inputs, make_plan(adapter.seq_len(inputs), query, remove))
+    return strip(adapter, inputs, _plan(adapter, inputs, query, remove, keep_bos))
+
+
+def _plan(adapter, inputs: Any, query: Any, remove: Any, keep_bos: bool):
+    """The plan of ``query`` / ``remove``; ``keep_bos``: remove everything but the first token and the queries."""
+    seq_len = adapter.seq_len(inputs)
+    if not keep_bos:
+        return make_plan(seq_len, query, remove)
+    if remove is not None:
+        raise InputError("keep_bos=True removes all context but the first token; do not pass remove as well")
+    queries = set(make_plan(seq_len, query).query)
+    removed = torch.tensor([0 < p and p not in queries for p in range(seq_len)])  # a boolean mask
+    return make_plan(seq_len, query, removed)
 
 
 def take(t: Tensor, positions: list[int]) -> Tensor:
@@ -122,7 +136,7 @@ def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Ten
 
 
 @torch.no_grad()
-def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = None, *,
+def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = None, *, keep_bos: bool = False,
                 progress: bool | None = None) -> Patch:
     """Exact token patches of every layer, for every sequence and query position.
 
@@ -130,6 +144,8 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
     language models). ``query``: an int (default ``-1``, the last position), a list of ints, a
     slice or ``"all"``. ``remove``: ``None`` removes all context before each query; a slice or
     a boolean mask ``[pos]`` removes that chunk ``Y`` (shared by the batch) instead.
+    ``keep_bos``: keep the first token (a language model's BOS, which many heads attend to) and remove
+    the rest of the context: the no-context sequence is the first token followed by the queries.
     ``progress``: a bar per layer (``None``: only on a terminal, once the call takes over a second).
 
     Returns a ``Patch`` with deltas ``[batch, query, ...]`` such that the model without the
@@ -148,7 +164,7 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
     adapter = adapter_for(model)
     inputs = adapter.check_inputs(model, inputs)
     batch = adapter.batch_size(inputs)
-    plan = make_plan(adapter.seq_len(inputs), query, remove)
+    plan = _plan(adapter, inputs, query, remove, keep_bos)
     q = list(plan.query)
     if adapter.traced:
         return _traced_patch(model, adapter, inputs, plan, batch, progress)
@@ -194,13 +210,12 @@ def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress)
     """``token_patch`` for adapters whose passes are the model's own forward (``adapter.traced``):
     the with-context pass records every layer's states at the queries, the no-context pass every
     layer's anchors; then the patches, layer by layer."""
-    if plan.mode != "alone":
-        adapter.strip(inputs, torch.tensor(plan.kept), separate=False)  # raises the adapter's own message
     q = list(plan.query)
     rec = adapter.trace(model, inputs, q)  # per layer h, m, s, hidden, out  [B, Q, .]
-    anchors = adapter.anchors(model, inputs, q, rec)  # per layer (m_0, s_0)  [B, Q, .]
+    kept = list(plan.kept) if plan.mode == "chunk" else None
+    anchors = adapter.anchors(model, inputs, q, rec, kept)  # per layer (m_0, s_0)  [B, Q, .]
     deltas = traced_deltas(model, adapter, rec, anchors, plan.query, progress)
-    return Patch(deltas, None, _meta(model, adapter, plan, batch, rec[0]["out"].dtype))
+    return Patch(deltas, plan.positions if kept is not None else None, _meta(model, adapter, plan, batch, rec[0]["out"].dtype))
 
 
 def traced_deltas(model: nn.Module, adapter, rec: list[dict], anchors: list, labels, progress=False) -> dict[str, Delta]:

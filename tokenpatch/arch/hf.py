@@ -32,6 +32,7 @@ output side goes; that is the ``Family`` record. Supported block designs:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -166,6 +167,9 @@ def _without_mlps(layers: nn.ModuleList, name: str) -> Iterator[None]:
             setattr(layer, name, mlp)
 
 
+_PREFIXES: "weakref.WeakKeyDictionary[nn.Module, tuple[nn.ModuleList, list[str]]]" = weakref.WeakKeyDictionary()
+
+
 class HFAdapter(Adapter):
     """Hugging Face causal LMs of the ``FAMILIES`` block designs (see the module docstring).
 
@@ -193,9 +197,15 @@ class HFAdapter(Adapter):
         return len(self._layers(model))
 
     def _prefix(self, model: nn.Module, i: int) -> str:
-        """The qualified name of decoder layer ``i`` in ``model``, with a trailing dot."""
-        target = self._layers(model)[i]
-        return next(name for name, mod in model.named_modules() if mod is target) + "."
+        """The qualified name of decoder layer ``i`` in ``model``, with a trailing dot (found once per
+        model and layer list, then remembered)."""
+        layers = self._layers(model)
+        seen = _PREFIXES.get(model)
+        if seen is None or seen[0] is not layers:
+            where = {id(mod): name for name, mod in model.named_modules()}
+            seen = (layers, [where[id(layer)] + "." for layer in layers])
+            _PREFIXES[model] = seen
+        return seen[1][i]
 
     # ------------------------------------------------------------------------- inputs
     def check_inputs(self, model: nn.Module, inputs: Any) -> dict:
@@ -240,12 +250,16 @@ class HFAdapter(Adapter):
         return inputs["input_ids"].shape[0]
 
     def strip(self, inputs: dict, positions: Tensor, separate: bool) -> dict:
-        """Each query token alone at its original position id: ``input_ids``, ``position_ids``
-        ``[B*K, 1]`` (the keyword arguments of the model's forward)."""
-        if not separate:
-            raise UnsupportedModelError("the hf adapter removes all context before each query (remove=None); removing "
-                                        "a chunk from the middle is not supported for Hugging Face models yet")
+        """The keyword arguments of the no-context forward, every token at its original position id:
+        each of ``positions`` alone (``separate``: ``input_ids``, ``position_ids`` ``[B*K, 1]``), or the
+        kept tokens ``positions`` as one sequence per row (``[B, K]``, with the attention mask if padded)."""
         mask = inputs["attention_mask"]
+        if not separate:
+            ids = inputs["input_ids"][:, positions]
+            # an explicit mask, even of ones: without one, transformers reads a jump in the position ids
+            # (the removed chunk) as the start of another packed sequence and masks what came before
+            return {"input_ids": ids, "position_ids": inputs["position_ids"][:, positions],
+                    "attention_mask": torch.ones_like(ids) if mask is None else mask[:, positions]}
         if mask is not None and not bool(mask[:, positions].all()):
             rows = sorted({int(b) for b in (mask[:, positions] == 0).nonzero()[:, 0]})
             raise InputError(f"a query position is padding in batch rows {rows[:5]}: pad on the left "
@@ -293,7 +307,7 @@ class HFAdapter(Adapter):
                     shape[:] = t.shape[:2]
                 if t.ndim == 2:  # a module run on the flattened tokens [batch * pos, .] (inside an MoE block)
                     t = t.view(*shape, -1)
-                rec[i][key] = t if every else t[:, query]
+                rec[i][key] = t if every else t[:, query.to(t.device)]
             return hook
 
         pairs = []
@@ -323,28 +337,38 @@ class HFAdapter(Adapter):
         check_finite(rec, inputs["attention_mask"] is not None)
         return rec
 
-    def anchors(self, model: nn.Module, inputs: dict, query: list[int], rec: list[dict[str, Tensor]]):
-        """The no-context pass of each query alone: per layer ``(m_0, s_0)`` ``[B, Q, .]``; the input of
-        layer ``i > 0`` is the with-context state ``rec[i]["h"]``."""
+    def anchors(self, model: nn.Module, inputs: dict, query: list[int], rec: list[dict[str, Tensor]],
+                kept: list[int] | None = None):
+        """The no-context pass: per layer ``(m_0, s_0)`` at the queries ``[B, Q, .]``. Each query alone
+        (``kept=None``), or the kept tokens as one sequence (a chunk removed). The input of layer
+        ``i > 0`` at a query is the with-context state ``rec[i]["h"]`` (the patched layers below
+        reproduce it); other kept tokens run unpatched, as ``functional_call`` runs them."""
         parallel = self.family(model).parallel(model.config)
         batch, n_q = len(inputs["input_ids"]), len(query)
         out: list[dict[str, Tensor]] = [{} for _ in rec]
+        at = None if kept is None else torch.tensor([kept.index(q) for q in query])  # queries in the kept sequence
+
+        def pick(t: Tensor) -> Tensor:  # [B*Q, 1, .] or [B, K, .] -> [B, Q, .]
+            return t.reshape(batch, n_q, *t.shape[2:]) if at is None else t[:, at.to(t.device)]
 
         def swap(i):
             def hook(module, args, kwargs):
-                h = rec[i]["h"].reshape(batch * n_q, 1, -1)
+                h = args[0] if args else kwargs["hidden_states"]
+                if at is None:
+                    h = rec[i]["h"].reshape(batch * n_q, 1, -1)
+                else:
+                    h = h.index_copy(1, at.to(h.device), rec[i]["h"].to(h.dtype))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
             return hook
 
         def grab(i, key, take_input):
             def hook(module, args, *rest):
-                t = args[0] if take_input else _first(rest[-1])
-                out[i][key] = t.reshape(batch, n_q, *t.shape[2:])
+                out[i][key] = pick(args[0] if take_input else _first(rest[-1]))
             return hook
 
         def record(i):
             def hook(module, args, kwargs):
-                out[i]["h"] = (args[0] if args else kwargs["hidden_states"]).reshape(batch, n_q, -1)
+                out[i]["h"] = pick(args[0] if args else kwargs["hidden_states"])
             return hook
 
         pairs = []
@@ -360,8 +384,12 @@ class HFAdapter(Adapter):
                 pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
             else:
                 pairs.append((site["mlp_norm"].register_forward_pre_hook, grab(i, "m", True)))
-        with _hooks(pairs), _without_mlps(self._layers(model), self.family(model).mlp):
-            model.base_model(**self.strip(inputs, torch.tensor(query), separate=True), use_cache=False)
+        stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
+        # each layer's output is read only where the next layer's input is not replaced: with a chunk
+        # removed the other kept tokens need the whole layer, each query alone needs no MLP at all
+        skip = _without_mlps(self._layers(model), self.family(model).mlp) if kept is None else contextlib.nullcontext()
+        with _hooks(pairs), skip:
+            model.base_model(**stripped, use_cache=False)
         if parallel:  # m_0 = (the layer input) + (the lone token's attention output)
             for i, o in enumerate(out):
                 o["m"] = (rec[i]["h"] if i > 0 else o.pop("h")) + o.pop("a")
