@@ -30,14 +30,15 @@ def test_verify_table_float64_all_positions(capsys):
     assert "layer 9" in out and "output" in out and "OK (max abs <= 1e-10)" in out
 
 
-def test_reproduce_writes_report_figures_and_json(tmp_path, capsys):
+def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch, pretrained_cache_dir):
+    monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))  # the real-model section shares the tests' cache
     assert main(["reproduce", "--out", str(tmp_path), "--tasks", "16", "--quiet"]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "| layer 0 |" in report and "| output |" in report and "NOT MET" not in report
     for fig in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
-    assert set(data["sections"]) == {"equivalence", "model", "dynamics", "finetune", "thought"}
+    assert set(data["sections"]) == {"equivalence", "model", "dynamics", "finetune", "thought", "real_models"}
     th = data["sections"]["thought"]
     test = dict(zip(th["curve"]["m"], th["curve"]["test"]))
     assert test[4096][1] < test[th["d_in"]][1] and test[4096][1] < 0.1  # generalises past the thresholds

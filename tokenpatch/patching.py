@@ -116,8 +116,8 @@ def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Ten
                 norm = model.get_submodule(norm_name.rpartition(".")[0])
                 offset = scale_norm(norm, norm_name)[1]
                 scale = offset + norm.weight.detach()
-                down, dscale = solve.output_patch_scaled(out_c, m_0, solve.apply_weight(w, hidden_c, layout), hidden_c,
-                                                         scale, norm.eps)
+                down, dscale = solve.output_patch_scaled(out_c, m_c, m_0, solve.apply_weight(w, hidden_c, layout),
+                                                         hidden_c, scale, norm.eps)
                 deltas[name] = _stored(down, layout)
                 deltas[norm_name] = dscale
             else:

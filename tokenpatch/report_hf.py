@@ -117,7 +117,7 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
             missing[name] = str(exc)
             continue
         load_s = time.perf_counter() - t0
-        results[name] = {**_measure(model, tokenizer, name, out, progress), "load_seconds": load_s}
+        results[name] = {**_measure(model, tokenizer, name, out), "load_seconds": load_s}
         del model, tokenizer
     data = {"skipped": not results, "prompt": PROMPT, "n_queries": N_QUERIES, "new_tokens": NEW_TOKENS,
             "threads": torch.get_num_threads(), "dtype": "float32",
@@ -132,7 +132,7 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
 
 
 @torch.no_grad()
-def _measure(model, tokenizer, name: str, out: Path, progress: bool | None) -> dict:
+def _measure(model, tokenizer, name: str, out: Path) -> dict:
     """Every number of one model's rows: verification, agreement at the queries, generation,
     the update-norm figure, and Gemma's zero-scale channels."""
     from .pretrained import PRETRAINED
@@ -155,7 +155,7 @@ def _measure(model, tokenizer, name: str, out: Path, progress: bool | None) -> d
     decided = margin >= DECIDED
 
     t0 = time.perf_counter()
-    gen = generate(model, ids, NEW_TOKENS, progress=progress)
+    gen = generate(model, ids, NEW_TOKENS, progress=False)  # the section has its own bar
     gen_s = time.perf_counter() - t0
     pad = model.generation_config.pad_token_id
     pad = tokenizer.pad_token_id if pad is None else pad
