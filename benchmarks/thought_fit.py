@@ -265,9 +265,10 @@ def worker(spec: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- driver side
-def run_worker(spec: dict, timeout: float) -> dict:
-    """This file in a fresh interpreter on ``spec``; its JSON result (or an ``error`` entry)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+def run_worker(spec: dict, timeout: float, script: str = __file__) -> dict:
+    """``script`` (this file by default) in a fresh interpreter with ``--worker spec``; the JSON it
+    prints last (or an ``error`` entry). Other benchmarks run their own workers through it."""
+    cmd = [sys.executable, os.path.abspath(script), "--worker", json.dumps(spec)]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout)

@@ -47,14 +47,19 @@ __all__ = ["Family", "FAMILIES", "HFAdapter", "SCALE_NORMS"]
 
 @dataclass(frozen=True)
 class Family:
-    """Where a block design keeps what the patch needs, as module names relative to a decoder layer.
+    """Where a block design keeps what the patch needs, as names relative to a decoder layer.
 
     ``layers``: the decoder layers' ``ModuleList`` under the base model. ``mlp_norm``: the norm
     whose output is the MLP input ``s``; in a sequential block its input is ``m``. ``attn``: the
     attention module; a parallel block's ``m`` is the layer input plus its output. ``inputs``: the
-    matrices reading ``s``. ``down``: the MLP output matrix (its input is ``hidden``). ``out_norm``:
-    a norm between the MLP and the residual add (Gemma 2/3), patched in its scale. ``parallel``:
-    whether a model of this family (its config) has a parallel block.
+    parameters reading ``s`` (changed together through the input change of ``mlp``). ``down``: the
+    MLP output matrix (its input is ``hidden``). ``out_norm``: a norm between the MLP and the
+    residual add (Gemma 2/3), patched in its scale. ``down_gate``: a module whose sigmoid scales
+    ``down``'s output (a shared expert's gate). ``parallel``: whether a model of this family (its
+    config) has a parallel block. ``dense``: the family of the layers that lack ``down`` (the plain
+    MLP layers of a mixture-of-experts model). ``lone_zero``: projections whose outputs a token
+    alone does not need (its own query and key: one attention weight, 1), skipped in the
+    no-context pass.
     """
 
     name: str
@@ -69,13 +74,16 @@ class Family:
     mlp: str = "mlp"
     down_gate: str | None = None
     dense: str | None = None
+    lone_zero: tuple[str, ...] = ()
 
 
+_QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
 FAMILIES: list[Family] = [
     Family("llama", ("llama", "mistral", "qwen2", "qwen3", "gemma"), "layers", "post_attention_layernorm",
-           "self_attn", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj"),
+           "self_attn", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj", lone_zero=_QK),
     Family("gemma2", ("gemma2", "gemma3_text"), "layers", "pre_feedforward_layernorm", "self_attn",
-           ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj", out_norm="post_feedforward_layernorm"),
+           ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj", out_norm="post_feedforward_layernorm",
+           lone_zero=_QK),
     Family("gpt2", ("gpt2",), "h", "ln_2", "attn", ("mlp.c_fc.weight",), "mlp.c_proj"),
     Family("gpt_neox", ("gpt_neox",), "layers", "post_attention_layernorm", "attention", ("mlp.dense_h_to_4h.weight",),
            "mlp.dense_4h_to_h", parallel=lambda config: bool(getattr(config, "use_parallel_residual", False))),
@@ -86,7 +94,7 @@ FAMILIES: list[Family] = [
     Family("qwen2_moe", ("qwen2_moe",), "layers", "post_attention_layernorm", "self_attn",
            ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.shared_expert.gate_proj.weight",
             "mlp.shared_expert.up_proj.weight", "mlp.shared_expert_gate.weight"),
-           "mlp.shared_expert.down_proj", down_gate="mlp.shared_expert_gate", dense="llama"),
+           "mlp.shared_expert.down_proj", down_gate="mlp.shared_expert_gate", dense="llama", lone_zero=_QK),
 ]
 
 
@@ -144,27 +152,41 @@ def check_finite(rec: list[dict[str, Tensor]], padded: bool) -> None:
 
 
 class _Zero(nn.Module):
-    """Stands in for an MLP whose output nobody reads: zeros, no work."""
+    """Stands in for a module whose output nobody needs: zeros of ``width`` features (the input's
+    own width by default), no work."""
+
+    def __init__(self, width: int | None = None):
+        super().__init__()
+        self.width = width
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        return torch.zeros_like(x)
+        return x.new_zeros(*x.shape[:-1], self.width or x.shape[-1])
 
 
 @contextlib.contextmanager
-def _without_mlps(layers: nn.ModuleList, name: str) -> Iterator[None]:
-    """Every layer's MLP replaced by ``_Zero`` for the block, put back on exit (errors included).
+def _lone_pass(layers: nn.ModuleList, fam: Family) -> Iterator[None]:
+    """For the no-context pass of each query token alone: in every layer, the MLP and the query and
+    key projections replaced by ``_Zero``, put back on exit (errors included).
 
-    The no-context pass needs each layer only up to the MLP input ``s``: every layer's input after
-    the first is replaced by the with-context state, so the MLP outputs are never read, and
-    skipping them leaves the anchors' pass the attention part of the model."""
-    saved = [getattr(layer, name) for layer in layers]
+    Every layer's input after the first is replaced by the with-context state, so the MLP outputs
+    are never read; and a token alone attends to itself only, so its attention weight is 1 whatever
+    its query and key are (``softmax`` of one score): zero queries and keys (and their norms and
+    rotations: still zero) leave the attention output ``W_o v`` exactly as it is."""
+    names = (fam.mlp, *fam.lone_zero)
+    saved = [[layer.get_submodule(n) for n in names] for layer in layers]
     try:
         for layer in layers:
-            setattr(layer, name, _Zero())
+            for n in names:
+                parent, _, attr = n.rpartition(".")
+                module = layer.get_submodule(n)
+                width = getattr(module, "out_features", None) if n != fam.mlp else None
+                setattr(layer.get_submodule(parent) if parent else layer, attr, _Zero(width))
         yield
     finally:
-        for layer, mlp in zip(layers, saved):
-            setattr(layer, name, mlp)
+        for layer, modules in zip(layers, saved):
+            for n, module in zip(names, modules):
+                parent, _, attr = n.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, attr, module)
 
 
 _PREFIXES: "weakref.WeakKeyDictionary[nn.Module, tuple[nn.ModuleList, list[str]]]" = weakref.WeakKeyDictionary()
@@ -387,7 +409,7 @@ class HFAdapter(Adapter):
         stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
         # each layer's output is read only where the next layer's input is not replaced: with a chunk
         # removed the other kept tokens need the whole layer, each query alone needs no MLP at all
-        skip = _without_mlps(self._layers(model), self.family(model).mlp) if kept is None else contextlib.nullcontext()
+        skip = _lone_pass(self._layers(model), self.family(model)) if kept is None else contextlib.nullcontext()
         with _hooks(pairs), skip:
             model.base_model(**stripped, use_cache=False)
         if parallel:  # m_0 = (the layer input) + (the lone token's attention output)
