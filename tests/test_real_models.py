@@ -46,7 +46,7 @@ def check_float32(model, tokenizer, report) -> None:
     ordinary = model.generate(ids, max_new_tokens=20, do_sample=False)[:, ids.shape[1]:]  # may stop at EOS
     tight = (gen.margin[0] < 1e-3).nonzero()
     upto = min(int(tight[0]) if len(tight) else 20, ordinary.shape[1])
-    report(f"max per-layer rel {max(per_layer):.2e}; max |dlogit| {float((got - want).abs().max()):.2e}; top-1 "
+    report(f"{ids.shape[1]} prompt tokens; max per-layer rel {max(per_layer):.2e}; max |dlogit| {float((got - want).abs().max()):.2e}; top-1 "
            f"{int(agree.sum())}/32 ({int(decided.sum())} with margin >= 1e-2); generation: smallest margin "
            f"{float(gen.margin.min()):.2e}, identical for {upto} steps checked")
     assert max(per_layer) <= 1e-3, result.table()
@@ -88,6 +88,7 @@ def test_smollm2_float64(smollm2):
         ids = encode(tokenizer)
         queries = list(range(ids.shape[1] - 8, ids.shape[1]))
         result = tp.verify(model, ids, tp.token_patch(model, ids, query=queries))
+        print(f"\nsmollm2 float64: {ids.shape[1]} prompt tokens, max rel {result.max_rel:.2e}, max abs {result.max_abs:.2e}")
         assert result.max_rel <= 1e-12, result.table()
         gen = tp.generate(model, ids, max_new_tokens=20)
         ordinary = model.generate(ids, max_new_tokens=20, do_sample=False)[:, ids.shape[1]:]  # may stop at EOS
