@@ -16,11 +16,12 @@ needs, per layer ``i``:
 
 plus the model's ends: ``embed`` (inputs -> h^0), ``run`` (the model's own forward, returning its
 output and every layer's output hidden state), ``strip`` (the inputs of the no-context pass),
-``check_inputs``. Hugging Face families implement the same methods with their own modules: a
-Llama layer's ``mix`` is ``input_layernorm -> self_attn -> +residual -> post_attention_layernorm``
-run with the layer's position embeddings; its ``sites`` are ``gate_proj, up_proj`` and the
-``down_proj`` matrix; Gemma adds a norm-scale output site; GPT-2's ``c_fc`` is a ``Conv1D`` whose
-weight is stored ``[in, out]`` (``WEIGHT_LAYOUTS``).
+``check_inputs``.
+
+An adapter with ``traced = True`` (Hugging Face models, ``hf.py``) runs both passes as the model's
+own forward instead, with hooks: ``trace`` records every layer's states at the queries in one
+with-context pass, ``anchors`` the no-context states; masks, positions, caches and routing stay
+the model's. Its block designs are data (``hf.FAMILIES``).
 """
 
 from __future__ import annotations
