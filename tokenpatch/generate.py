@@ -78,7 +78,7 @@ def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
                 delta = patch[name]
                 norm = delta.norm() if isinstance(delta, LowRank) else delta.flatten(2).norm(dim=-1)
                 total = total + norm[:, 0].double().square()
-        per_layer.append(torch.as_tensor(total).sqrt())
+        per_layer.append(torch.as_tensor(total).sqrt().cpu())  # layers may sit on different devices
     return torch.stack(per_layer, -1)
 
 
