@@ -237,8 +237,12 @@ def test_trajectory_is_the_token_patch_of_every_prefix(name, float64_gemma_norms
         for key, delta in traj.patch(i).dense().items():
             torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
     assert tp.verify(model, traj.prefix_inputs(x, 4), traj.patch(4)).max_abs <= 1e-12
-    with pytest.raises(tp.UnsupportedModelError, match="steps"):
-        tp.trajectory(model, x, steps=True)
+    steps = tp.trajectory(model, x, query=-2, steps=True)
+    for i in range(1, steps.query + 1):  # the increment: prefix i with c_i removed, acting at the query
+        want = tp.token_patch(model, steps.prefix_inputs(x, i), remove=slice(i - 1, i)).dense()
+        for key, delta in steps.step(i).dense().items():
+            torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
+    assert tp.verify(model, steps.prefix_inputs(x, 5), steps.step(5)).max_abs <= 1e-12
 
 
 @torch.no_grad()

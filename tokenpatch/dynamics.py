@@ -177,10 +177,9 @@ def _traced_trajectory(model: nn.Module, adapter, inputs: dict, query: Any, step
                        chunk: int = 64) -> Trajectory:
     """``trajectory`` for a language model: prefix ``i`` is the sequence ``[c_1..c_i, x]`` with the query
     at position ``i``, run by the model's own forward as one row of a left-padded batch (``N + 1`` rows
-    per sequence, ``chunk`` rows per forward pass), and patched by ``token_patch``."""
-    if steps:
-        raise UnsupportedModelError("steps=True removes one context token from the middle of a prefix; that is not "
-                                    "supported for Hugging Face models yet (the prefix patches are)")
+    per sequence, ``chunk`` rows per forward pass), and patched by ``token_patch``. The increments
+    (``steps``) are ``token_patch`` of the same rows with ``c_i``, the token right before the query
+    in every row, removed."""
     if inputs["attention_mask"] is not None:
         raise InputError("tp.trajectory on a language model takes unpadded sequences (no attention mask)")
     from .patching import token_patch
@@ -194,15 +193,25 @@ def _traced_trajectory(model: nn.Module, adapter, inputs: dict, query: Any, step
         rows[:, i, n - 1 - i : n - 1] = ids[:, :i]
         mask[:, i, n - 1 - i :] = 1
     rows, mask = rows.reshape(batch * n, n), mask.reshape(batch * n, n)
-    parts = [token_patch(model, {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]}, progress=False)
-             for a in progress_bar(range(0, batch * n, chunk), progress, desc="trajectory", unit="chunk")]
-    flat = Patch.stack(parts, "batch") if len(parts) > 1 else parts[0]  # [B * n, 1]
-    deltas = {name: LowRank(d.u.reshape(batch, n, *d.u.shape[2:]), d.v.reshape(batch, n, *d.v.shape[2:]))
-              if isinstance(d, LowRank) else d.reshape(batch, n, *d.shape[2:]) for name, d in flat.items()}
+
+    def patches(remove) -> dict[str, Delta]:
+        """Every row's patch, leads ``[B, n]``."""
+        parts = [token_patch(model, {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]},
+                             remove=remove, progress=False)
+                 for a in progress_bar(range(0, batch * n, chunk), progress, desc="trajectory", unit="chunk")]
+        flat = Patch.stack(parts, "batch") if len(parts) > 1 else parts[0]  # [B * n, 1]
+        return {name: LowRank(d.u.reshape(batch, n, *d.u.shape[2:]), d.v.reshape(batch, n, *d.v.shape[2:]))
+                if isinstance(d, LowRank) else d.reshape(batch, n, *d.shape[2:]) for name, d in flat.items()}, flat
+
+    deltas, flat = patches(None)
     meta = {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, "batch": batch,
             "model_dtype": str(flat.dtype).removeprefix("torch.")}
     if "inputs" in flat.meta:
         meta["inputs"] = flat.meta["inputs"]
     record = {**meta, "trajectory": {"query": q, "n_context": q}}
-    return Trajectory(Patch(_zero_first(deltas), None, record), None, q, meta)
-
+    increments = None
+    if steps:  # c_i sits right before the query in every row (row 0: a masked pad; its step is 0)
+        removed = torch.zeros(n, dtype=torch.bool)
+        removed[n - 2] = True
+        increments = Patch(_zero_first(patches(removed)[0]), None, record)
+    return Trajectory(Patch(_zero_first(deltas), None, record), increments, q, meta)
