@@ -113,3 +113,24 @@ def test_cli_verify_and_generate(smollm2, pretrained_cache_dir, monkeypatch, cap
     lines = out.splitlines()
     assert lines[1].split(":", 1)[1] == lines[2].split(":", 1)[1]  # the same continuation both ways
     assert figure.stat().st_size > 0
+
+
+def test_readme_language_model_example_runs(smollm2, pretrained_cache_dir, monkeypatch, capsys):
+    """The README's example on a real model runs as written and does what its comments say."""
+    import re
+    from pathlib import Path
+
+    monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## On real language models", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    table = capsys.readouterr().out
+    assert "layer 29" in table and "output" in table
+    model, enc = scope["model"], scope["enc"]
+    with torch.no_grad():
+        want = model(**enc).logits[:, -1]
+    got = scope["logits"][:, -1].detach()  # functional_call is differentiable: the example keeps the graph
+    assert int(got.argmax()) == int(want.argmax()) and float((got - want).abs().max()) <= 1e-2
+    assert scope["gen"].tokens.shape == (1, 20) and bool(scope["gen"].agree.all())
