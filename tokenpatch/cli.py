@@ -249,6 +249,7 @@ def _pretrained(args):
 
 def _verify_lm(args) -> int:
     """``verify --model``: the token patches of every query token of ``--text`` read after ``--prompt``."""
+    from .hooks import functional_call
     from .patching import strip_context, token_patch
     from .verify import verify
 
@@ -268,7 +269,7 @@ def _verify_lm(args) -> int:
     result = verify(model, full, patch)
     with torch.no_grad():
         want = model(full).logits[0, queries].double()  # [Q, vocab]
-        got = __import__("tokenpatch").functional_call(model, patch, **strip_context(model, full, query=queries)).logits[:, 0].double()
+        got = functional_call(model, patch, **strip_context(model, full, query=queries)).logits[:, 0].double()
     top1 = float((got.argmax(-1) == want.argmax(-1)).double().mean())
     top5 = float(torch.stack([torch.isin(g.topk(5).indices, w.topk(5).indices).all() for g, w in zip(got, want)]).double().mean())
     logp, logq = want.log_softmax(-1), got.log_softmax(-1)

@@ -18,6 +18,7 @@ is fitted there.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -82,7 +83,7 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
             patch = Patch(current, None, {"static": True, "inputs": readers}) if current else None
             for q, rec_c in zip(batches, cache):
                 with adapter.recording(model, torch.arange(q.shape[1], device=device), every=True) as rec:
-                    with _hooked(model, patch, True, True) if patch is not None else _null():
+                    with _hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
                         model.base_model(input_ids=q.to(device), use_cache=False)
                 yield rec_c[i], rec[i]
 
@@ -146,11 +147,3 @@ def _layout(model: nn.Module, name: str) -> str:
 
 def _dtype(model: nn.Module) -> torch.dtype:
     return model.get_input_embeddings().weight.dtype
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
