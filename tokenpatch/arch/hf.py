@@ -8,14 +8,17 @@ Both passes are the model's own forward, on unmodified ``transformers`` models:
   Hooks record, at the query positions only, each layer's input ``h``, the residual value ``m``
   the MLP output is added to, the MLP input ``s``, the input of the output matrix (``hidden``)
   and the layer output;
-* the **no-context pass** runs every query token alone, at its original position id, through
-  the same forward, with each layer's input (after the first) replaced by the with-context state
-  ``h`` of the query: the patched layers below reproduce it exactly (``docs/deep-models.md``).
-  Its ``(m, s)`` are the anchors. The first layer's input is the real no-context embedding,
-  which keeps absolute position embeddings (GPT-2) right.
+* the **no-context pass** runs every query token alone (or, with a chunk removed, the kept
+  tokens), at its original position id, through the same forward, with each layer's input at the
+  queries (after the first layer) replaced by their with-context state ``h``: the patched layers
+  below reproduce it exactly (``docs/deep-models.md``). Its ``(m, s)`` are the anchors. The first
+  layer's input is the real no-context embedding, which keeps absolute position embeddings (GPT-2)
+  right. A token alone needs neither its MLPs nor its query and key projections (``_lone_pass``).
 
-So the adapter needs to know only where ``m``, ``s`` and ``hidden`` are read and where the
-output side goes; that is the ``Family`` record. Supported block designs:
+The input side of every layer is one change of the MLP input (``Sites.input_site``), which
+covers every parameter reading it. So the adapter needs to know only where ``m``, ``s`` and
+``hidden`` are read and where the output side goes; that is the ``Family`` record. Supported
+block designs (``docs/hugging-face.md``):
 
 * ``llama`` (Llama, Mistral, Qwen2, Qwen3, Gemma 1; no biases, GQA, q/k norms): ``gate_proj`` and
   ``up_proj`` share the input patch; the output shift is a rank-1 patch of ``down_proj``;
@@ -26,7 +29,10 @@ output side goes; that is the ``Family`` record. Supported block designs:
   output shift in the ``c_proj`` bias;
 * ``gpt_neox`` (Pythia): with the parallel residual (the default) the MLP reads the norm of the
   layer input, the same in both passes, so there is no input patch; the attention difference goes
-  into the ``dense_4h_to_h`` bias. With ``use_parallel_residual=False`` it is the sequential case.
+  into the ``dense_4h_to_h`` bias. With ``use_parallel_residual=False`` it is the sequential case;
+* ``qwen2_moe`` (mixture of experts with a shared expert): the router and every expert read the
+  input change (the same experts are chosen); the output shift goes into the shared expert's
+  ``down_proj``, divided by its sigmoid gate.
 """
 
 from __future__ import annotations
