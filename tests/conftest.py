@@ -45,6 +45,17 @@ def small_inputs() -> torch.Tensor:
     return torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
 
 
+
+def non_snake_keys(obj) -> list[str]:
+    """Every key of a JSON-able nest of dicts and lists that is not snake_case (results.json keys)."""
+    import re
+
+    if isinstance(obj, dict):
+        return [k for k in obj if not re.fullmatch(r"[a-z0-9_]+", str(k))] + [b for v in obj.values() for b in non_snake_keys(v)]
+    if isinstance(obj, list):
+        return [b for v in obj for b in non_snake_keys(v)]
+    return []
+
 # Real pretrained models (tokenpatch.pretrained), each loaded once per session by the tests that ask for it
 # (tests marked ``slow``). They are cached in $TOKENPATCH_CACHE when that is set (set it to reuse the float32
 # copies across runs: about 20 s + 45 s saved), else in a folder of this session's pytest tmp dir.

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import non_snake_keys
 import tokenpatch as tp
 from tokenpatch.cli import main
 
@@ -66,16 +67,7 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch,
     assert set(eq["runs"]) == {"float32_last", "float32_all", "float64_last", "float64_all"}
     assert [e["name"] for e in eq["runs"]["float32_last"]["per_layer"]][-1] == "output"  # site names are values
 
-    def keys(obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                yield k
-                yield from keys(v)
-        elif isinstance(obj, list):
-            for v in obj:
-                yield from keys(v)
-
-    assert [k for k in keys(data) if not re.fullmatch(r"[a-z0-9_]+", k)] == []
+    assert non_snake_keys(data) == []
 
 
 def test_train_and_verify_a_new_checkpoint(tmp_path, capsys):

@@ -12,24 +12,15 @@ import torch
 
 import tokenpatch as tp
 from tokenpatch import pretrained, report
+from conftest import non_snake_keys
 from tokenpatch.report import Section
 from tokenpatch.report_hf import LAYER_TOL, N_QUERIES, NEW_TOKENS, PROMPT, real_models_section
 
 FIGURE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 
 
-def keys(obj):
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield k
-            yield from keys(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from keys(v)
-
-
 def bad_keys(data: dict) -> list[str]:
-    return [k for k in keys(json.loads(json.dumps(data))) if not re.fullmatch(r"[a-z0-9_]+", k)]
+    return non_snake_keys(json.loads(json.dumps(data)))  # as results.json will hold it
 
 
 def nothing_installed(monkeypatch) -> None:

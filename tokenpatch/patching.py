@@ -235,11 +235,11 @@ def input_readers(model: nn.Module, adapter) -> dict[str, list[list[str]]]:
     for i in range(adapter.n_layers(model)):
         sites = adapter.sites(model, i)
         if sites.input_site is not None:
-            out[f"{sites.input_site}{INPUT_SUFFIX}"] = [[n, _param_layout(model, n)] for n in sites.inputs]
+            out[f"{sites.input_site}{INPUT_SUFFIX}"] = [[n, param_layout(model, n)] for n in sites.inputs]
     return out
 
 
-def _param_layout(model: nn.Module, name: str) -> str:
+def param_layout(model: nn.Module, name: str) -> str:
     """A weight's layout; a tensor of stacked matrices (experts ``[E, out, in]``) is ``out_in``."""
     module = model.get_submodule(name.rpartition(".")[0])
     return weight_layout(module, name) if getattr(module, name.rpartition(".")[2]).ndim == 2 else "out_in"

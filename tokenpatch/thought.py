@@ -336,7 +336,15 @@ def _fit_output(model, adapter, i: int, site, source: _Source, deltas: dict, out
             x = hidden_0.flatten(0, -2) if output == "affine" else t.new_zeros(t.shape[0], 0)
             yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
 
-    acc = _accumulate(pairs(), distributed, solver)
+    return _solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
+
+
+def _solve_output(pairs, i: int, module: nn.Module, name: str, output: str, affine: bool, deltas: dict, ridge: float,
+                  distributed: bool, solver: str) -> dict:
+    """The output side's least squares on ``(features, target)`` pairs: the output matrix (``affine``
+    output) and its bias (``affine`` features, intercept last) into ``deltas``; returns diagnostics."""
+    module_name = name.rpartition(".")[0]
+    acc = _accumulate(pairs, distributed, solver)
     a, rank, cond = _solve(acc, ridge, affine, f"layer {i} output side")
     if output == "affine":
         dw = a[:, :-1] if affine else a  # [d, d_hidden]  math layout

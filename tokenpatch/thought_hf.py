@@ -26,11 +26,11 @@ from torch import Tensor, nn
 
 from . import _io
 from ._progress import progress_bar
-from .arch import weight_layout
 from .delta import INPUT_SUFFIX, Delta, Patch
 from .errors import InputError, UnsupportedModelError
 from .hooks import _hooked
 from .lstsq import _accumulate, _factor, _residual, _solve
+from .patching import param_layout
 
 
 def _ids(x: Any, what: str) -> Tensor:
@@ -45,7 +45,7 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
                      progress, fit_types) -> Any:
     """``thought_patch`` for a language model: ``prompt`` token ids ``[P]`` or ``[1, P]``, ``batches`` of
     calibration query ids ``[b, T_q]`` (the same length in a batch). Returns a ``ThoughtPatch``."""
-    from .thought import _cut
+    from .thought import _cut  # thought.py dispatches here: imported on use, not at module load
 
     ThoughtPatch, LayerFit = fit_types
     if mode != "sequential":
@@ -93,7 +93,7 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
                               distributed, solver)
             d, solved_rank, cond = _solve(acc, ridge, False, f"layer {i} input side")
             fit.update(n=acc.n, input_residual=_residual(acc, d), input_rank=solved_rank, input_condition=cond)
-            readers[key] = [[name, _layout(model, name)] for name in sites.inputs]
+            readers[key] = [[name, param_layout(model, name)] for name in sites.inputs]
             deltas.update(_cut({key: _factor(d).to(_dtype(model))}, rank))
         if output is not None and sites.output is not None:
             kind, name = sites.output[:2]
@@ -113,12 +113,13 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
 
 def _fit_output(model: nn.Module, i: int, kind: str, name: str, pairs_source, deltas: dict, output: str, ridge: float,
                 distributed: bool, solver: str) -> dict:
+    from .thought import _solve_output
+
     """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``."""
-    module_name = name.rpartition(".")[0]
-    module = model.get_submodule(module_name)
+    module = model.get_submodule(name.rpartition(".")[0])
     affine = kind == "bias"  # "matrix" and "gated" sites have no bias: a linear fit
     if output == "vector" and not affine:
-        raise InputError(f"layer {i}: {module_name} has no bias for a thought vector; use output='affine'")
+        raise InputError(f"layer {i}: {name.rpartition('.')[0]} has no bias for a thought vector; use output='affine'")
 
     def pairs():
         for rc, r0 in pairs_source:
@@ -128,21 +129,7 @@ def _fit_output(model: nn.Module, i: int, kind: str, name: str, pairs_source, de
             x = r0["hidden"].flatten(0, -2) if output == "affine" else t.new_zeros(t.shape[0], 0)
             yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
 
-    acc = _accumulate(pairs(), distributed, solver)
-    a, rank, cond = _solve(acc, ridge, affine, f"layer {i} output side")
-    if output == "affine":
-        dw = a[:, :-1] if affine else a  # [d, d_hidden]  math layout
-        layout = weight_layout(module, name)
-        deltas[f"{module_name}.weight"] = _factor(dw if layout == "out_in" else dw.T).to(module.weight.dtype)
-    if affine:
-        deltas[name] = a[:, -1][None, None].to(module.bias.dtype)  # [1, 1, d]
-    return {"n": acc.n, "output_residual": _residual(acc, a), "output_rank": rank, "output_condition": cond}
-
-
-def _layout(model: nn.Module, name: str) -> str:
-    from .patching import _param_layout
-
-    return _param_layout(model, name)
+    return _solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
 
 
 def _dtype(model: nn.Module) -> torch.dtype:
