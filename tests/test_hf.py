@@ -9,6 +9,8 @@ patches, and the patch runs through ``functional_call``, ``apply`` and a save/lo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -246,8 +248,8 @@ def test_trajectory_is_the_token_patch_of_every_prefix(name, float64_gemma_norms
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2_moe"])
-def test_thought_patch_of_one_query_is_exact_there(name):
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2_moe", "gemma3"])
+def test_thought_patch_of_one_query_is_exact_there(name, float64_gemma_norms):
     """One calibration query: the least-squares fit interpolates it (the token patch), so the
     prompt-free model under the static patch gives the with-prompt logits at that query."""
     model = build(name)
@@ -277,11 +279,57 @@ def test_thought_patch_generalises_and_round_trips(tmp_path):
         assert float(((model(test).logits - want) ** 2).mean()) == pytest.approx(hooked, rel=1e-9)
 
 
-def test_thought_patch_gemma_output_side_is_refused(float64_gemma_norms):
+def test_thought_patch_gemma_output_side(float64_gemma_norms):
+    """Gemma's output side: ``down_proj`` aimed at the directions the post-MLP norm must output,
+    then the norm's scale per channel; the input side alone stays available."""
     model = build("gemma3")
     prompt, cal = ids(1, 10, seed=9)[0], ids(20, 2, seed=10)
-    with pytest.raises(tp.UnsupportedModelError, match="output=None"), pytest.warns(tp.ThoughtWarning):
-        tp.thought_patch(model, prompt, cal)
     with pytest.warns(tp.ThoughtWarning, match="rank-deficient"):  # 20 queries of 2 tokens: fewer positions than d
-        fit = tp.thought_patch(model, prompt, cal, output=None)
-    assert all(k.endswith(":input") for k in fit.patch)
+        both = tp.thought_patch(model, prompt, cal)
+        inputs_only = tp.thought_patch(model, prompt, cal, output=None)
+    ends = (":input", "down_proj.weight", "post_feedforward_layernorm.weight")
+    assert {k.rpartition(".layers.")[2].partition(".")[2] for k in both.patch} == {"mlp:input", "mlp.down_proj.weight",
+                                                                                    "post_feedforward_layernorm.weight"}
+    assert all(k.endswith(ends) for k in both.patch)
+    assert all(k.endswith(":input") for k in inputs_only.patch)
+    with pytest.raises(tp.InputError, match="no bias"), pytest.warns(tp.ThoughtWarning):
+        tp.thought_patch(model, prompt, cal, output="vector")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_thought_patch_of_ragged_queries_after_a_kept_bos(name):
+    """Queries of different lengths (padded on the right inside the fit, the padding never fitted)
+    after a BOS kept in both passes: with fewer positions than dimensions the fit interpolates,
+    so every calibration query alone, after the BOS, gets the with-prompt logits."""
+    model = build(name)
+    prompt = ids(1, 10, seed=11)[0]
+    queries = [ids(2, 3, seed=12), ids(1, 2, seed=13)]
+    with pytest.warns(tp.ThoughtWarning, match="rank-deficient"):
+        fit = tp.thought_patch(model, prompt, queries, keep_bos=True)
+    assert [f.n for f in fit.fits] == [8] * 3 and fit.patch.meta["thought"]["keep_bos"]  # 2 x 3 + 2 real positions
+    for q in queries:
+        want = model(torch.cat([prompt[None].expand(len(q), -1), q], 1)).logits[:, 10:]
+        alone = torch.cat([prompt[None, :1].expand(len(q), -1), q], 1)  # [BOS, q]
+        got = tp.functional_call(model, fit.patch, alone).logits[:, 1:]
+        assert float((got - want).abs().max()) <= 1e-9 < float((model(alone).logits[:, 1:] - want).abs().max())
+    with pytest.warns(tp.ThoughtWarning):
+        band = tp.thought_patch(model, prompt, queries, keep_bos=True, layers=[1])
+    assert {re.search(r"\.(?:layers|h)\.(\d+)\.", k).group(1) for k in band.patch} == {"1"}
+    with pytest.raises(tp.InputError, match="layers"):
+        tp.thought_patch(model, prompt, queries, layers=[5])
+
+
+@torch.no_grad()
+def test_gemma_output_side_closes_most_of_what_the_input_side_leaves(float64_gemma_norms):
+    """With several positions the post-MLP norm's per-position magnitudes cannot all be met by one
+    scale (docs/prompt-compression.md): not exact, but far closer than the input side alone."""
+    model = build("gemma3")
+    prompt, q = ids(1, 10, seed=11)[0], ids(3, 3, seed=12)
+    want = model(torch.cat([prompt[None].expand(3, -1), q], 1)).logits[:, 10:]
+    err = {}
+    for output in ("affine", None):
+        with pytest.warns(tp.ThoughtWarning, match="rank-deficient"):
+            fit = tp.thought_patch(model, prompt, q, output=output)
+        err[output] = float((tp.functional_call(model, fit.patch, q).logits - want).abs().max())
+    assert err["affine"] < 0.2 * err[None]

@@ -59,10 +59,12 @@ def test_reproduce_succeeds_with_the_note(monkeypatch, tmp_path):
     monkeypatch.setattr(report, "load_model", lambda checkpoint=None: None)
     path = report.reproduce(tmp_path, progress=False)
     text = path.read_text()
-    body = text.split("## 6. Real language models\n\n", 1)[1]
+    body, compression = text.split("## 6. Real language models\n\n", 1)[1].split("## 7. Prompt compression", 1)
     assert body.strip().count("\n") == 0 and body.startswith("Skipped")
+    assert compression.split("\n\n", 1)[1].strip().count("\n") == 0 and "Skipped" in compression
     data = json.loads((tmp_path / "results.json").read_text())
-    assert list(data["sections"])[-1] == "real_models" and data["sections"]["real_models"]["skipped"] is True
+    assert list(data["sections"])[-2:] == ["real_models", "prompt_compression"]
+    assert data["sections"]["real_models"]["skipped"] is True and data["sections"]["prompt_compression"]["skipped"]
     assert bad_keys(data) == []
 
 

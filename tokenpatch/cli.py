@@ -138,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="smollm2-135m or gemma3-270m (required)")
     g.add_argument("--prompt", required=True, help="the prompt text (required)")
     g.add_argument("--max-new-tokens", type=_count(1), default=20, help="tokens to generate")
+    g.add_argument("--patch", default=None, help="a thought patch file (tokenpatch compress --model): decode --prompt "
+                   "with it and, for comparison, without it, no context in either (default: token patches of --prompt)")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model precision")
     g.add_argument("--plot", default=None, help="also write the update norms (layer x token) as a PNG here, a new file "
                    "(default: no figure)")
@@ -150,7 +152,14 @@ def _parser() -> argparse.ArgumentParser:
                                    "read after the prompt. Writes the patch (tp.load_patch reads it; tp.functional_call "
                                    "runs the model with it and without the prompt), prints the per-layer fit and how "
                                    "much of the prompt's effect it keeps on fresh queries.")
-    c.add_argument("--out", required=True, help="patch file to write (a new file; nothing is overwritten)")
+    c.add_argument("--out", required=True, help="patch file to write (a new file; nothing is overwritten); with "
+                   "--model and --task: a folder for the comparison's JSON, table, figure and patches")
+    c.add_argument("--model", default=None, help="a real language model instead: smollm2-135m or gemma3-270m; with "
+                   "--task, compare the thought patch with ICL, task and function vectors and steering on word-pair "
+                   "tasks; with --prompt TEXT and --queries FILE, compress your own prompt (default: none)")
+    c.add_argument("--task", default=None, help="with --model: a word-pair task, a comma-separated list, 'main' "
+                   "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)")
+    c.add_argument("--shots", type=_count(1), default=10, help="with --model --task: demonstrations in the prompt")
     c.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
     c.add_argument("--prompt", default=None, help="safetensors file with a tensor 'prompt' [P, d_in] (default: the "
                                                   "context of a fresh task of the checkpoint, drawn with --seed)")
@@ -163,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the output side of each layer: affine fit, constant thought vector, or none")
     c.add_argument("--rank", type=_count(1), default=None, help="keep every matrix delta at this rank during the fit "
                                                                 "(default: full rank)")
-    c.add_argument("--test", type=_count(0), default=1000, help="fresh queries to evaluate the patch on (0: skip)")
+    c.add_argument("--test", type=_count(0), default=None, help="fresh queries to evaluate the patch on (0: skip) "
+                   "(default: 1000; with --model --task: the test pairs per task, default 100)")
     c.add_argument("--seed", type=int, default=0, help="seed of the drawn prompt and queries")
     _common(c)
 
@@ -287,6 +297,13 @@ def _tensor(path: str, key: str, flag: str) -> torch.Tensor:
 
 
 def _compress(args) -> int:
+    if args.model is not None:
+        from .cli_lm import compress_lm
+
+        return compress_lm(args)
+    if args.task is not None:
+        raise _usage("--task is for a language model: add --model NAME")
+    args.test = 1000 if args.test is None else args.test
     from .delta import save_patch
     from .models import load_model
     from .tasks.linreg import task_of

@@ -80,6 +80,9 @@ def _sparkline(values: list[float], low: float, high: float) -> str:
 def generate_lm(args) -> int:
     from .generate import generate
 
+    if args.patch:
+        return generate_with_patch(args)
+
     if args.plot:
         _check_out_file(args.plot, "--plot", may_exist=False)
     model, tokenizer = _pretrained(args)
@@ -119,3 +122,107 @@ def generate_lm(args) -> int:
             print(f"figure: {args.plot}")
     differ = [t for t in range(min(len(ordinary), len(patched))) if int(ordinary[t]) != int(patched[t])]
     return 0 if not differ or float(gen.margin[0, differ[0]]) < 1e-3 else 1
+
+
+def compress_lm(args) -> int:
+    """``compress --model``: the word-pair comparison (``--task``) or your own prompt into a patch file
+    (``--prompt TEXT --queries FILE``)."""
+    from pathlib import Path
+
+    _check_model_name(args.model)
+    if args.checkpoint is not None:
+        raise _usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
+    if (args.task is None) == (args.prompt is None):
+        raise _usage("--model needs either --task TASK (the comparison on word-pair tasks) or --prompt TEXT with "
+                     "--queries FILE (compress your own prompt)")
+    if args.task is not None:
+        return _compare_tasks(args, Path(args.out))
+    if not args.queries:
+        raise _usage("--prompt TEXT needs --queries FILE: a text file with one calibration query per line, queries "
+                     "like the ones the patch will answer")
+    return _compress_prompt(args)
+
+
+def _compare_tasks(args, out) -> int:
+    from .report_compress import figure, markdown, run_model
+    from .tasks.wordpairs import MAIN_TASKS, task_names
+
+    if out.exists() and not out.is_dir():
+        raise _usage(f"--out {out} is a file; with --task give a folder (it is created if missing)")
+    if args.task in ("all", "main"):
+        tasks = None if args.task == "all" else list(MAIN_TASKS)
+    else:
+        tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in task_names()]
+        if unknown or not tasks:
+            raise _usage(f"--task {args.task!r}: unknown task {unknown[:1] or ['(none)']}; choose from "
+                         f"{task_names()}, 'main' or 'all'")
+    slug = args.model.replace("-", "_").replace(".", "_")
+    paths = {k: out / f"compress-{slug}.{k}" for k in ("json", "md", "png")}
+    for p in paths.values():
+        _check_out_file(str(p), "--out", may_exist=False)
+    out.mkdir(parents=True, exist_ok=True)
+    run = run_model(args.model, tasks, shots=args.shots, test=100 if args.test is None else args.test, seed=args.seed,
+                    out=out, progress=not args.quiet)
+    text = markdown(run)
+    paths["json"].write_text(json.dumps(run, indent=1))
+    paths["md"].write_text(f"# Prompt compression: {args.model}\n\n{text}\n\n![figure]({paths['png'].name})\n")
+    figure(run, paths["png"])
+    print(text)
+    print(f"wrote {', '.join(str(p) for p in paths.values())} and the thought patches")
+    return 0
+
+
+def _compress_prompt(args) -> int:
+    from pathlib import Path
+
+    from .compression import leading_tokens
+    from .delta import save_patch
+    from .thought import compress
+
+    _check_out_file(args.out, "--out", may_exist=False)
+    lines = [ln for ln in Path(args.queries).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not lines:
+        raise _usage(f"--queries {args.queries} has no non-empty line; write one calibration query per line")
+    model, tokenizer = _pretrained(args)
+    lead = leading_tokens(tokenizer)
+    prompt = torch.tensor(lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
+    by_len: dict[int, list] = {}
+    for line in lines:
+        ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+        by_len.setdefault(len(ids), []).append(ids)
+    queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
+    patch = compress(model, prompt, queries, ridge=args.ridge or 0.01, keep_bos=bool(lead),
+                     output="affine" if args.output_side == "affine" else None, rank=args.rank,
+                     progress=not args.quiet)
+    save_patch(patch, args.out)
+    print(f"{args.out}: thought patch of a {len(prompt)}-token prompt from {len(lines)} calibration queries, "
+          f"ridge {args.ridge or 0.01:g}; answer without the prompt: tokenpatch generate --model {args.model} "
+          f"--patch {args.out} --prompt QUERY")
+    return 0
+
+
+def generate_with_patch(args) -> int:
+    """``generate --patch``: greedy decoding of ``--prompt`` (a query, no context) with the thought patch
+    in place, beside the same decoding without it."""
+    from .compression import leading_tokens
+    from .delta import load_patch
+    from .hooks import apply
+
+    patch = load_patch(args.patch)
+    model, tokenizer = _pretrained(args)
+    lead = leading_tokens(tokenizer) if patch.meta.get("thought", {}).get("keep_bos") else []
+    ids = torch.tensor([lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"]])
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+        with apply(model, patch):
+            patched = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+    if args.json:
+        print(json.dumps({"model": args.model, "patch": args.patch, "query": args.prompt,
+                          "without_patch": tokenizer.decode(plain), "with_patch": tokenizer.decode(patched)}, indent=1))
+    else:
+        print(f"{args.model}; query {args.prompt!r}, no prompt in the context")
+        print(f"without the patch : {tokenizer.decode(plain)!r}")
+        print(f"with the patch    : {tokenizer.decode(patched)!r}")
+    return 0

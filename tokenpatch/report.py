@@ -23,6 +23,7 @@ from .patching import token_patch
 from .tasks.linreg import evaluate, task_of
 from .report_dynamics import dynamics_section
 from .report_finetune import finetune_section
+from .report_compress import compression_section
 from .report_hf import real_models_section
 from .report_thought import thought_section
 from .verify import TOLERANCES, verify
@@ -161,6 +162,7 @@ def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None,
         sections.append(finetune_section(out, progress=progress))
         sections.append(thought_section(out, progress=progress))
         sections.append(real_models_section(out, progress=progress))  # a one-line note without the models
+        sections.append(compression_section(out, progress=progress))  # likewise
     seconds = time.perf_counter() - t0
     threads = torch.get_num_threads()
     source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"

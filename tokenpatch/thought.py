@@ -228,7 +228,8 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
                   mode: Literal["sequential", "teacher"] = "sequential", inputs: bool = True,
                   output: Literal["affine", "vector"] | None = "affine", batch_size: int = 4096,
                   rank: int | None = None, solver: Literal["normal", "qr"] = "normal", cache_bytes: int = 2**30,
-                  distributed: bool = False, progress: bool | None = None) -> ThoughtPatch:
+                  distributed: bool = False, progress: bool | None = None, keep_bos: bool = False,
+                  layers: Any = None) -> ThoughtPatch:
     """Fit one static patch that stands in for ``prompt`` (module docstring).
 
     ``prompt [P, ...]`` (or ``[1, P, ...]``): the context to drop, as model inputs (embeddings
@@ -246,7 +247,10 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
     process holds one shard of the calibration queries and every process of the default
     ``torch.distributed`` group calls ``thought_patch`` with the same arguments (launch with
     ``torchrun``); the per-layer sums are all-reduced before each solve, so every process gets the
-    fit of all the shards together. Returns a ``ThoughtPatch``.
+    fit of all the shards together. Language models only: ``keep_bos=True`` keeps the prompt's first
+    token (a BOS the heads attend to) in front of every query in the no-prompt pass too;
+    ``layers`` (indices, e.g. ``range(4, 12)``) fits only that band and leaves the others unpatched.
+    Returns a ``ThoughtPatch``.
     """
     if mode not in ("sequential", "teacher"):
         raise InputError(f"mode must be 'sequential' or 'teacher', got {mode!r}")
@@ -266,7 +270,10 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
 
         return thought_patch_lm(model, adapter, prompt, _batches(queries, batch_size), ridge=ridge, mode=mode,
                                 inputs=inputs, output=output, rank=rank, solver=solver, distributed=distributed,
-                                progress=progress, fit_types=(ThoughtPatch, LayerFit))
+                                progress=progress, fit_types=(ThoughtPatch, LayerFit), keep_bos=keep_bos,
+                                layers=layers)
+    if keep_bos or layers is not None:
+        raise InputError("keep_bos and layers are for language models (token ids); this model fits every layer")
     if not isinstance(prompt, Tensor) or prompt.ndim not in (2, 3) or (prompt.ndim == 3 and prompt.shape[0] != 1):
         raise InputError("prompt must be a tensor [P, ...] (or [1, P, ...]) of model inputs, got "
                          f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__}")

@@ -65,7 +65,9 @@ class Family:
     config) has a parallel block. ``dense``: the family of the layers that lack ``down`` (the plain
     MLP layers of a mixture-of-experts model). ``lone_zero``: projections whose outputs a token
     alone does not need (its own query and key: one attention weight, 1), skipped in the
-    no-context pass.
+    no-context pass. ``o_proj``: the attention's output matrix, whose input is the heads' outputs
+    side by side (per-head baselines read and patch it). ``attn_out``: the module whose output is
+    the attention's contribution to the residual stream, if not ``attn`` (a norm after it: Gemma 2/3).
     """
 
     name: str
@@ -81,6 +83,8 @@ class Family:
     down_gate: str | None = None
     dense: str | None = None
     lone_zero: tuple[str, ...] = ()
+    o_proj: str = "self_attn.o_proj"
+    attn_out: str | None = None
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
@@ -89,10 +93,11 @@ FAMILIES: list[Family] = [
            "self_attn", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj", lone_zero=_QK),
     Family("gemma2", ("gemma2", "gemma3_text"), "layers", "pre_feedforward_layernorm", "self_attn",
            ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj", out_norm="post_feedforward_layernorm",
-           lone_zero=_QK),
-    Family("gpt2", ("gpt2",), "h", "ln_2", "attn", ("mlp.c_fc.weight",), "mlp.c_proj"),
+           lone_zero=_QK, attn_out="post_attention_layernorm"),
+    Family("gpt2", ("gpt2",), "h", "ln_2", "attn", ("mlp.c_fc.weight",), "mlp.c_proj", o_proj="attn.c_proj"),
     Family("gpt_neox", ("gpt_neox",), "layers", "post_attention_layernorm", "attention", ("mlp.dense_h_to_4h.weight",),
-           "mlp.dense_4h_to_h", parallel=lambda config: bool(getattr(config, "use_parallel_residual", False))),
+           "mlp.dense_4h_to_h", parallel=lambda config: bool(getattr(config, "use_parallel_residual", False)),
+           o_proj="attention.dense"),
     # Mixture of experts with a shared expert: the router and every expert read the MLP input (one
     # input change patches them all, so the same experts are chosen with the same weights); the
     # output shift goes into the shared expert's down_proj, divided by its sigmoid gate. Layers with
@@ -319,7 +324,7 @@ class HFAdapter(Adapter):
     @contextlib.contextmanager
     def recording(self, model: nn.Module, query: Tensor, every: bool = False) -> Iterator[list[dict[str, Tensor]]]:
         """Hooks that record, during any forward of ``model`` inside the block, per layer ``h, m, s,
-        hidden, out`` at positions ``query`` of the sequence run ``[B, Q, .]`` (``every``: the query is
+        hidden, out`` (and ``p``, the MLP output before a norm after it) at positions ``query`` of the sequence run ``[B, Q, .]`` (``every``: the query is
         every position in order, kept without a copy); the list is filled on exit (``m`` of a
         parallel block is ``h`` plus the attention output)."""
         parallel = self.family(model).parallel(model.config)
@@ -347,6 +352,8 @@ class HFAdapter(Adapter):
             pairs.append((site["down"].register_forward_pre_hook, grab(i, "hidden", True)))
             if "down_gate" in site:
                 pairs.append((site["down_gate"].register_forward_hook, grab(i, "gate", False)))
+            if self._layer_family(model, i).out_norm is not None:  # the MLP output before its norm
+                pairs.append((site["down"].register_forward_hook, grab(i, "p", False)))
             if parallel:
                 pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
             else:
@@ -355,7 +362,8 @@ class HFAdapter(Adapter):
             yield rec
         if parallel:
             for r in rec:
-                r["m"] = r["h"] + r.pop("a")
+                if "a" in r:  # a layer the forward reached (a caller may end it early)
+                    r["m"] = r["h"] + r.pop("a")
 
     def trace(self, model: nn.Module, inputs: dict, query: list[int]) -> list[dict[str, Tensor]]:
         """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``."""

@@ -1,0 +1,240 @@
+"""The prompt-compression baselines (task vectors, function vectors, attention shift, thought
+vector), their injection, and the comparison runner, on tiny random Hugging Face models, float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenpatch as tp
+
+pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
+from test_hf import build  # noqa: E402
+
+from tokenpatch.baselines import (Steering, attention_shift, function_vectors, head_contribution,  # noqa: E402
+                                  head_effects, heads_set, mean_heads, pad_left, recording_heads, site_modules, steer,
+                                  task_vectors, thought_vector)
+from tokenpatch.baselines.vectors import _states  # noqa: E402
+from tokenpatch.compression import compare, wilson  # noqa: E402
+from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPairs, is_correct, load_task, task_names  # noqa: E402
+
+FAMILIES = ["llama", "gemma3", "gpt2", "gpt_neox"]
+BOS = 1
+
+
+def batches(seed: int = 0, n: int = 6, prompt_len: int = 9):
+    """A prompt in front of ragged queries (left-padded), and the same queries alone, both after a BOS."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 101, (prompt_len,), generator=g).tolist()
+    queries = [torch.randint(3, 101, (int(k),), generator=g).tolist() for k in torch.randint(2, 5, (n,), generator=g)]
+    prompted = pad_left([[BOS] + prompt + q for q in queries], 0)
+    plain = pad_left([[BOS] + q for q in queries], 0)
+    return prompted, plain, torch.tensor([len(q) for q in queries])
+
+
+def logits(model, batch):
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def fingerprint(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def hooks_left(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_extraction_shapes(name):
+    model = build(name)
+    prompted, plain, n_q = batches()
+    d, layers = model.config.hidden_size, model.config.num_hidden_layers
+    for s in (task_vectors(model, prompted), attention_shift(model, prompted, plain, n_q),
+              thought_vector(model, prompted, plain, n_q, skip=1)):
+        assert sorted(s.vectors) == list(range(layers)) and all(v.shape == (d,) for v in s.vectors.values())
+    heads = mean_heads(model, prompted)
+    n_heads = model.config.num_attention_heads
+    assert heads.shape == (layers, n_heads, d // n_heads)
+    fv = function_vectors(model, prompted, prompted, torch.full((6,), 5), n_top=3)
+    assert len(fv.meta["heads"]) == 3 and torch.tensor(fv.meta["aie"]).shape == (layers, n_heads)
+    assert fv.only(1).vectors[1].shape == (d,) and list(fv.only(1).vectors) == [1]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("position", ["last", "all"])
+def test_zero_vector_changes_no_logit_and_the_model_is_restored(name, position):
+    model = build(name)
+    prompted, plain, _ = batches()
+    before, params = logits(model, plain), fingerprint(model)
+    for site in ("residual", "attention"):
+        zero = Steering(site, {i: torch.zeros(model.config.hidden_size, dtype=torch.float64) for i in range(3)},
+                        "add", position)
+        with steer(model, zero, where=plain["attention_mask"] > 0 if position == "all" else None):
+            assert torch.equal(logits(model, plain), before)
+        real = Steering(site, {1: torch.ones(model.config.hidden_size, dtype=torch.float64)}, "add", position)
+        with pytest.raises(RuntimeError, match="inside"):
+            with steer(model, real):
+                assert not torch.equal(logits(model, plain), before)  # it does steer
+                raise RuntimeError("inside")
+        assert torch.equal(logits(model, plain), before) and hooks_left(model) == 0
+    assert all(torch.equal(a, b) for a, b in zip(params, fingerprint(model)))  # no weight was ever written
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_replacing_a_state_with_itself_and_a_head_with_its_own_output_change_nothing(name):
+    model = build(name)
+    _, plain, _ = batches()
+    before = logits(model, plain)
+    one = {k: v[:1] for k, v in plain.items()}
+    own = _states(model, one, "residual", last=True)  # L x [1, d]: the row's own states
+    alone = logits(model, one)
+    with steer(model, Steering("residual", {1: own[1][0]}, "replace", "last")):
+        assert torch.equal(logits(model, one), alone)
+    with recording_heads(model) as rec:
+        logits(model, plain)
+    with heads_set(model, {(2, 1): rec[2][:, 1]}):  # each row's own head output, written back
+        assert torch.equal(logits(model, plain), before)
+    with pytest.raises(ValueError, match="boom"), heads_set(model, {(2, 1): torch.zeros(16, dtype=torch.float64)}):
+        raise ValueError("boom")
+    assert torch.equal(logits(model, plain), before) and hooks_left(model) == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])
+def test_head_contributions_sum_to_the_attention_output(name):
+    """``o_proj(z) = sum_h W_O[:, h] z_h + b``: the function vector's per-head terms are exact."""
+    model = build(name)
+    from tokenpatch.baselines.steering import o_proj_modules
+
+    o = o_proj_modules(model)[1]
+    z = torch.randn(model.config.hidden_size, dtype=torch.float64)
+    heads = model.config.num_attention_heads
+    dh = z.shape[0] // heads
+    total = sum(head_contribution(model, 1, h, z[h * dh:(h + 1) * dh]) for h in range(heads))
+    with torch.no_grad():
+        want = o(z[None])[0] - o(torch.zeros_like(z)[None])[0]
+    assert float((total - want).abs().max()) <= 1e-12
+
+
+def test_head_effects_with_the_cache_equal_full_forwards():
+    """The AIE runs only the last token on a KV cache; a full forward per head gives the same."""
+    model = build("llama")
+    prompted, _, _ = batches(seed=3)
+    answers = torch.tensor([5, 7, 9, 11, 13, 17])
+    means = mean_heads(model, prompted)
+    effects = head_effects(model, prompted, answers, means)
+    p = lambda: logits(model, prompted)[:, -1].softmax(-1).gather(1, answers[:, None])[:, 0]  # noqa: E731
+    base = p()
+    for layer, h in [(0, 0), (1, 2), (2, 3)]:
+        with heads_set(model, {(layer, h): means[layer, h]}):
+            assert float(effects[layer, h]) == pytest.approx(float((p() - base).mean()), abs=1e-12)
+    assert float(effects.abs().max()) > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_thought_vector_matches_the_prompted_mean_at_every_layer(name):
+    """Its defining property: with ``v_1 .. v_l`` in place, the mean over the query positions of the
+    residual stream after layer ``l`` equals the prompted one."""
+    model = build(name)
+    prompted, plain, n_q = batches(seed=5)
+    tv = thought_vector(model, prompted, plain, n_q, skip=1)
+    want = _states(model, prompted, "residual", last=False)
+    where = (plain["position_ids"] >= 1) & (plain["attention_mask"] > 0)
+    with steer(model, tv, where=where):
+        got = _states(model, plain, "residual", last=False)
+    width = int(n_q.max())
+    mask = torch.arange(width)[None] >= (width - n_q)[:, None]
+    for w, g in zip(want, got):
+        assert float(((w[:, -width:] - g[:, -width:])[mask].mean(0)).abs().max()) <= 1e-10
+    assert float((want[-1][:, -1] - _states(model, plain, "residual", last=True)[-1]).abs().max()) > 1e-3
+
+
+def test_attention_shift_moves_the_first_layer_mean_exactly():
+    """Layer 0's input does not depend on the shift: its attention output's query mean becomes the prompted one."""
+    model = build("llama")
+    prompted, plain, n_q = batches(seed=6)
+    shift = attention_shift(model, prompted, plain, n_q)
+    with steer(model, shift):
+        got = _states(model, plain, "attention", last=False)[0]
+    want = _states(model, prompted, "attention", last=False)[0]
+    width = int(n_q.max())
+    mask = torch.arange(width)[None] >= (width - n_q)[:, None]
+    assert float((want[:, -width:][mask].mean(0) - got[:, -width:][mask].mean(0)).abs().max()) <= 1e-12
+
+
+def test_steering_rejects_bad_input():
+    model = build("llama")
+    with pytest.raises(tp.InputError, match="site"):
+        Steering("mlp", {0: torch.zeros(64)})
+    with pytest.raises(tp.InputError, match="layers"):
+        with steer(model, Steering("residual", {7: torch.zeros(64)})):
+            pass
+    with pytest.raises(tp.InputError, match="head"):
+        with heads_set(model, {(0, 9): torch.zeros(16)}):
+            pass
+    with pytest.raises(tp.UnsupportedModelError):
+        site_modules(tp.load_model(), "residual")
+
+
+# --------------------------------------------------------------------------- tasks and the runner
+def test_word_pair_tasks_are_large_and_clean():
+    assert set(MAIN_TASKS) | set(RESERVE_TASKS) <= set(task_names())
+    for name in task_names():
+        task = load_task(name)
+        xs = [x for x, _ in task.pairs]
+        assert len(xs) >= 170 and len(set(xs)) == len(xs), name
+        split = task.split(seed=0)
+        seen = [x for part in split.values() for x, _ in part]
+        assert len(seen) == len(set(seen)) == len(xs) and len(split["test"]) >= 80
+
+
+def test_whole_word_match():
+    assert is_correct(" Paris\n\nQ: Spain", ("Paris",))
+    assert is_correct(" paris is the capital", ("Paris",))
+    assert is_correct(" more beautiful.", ("more beautiful",))
+    assert not is_correct(" Parisian", ("Paris",))
+    assert not is_correct("\nParis", ("Paris",))
+    assert is_correct(" Kiev", ("Kyiv", "Kiev"))
+    with pytest.raises(tp.InputError, match="{x}"):
+        Format(query="Q:")
+    with pytest.raises(tp.InputError, match="unknown"):
+        load_task("capitals")
+
+
+def test_wilson_interval():
+    lo, hi = wilson(22, 25)
+    assert (round(lo, 3), round(hi, 3)) == (0.700, 0.958)  # the 95% Wilson interval, computed by hand
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0
+
+
+class CharTokenizer:
+    """A character-level tokenizer with a BOS, enough for ``compare`` on a tiny model."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __init__(self):
+        self.chars = sorted(set("abcdefghijklmnopqrstuvwxyzQA: \n"))
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [3 + self.chars.index(c) for c in text]}
+
+    def batch_decode(self, rows):
+        return ["".join(self.chars[int(t) - 3] if 3 <= int(t) < 3 + len(self.chars) else "?" for t in row) for row in rows]
+
+
+def test_compare_runs_every_method_on_a_tiny_model():
+    model = build("llama")
+    words = [chr(97 + i % 26) + chr(97 + i // 26) + chr(97 + 3 * i % 26) for i in range(40)]  # distinct
+    task = WordPairs("rev", "word -> reversed", tuple((w, (w[::-1],)) for w in words))
+    res = compare(model, CharTokenizer(), task, shots=2, test=12, calibration=6, dev=8, rank=2, ridge=(0.01, 0.1),
+                  n_heads=2)
+    rows = res["methods"]
+    assert set(rows) == {"zero-shot", "ICL", "thought patch", "thought patch (rank 2)", "thought vector",
+                         "attention shift", "task vector", "function vector"}
+    assert rows["ICL"]["kl"] == 0 and all(r["kl"] >= 0 and r["n"] == 12 for r in rows.values())
+    assert all(r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] for r in rows.values())
+    assert rows["thought patch"]["ridge"] in (0.01, 0.1) and set(rows["thought patch"]["dev_kl_by_ridge"]) == {0.01, 0.1}
+    assert 0 <= rows["task vector"]["layer"] < 3 and len(rows["function vector"]["heads"]) == 2
+    assert rows["ICL"]["bytes"] == 2 * 3 * 2 * 16 * res["prompt_tokens"] * 8  # the prompt's float64 KV cache
+    assert rows["thought patch"]["kl"] < rows["zero-shot"]["kl"]  # the fit keeps some of the prompt's effect
+    assert set(res["patches"]) == {"thought patch", "thought patch (rank 2)"}

@@ -1,0 +1,192 @@
+"""Activation steering on a Hugging Face language model: vectors added to (or written over) what a
+decoder layer or its attention puts into the residual stream, and per-head edits of the attention
+output (the input of ``o_proj``, the heads side by side). The injection half of every baseline in
+``docs/prompt-compression.md``; every edit is a context manager whose hooks are removed on exit,
+errors included, so the model is left exactly as it was (no weight is ever written).
+
+Sites, per decoder layer ``l`` of a sequential block ``x -> m = x + A(x) -> y = m + F(m)``:
+
+* ``"residual"``: the layer's output ``y`` (the residual stream after layer ``l``);
+* ``"attention"``: the attention's contribution ``A(x)`` (after Gemma's post-attention norm), so
+  a shift there also reaches the MLP's input;
+* heads: ``o_proj``'s input ``z = [z_1 .. z_H]``, ``A(x) = W_O z (+ b)``, head ``h``'s slice ``z_h``.
+
+``position="last"``: only the last position of the sequence run (a prompt's answer position when
+the prompt is left-padded); ``"all"``: every position, generated tokens included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..arch import adapter_for
+from ..arch.hf import HFAdapter, _first, _hooks
+from ..errors import InputError, UnsupportedModelError
+
+SITES = ("residual", "attention")
+
+
+def _hf(model: nn.Module) -> HFAdapter:
+    adapter = adapter_for(model)
+    if not isinstance(adapter, HFAdapter):
+        raise UnsupportedModelError(f"steering baselines run on Hugging Face language models, not {type(model).__name__}")
+    return adapter
+
+
+def site_modules(model: nn.Module, site: str) -> list[nn.Module]:
+    """Per decoder layer, the module whose output is ``site`` (``"residual"`` or ``"attention"``)."""
+    adapter = _hf(model)
+    if site not in SITES:
+        raise InputError(f"site must be one of {SITES}, got {site!r}")
+    layers = adapter._layers(model)
+    if site == "residual":
+        return list(layers)
+    fam = adapter.family(model)
+    if fam.parallel(model.config) and fam.attn_out is None:
+        return [layer.get_submodule(fam.attn) for layer in layers]
+    return [layer.get_submodule(fam.attn_out or fam.attn) for layer in layers]
+
+
+def o_proj_modules(model: nn.Module) -> list[nn.Module]:
+    """Per decoder layer, the attention's output matrix (its input: the heads' outputs side by side)."""
+    adapter = _hf(model)
+    fam = adapter.family(model)
+    return [layer.get_submodule(fam.o_proj) for layer in adapter._layers(model)]
+
+
+def n_heads(model: nn.Module) -> int:
+    c = model.config
+    return int(getattr(c, "num_attention_heads", None) or getattr(c, "n_head"))
+
+
+@dataclass
+class Steering:
+    """Vectors ``[d]`` per layer, added to (``mode="add"``) or written over (``"replace"``) the
+    output of ``site`` at ``position``. ``meta``: how they were extracted (JSON-able)."""
+
+    site: Literal["residual", "attention"]
+    vectors: dict[int, Tensor]
+    mode: Literal["add", "replace"] = "add"
+    position: Literal["last", "all"] = "all"
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.site not in SITES or self.mode not in ("add", "replace") or self.position not in ("last", "all"):
+            raise InputError(f"Steering(site={self.site!r}, mode={self.mode!r}, position={self.position!r}): site is one "
+                             f"of {SITES}, mode 'add' or 'replace', position 'last' or 'all'")
+        if any(not isinstance(v, Tensor) or v.ndim != 1 for v in self.vectors.values()):
+            raise InputError("Steering vectors must be 1-d tensors [d], one per layer")
+
+    def only(self, layer: int) -> "Steering":
+        """The same steering at one layer (a task or function vector at its chosen layer)."""
+        if layer not in self.vectors:
+            raise InputError(f"no vector at layer {layer}; layers: {sorted(self.vectors)}")
+        return Steering(self.site, {layer: self.vectors[layer]}, self.mode, self.position, {**self.meta, "layer": layer})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.vectors.values())
+
+
+@contextlib.contextmanager
+def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = None) -> Iterator[nn.Module]:
+    """Run ``model`` with ``steering`` in every forward inside the block (``None``: no change).
+    ``where`` ``[B, T]`` (bool): with ``position="all"``, the positions of the batch run that are
+    steered (e.g. not the leading BOS, not padding); ``None``: all of them."""
+    if steering is None:
+        yield model
+        return
+    modules = site_modules(model, steering.site)
+    bad = [i for i in steering.vectors if not 0 <= i < len(modules)]
+    if bad:
+        raise InputError(f"steering layers {bad} are not in [0, {len(modules)})")
+
+    def hook_for(vector: Tensor):
+        def hook(module, args, out):
+            t = _first(out)
+            if vector.shape[-1] != t.shape[-1]:
+                raise InputError(f"a steering vector has {vector.shape[-1]} features, the stream {t.shape[-1]}")
+            v = vector.to(t.device, t.dtype)
+            if steering.position == "all":
+                new = t + v if steering.mode == "add" else v.expand_as(t).clone()
+                if where is not None:
+                    if where.shape != t.shape[:2]:
+                        raise InputError(f"steer: where has shape {tuple(where.shape)}, the batch run {tuple(t.shape[:2])}")
+                    new = torch.where(where.to(t.device)[..., None], new, t)
+            else:
+                new = t.clone()
+                new[:, -1] = t[:, -1] + v if steering.mode == "add" else v
+            return new if isinstance(out, Tensor) else (new, *out[1:])
+        return hook
+
+    with _hooks((modules[i].register_forward_hook, hook_for(v)) for i, v in steering.vectors.items()):
+        yield model
+
+
+@contextlib.contextmanager
+def heads_set(model: nn.Module, values: dict[tuple[int, int], Tensor]) -> Iterator[nn.Module]:
+    """Run ``model`` with head ``h`` of layer ``l`` writing ``values[(l, h)]`` (``[head_dim]``, or
+    ``[B, head_dim]`` per sequence) at the last position, in place of its own output."""
+    o_projs, heads = o_proj_modules(model), n_heads(model)
+    by_layer: dict[int, dict[int, Tensor]] = {}
+    for (layer, head), v in values.items():
+        if not (0 <= layer < len(o_projs) and 0 <= head < heads):
+            raise InputError(f"head ({layer}, {head}) is not in the model ({len(o_projs)} layers x {heads} heads)")
+        by_layer.setdefault(layer, {})[head] = v
+
+    def hook_for(edits: dict[int, Tensor]):
+        def hook(module, args):
+            z = args[0].clone()  # [B, T, H * dh]
+            dh = z.shape[-1] // heads
+            for h, v in edits.items():
+                z[:, -1, h * dh:(h + 1) * dh] = v.to(z.device, z.dtype)
+            return (z, *args[1:])
+        return hook
+
+    with _hooks((o_projs[layer].register_forward_pre_hook, hook_for(e)) for layer, e in by_layer.items()):
+        yield model
+
+
+@contextlib.contextmanager
+def recording_heads(model: nn.Module) -> Iterator[list[Tensor]]:
+    """Record every layer's heads at the last position: the list holds ``[B, H, head_dim]`` per
+    layer on exit."""
+    o_projs, heads = o_proj_modules(model), n_heads(model)
+    rec: list[Any] = [None] * len(o_projs)
+
+    def hook_for(i: int):
+        def hook(module, args):
+            z = args[0][:, -1]  # [B, H * dh]
+            rec[i] = z.reshape(z.shape[0], heads, -1).detach()
+        return hook
+
+    with _hooks((m.register_forward_pre_hook, hook_for(i)) for i, m in enumerate(o_projs)):
+        yield rec
+
+
+def head_contribution(model: nn.Module, layer: int, head: int, z: Tensor) -> Tensor:
+    """What head ``head`` of ``layer`` writing ``z [head_dim]`` adds to the residual stream through
+    ``o_proj``: ``W_O[:, h] z_h`` (the bias, shared by all heads, is not part of it)."""
+    o_proj, heads = o_proj_modules(model)[layer], n_heads(model)
+    width = _in_features(o_proj)
+    dh = width // heads
+    full = z.new_zeros(2, width)
+    full[0, head * dh:(head + 1) * dh] = z
+    with torch.no_grad():
+        out = o_proj(full.to(_weight(o_proj).dtype))
+    return (out[0] - out[1]).detach()  # [d]
+
+
+def _weight(module: nn.Module) -> Tensor:
+    return next(p for n, p in module.named_parameters() if n.endswith("weight"))
+
+
+def _in_features(module: nn.Module) -> int:
+    if hasattr(module, "in_features"):
+        return int(module.in_features)
+    return int(_weight(module).shape[0])  # GPT-2's Conv1D keeps its weight as [in, out]

@@ -1,0 +1,181 @@
+"""The extraction half of the baselines (``docs/prompt-compression.md``): task vectors, function
+vectors, the attention-shift steering baseline and the thought vector, from the same prompts.
+
+Every function reads *batches*: ``{"input_ids", "attention_mask", "position_ids"}`` ``[B, T]``,
+left-padded (``pad_left``), so the last position of every row is its answer position and the
+query's tokens are the last ``n_query[b]`` of row ``b`` with and without the prompt alike.
+
+* task vector (Hendel et al. 2023, *In-Context Learning Creates Task Vectors*): the residual
+  stream after layer ``l`` at the last position of the prompted queries, averaged; injected by
+  *replacing* that state in the prompt-free pass;
+* function vector (Todd et al. 2024, *Function Vectors in Large Language Models*): heads ranked by
+  their average indirect effect (AIE) on prompts with shuffled answers, the FV the sum of the top
+  heads' mean outputs ``sum_h W_O[:, h] mean(z_h)``; *added* to the residual stream after layer ``l``
+  at the last position;
+* attention shift: per layer, the mean over query positions of ``A_C(x) - A_0(x)`` (the
+  attention's residual contribution with minus without the prompt), added at every layer and
+  position, the MLPs untouched;
+* thought vector: the output side of a thought patch alone, a constant per layer,
+  ``v_l = mean(y_C - y_0)`` over query positions where ``y_0`` already has ``v_1 .. v_{l-1}``
+  (the sequential least squares with one constant feature), added to the residual stream.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from .._progress import progress_bar
+from ..arch.hf import _first, _hooks
+from ..errors import InputError
+from .steering import Steering, head_contribution, heads_set, n_heads, recording_heads, site_modules
+
+
+def pad_left(rows: Iterable[list[int]], pad_id: int) -> dict[str, Tensor]:
+    """Token id lists as one left-padded batch with its attention mask and position ids."""
+    rows = [list(r) for r in rows]
+    if not rows or any(not r for r in rows):
+        raise InputError("pad_left needs at least one row and no empty row")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r):] = torch.tensor(r)
+        mask[b, width - len(r):] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+
+
+def _device(model: nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _on(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.to(_device(model)) for k, v in batch.items()}
+
+
+def _states(model: nn.Module, batch: dict[str, Tensor], site: str, last: bool) -> list[Tensor]:
+    """Per layer, the output of ``site`` ``[B, T, d]`` (``last``: ``[B, d]`` at the last position)."""
+    modules = site_modules(model, site)
+    rec: list[Tensor] = [None] * len(modules)  # type: ignore[list-item]
+
+    def hook_for(i):
+        def hook(module, args, out):
+            t = _first(out).detach()
+            rec[i] = t[:, -1] if last else t
+        return hook
+
+    with _hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():
+        model.base_model(**_on(model, batch), use_cache=False)
+    return rec
+
+
+def _query_mask(n_query: Tensor, width: int) -> Tensor:
+    """``[B, width]``: True at the last ``n_query[b]`` of ``width`` right-aligned positions."""
+    j = torch.arange(width)
+    return j[None, :] >= (width - n_query)[:, None]
+
+
+def task_vectors(model: nn.Module, prompted: dict[str, Tensor]) -> Steering:
+    """Every layer's candidate task vector: the mean residual state after the layer at the last
+    position of the prompted batch (prompt + dummy query). ``.only(l)`` picks layer ``l``."""
+    states = _states(model, prompted, "residual", last=True)  # L x [B, d]
+    return Steering("residual", {i: s.mean(0) for i, s in enumerate(states)}, "replace", "last",
+                    {"method": "task vector", "prompts": int(prompted["input_ids"].shape[0])})
+
+
+def mean_heads(model: nn.Module, prompted: dict[str, Tensor]) -> Tensor:
+    """Every head's output at the last position, averaged over the prompted batch: ``[L, H, head_dim]``."""
+    with recording_heads(model) as rec, torch.no_grad():
+        model.base_model(**_on(model, prompted), use_cache=False)
+    return torch.stack([z.mean(0) for z in rec])
+
+
+def head_effects(model: nn.Module, corrupted: dict[str, Tensor], answers: Tensor, means: Tensor,
+                 progress: bool | None = None) -> Tensor:
+    """Average indirect effect ``[L, H]`` of every head: on the prompts with shuffled answers, the
+    rise in the probability of the right first answer token when the head writes its mean output
+    ``means[l, h]`` at the last position, averaged over the prompts.
+
+    Only the last position changes, so the prompts are run once up to the last token with a KV
+    cache; each head costs one forward of the last token (the cache cut back after it)."""
+    batch = _on(model, corrupted)
+    answers = answers.to(_device(model))
+    if answers.shape != (batch["input_ids"].shape[0],):
+        raise InputError(f"answers must hold one token id per prompt [{batch['input_ids'].shape[0]}], got "
+                         f"{tuple(answers.shape)}")
+    with torch.no_grad():
+        cache = model(input_ids=batch["input_ids"][:, :-1], attention_mask=batch["attention_mask"][:, :-1],
+                      position_ids=batch["position_ids"][:, :-1], use_cache=True, logits_to_keep=1).cache
+    last = {"input_ids": batch["input_ids"][:, -1:], "attention_mask": batch["attention_mask"],
+            "position_ids": batch["position_ids"][:, -1:]}
+
+    def p_answer() -> Tensor:
+        run = copy.deepcopy(cache)  # the forward appends to it
+        with torch.no_grad():
+            logits = model(**last, cache=run, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return logits.double().softmax(-1).gather(1, answers[:, None])[:, 0]  # [B]
+
+    base = p_answer()
+    n_layers, heads = means.shape[:2]
+    effects = torch.zeros(n_layers, heads)
+    for layer in progress_bar(range(n_layers), progress, desc="head effects", unit="layer"):
+        for h in range(heads):
+            with heads_set(model, {(layer, h): means[layer, h]}):
+                effects[layer, h] = (p_answer() - base).mean().cpu()
+    return effects
+
+
+def function_vectors(model: nn.Module, prompted: dict[str, Tensor], corrupted: dict[str, Tensor], answers: Tensor,
+                     n_top: int = 10, progress: bool | None = None) -> Steering:
+    """The function vector (the top ``n_top`` heads by AIE, their mean outputs summed through
+    ``o_proj``) as a candidate at every layer; ``.only(l)`` picks the layer it is added after.
+    ``meta`` keeps the ranked heads and the AIE table."""
+    means = mean_heads(model, prompted)  # [L, H, dh]
+    effects = head_effects(model, corrupted, answers, means, progress)  # [L, H]
+    heads = n_heads(model)
+    top = effects.flatten().argsort(descending=True)[: max(1, int(n_top))]
+    chosen = [(int(i) // heads, int(i) % heads) for i in top]
+    fv = sum(head_contribution(model, layer, h, means[layer, h]) for layer, h in chosen)
+    return Steering("residual", {i: fv for i in range(means.shape[0])}, "add", "last",
+                    {"method": "function vector", "heads": [[layer, h, float(effects[layer, h])] for layer, h in chosen],
+                     "aie": effects.tolist()})
+
+
+def attention_shift(model: nn.Module, prompted: dict[str, Tensor], plain: dict[str, Tensor], n_query: Tensor) -> Steering:
+    """The attention-shift baseline: per layer, the mean of (attention output with the prompt) minus
+    (without it) over the query positions, from one unsteered pass each."""
+    with_p, without = _states(model, prompted, "attention", False), _states(model, plain, "attention", False)
+    width = int(n_query.max())
+    mask = _query_mask(n_query, width).to(with_p[0].device)  # [B, Tq]
+    return Steering("attention", {i: (c[:, -width:] - z[:, -width:])[mask].mean(0) for i, (c, z) in
+                                  enumerate(zip(with_p, without))}, "add", "all", {"method": "attention shift"})
+
+
+def thought_vector(model: nn.Module, prompted: dict[str, Tensor], plain: dict[str, Tensor], n_query: Tensor,
+                   skip: int = 0) -> Steering:
+    """The thought vector: per layer ``v_l = mean(y_C - y_0)`` over the query positions, ``y_0`` the
+    prompt-free residual stream after layer ``l`` with ``v_0 .. v_{l-1}`` already added. One pass:
+    each layer's hook solves for its own ``v_l`` from what it sees and adds it before the next layer.
+    ``skip``: leading tokens (a BOS) left unsteered, as ``steer(..., where=)`` injects it."""
+    targets = _states(model, prompted, "residual", False)  # L x [B, T_c, d]
+    width = int(n_query.max())
+    modules = site_modules(model, "residual")
+    mask = _query_mask(n_query, width).to(targets[0].device)
+    vectors: dict[int, Tensor] = {}
+    where = (plain["position_ids"] >= skip).to(targets[0].device)  # [B, T]
+
+    def hook_for(i):
+        def hook(module, args, out):
+            t = _first(out)
+            v = (targets[i][:, -width:] - t[:, -width:])[mask].mean(0).detach()
+            vectors[i] = v
+            new = torch.where(where[..., None], t + v, t)
+            return new if isinstance(out, Tensor) else (new, *out[1:])
+        return hook
+
+    with _hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():
+        model.base_model(**_on(model, plain), use_cache=False)
+    return Steering("residual", vectors, "add", "all", {"method": "thought vector"})
