@@ -3,8 +3,11 @@ vector), their injection, and the comparison runner, on tiny random Hugging Face
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from conftest import non_snake_keys
 
 import tokenpatch as tp
 
@@ -15,7 +18,7 @@ from tokenpatch.baselines import (Steering, attention_shift, function_vectors, h
                                   head_effects, heads_set, mean_heads, pad_left, recording_heads, site_modules, steer,
                                   task_vectors, thought_vector)
 from tokenpatch.baselines.vectors import _states  # noqa: E402
-from tokenpatch.compression import compare, wilson  # noqa: E402
+from tokenpatch.compression import Method, compare, greedy, wilson  # noqa: E402
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPairs, is_correct, load_task, task_names  # noqa: E402
 
 FAMILIES = ["llama", "gemma3", "gpt2", "gpt_neox"]
@@ -229,12 +232,77 @@ def test_compare_runs_every_method_on_a_tiny_model():
     res = compare(model, CharTokenizer(), task, shots=2, test=12, calibration=6, dev=8, rank=2, ridge=(0.01, 0.1),
                   n_heads=2)
     rows = res["methods"]
-    assert set(rows) == {"zero-shot", "ICL", "thought patch", "thought patch (rank 2)", "thought vector",
-                         "attention shift", "task vector", "function vector"}
-    assert rows["ICL"]["kl"] == 0 and all(r["kl"] >= 0 and r["n"] == 12 for r in rows.values())
+    assert set(rows) == {"zero_shot", "icl", "thought_patch", "thought_patch_rank", "thought_vector",
+                         "attention_shift", "task_vector", "function_vector"}
+    assert rows["thought_patch_rank"]["name"] == "thought patch (rank 2)"
+    assert rows["icl"]["kl"] == 0 and all(r["kl"] >= 0 and r["n"] == 12 for r in rows.values())
     assert all(r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] for r in rows.values())
-    assert rows["thought patch"]["ridge"] in (0.01, 0.1) and set(rows["thought patch"]["dev_kl_by_ridge"]) == {0.01, 0.1}
-    assert 0 <= rows["task vector"]["layer"] < 3 and len(rows["function vector"]["heads"]) == 2
-    assert rows["ICL"]["bytes"] == 2 * 3 * 2 * 16 * res["prompt_tokens"] * 8  # the prompt's float64 KV cache
-    assert rows["thought patch"]["kl"] < rows["zero-shot"]["kl"]  # the fit keeps some of the prompt's effect
-    assert set(res["patches"]) == {"thought patch", "thought patch (rank 2)"}
+    assert rows["thought_patch"]["ridge"] in (0.01, 0.1) and [r for r, _ in rows["thought_patch"]["dev_kl_by_ridge"]] == [0.01, 0.1]
+    assert 0 <= rows["task_vector"]["layer"] < 3 and len(rows["function_vector"]["heads"]) == 2
+    assert rows["icl"]["bytes"] == 2 * 3 * 2 * 16 * res["prompt_tokens"] * 8  # the prompt's float64 KV cache
+    assert rows["thought_patch"]["kl"] < rows["zero_shot"]["kl"]  # the fit keeps some of the prompt's effect
+    assert all(rows[k]["kl"] != rows["zero_shot"]["kl"] for k in rows if k != "zero_shot")  # every method acts
+    assert set(res["patches"]) == {"thought_patch", "thought_patch_rank"}
+    json.dumps({k: v for k, v in res.items() if k != "patches"}, allow_nan=False)  # valid JSON, no inf
+    assert non_snake_keys({k: v for k, v in res.items() if k != "patches"}) == []
+    with pytest.raises(tp.InputError, match="shots >= 2"):
+        compare(model, CharTokenizer(), task, shots=1)
+    with pytest.raises(tp.InputError, match="at least 1"):
+        compare(model, CharTokenizer(), task, test=0)
+
+
+def test_greedy_on_the_cache_equals_argmax_without_it():
+    """The KV-cache decoding of every kind of method (none, a patch, every-position and
+    last-position steering) equals re-running the whole sequence for each new token."""
+    model = build("llama")
+    _, plain, n_q = batches(seed=8)
+    prompted, _, _ = batches(seed=8)
+    every = Method("every", prefill=lambda b: steer(model, attention_shift(model, prompted, plain, n_q),
+                                                     (b["position_ids"] >= 1) & (b["attention_mask"] > 0)),
+                   decode=lambda: steer(model, attention_shift(model, prompted, plain, n_q)))
+    last = Method("last", prefill=lambda b: steer(model, task_vectors(model, prompted).only(1)))
+    with pytest.warns(tp.ThoughtWarning):
+        patch = tp.compress(model, prompted["input_ids"][0, -6:], plain["input_ids"][:, -2:])
+    patched = Method("patch", prefill=lambda b: tp.apply(model, patch), decode=lambda: tp.apply(model, patch))
+    for method in (Method("plain"), every, last, patched):
+        tokens, _ = greedy(model, plain, method, 4)
+        seq = dict(plain)
+        for step in range(4):
+            with torch.no_grad():
+                if method is every:  # every position but the BOS and the padding, generated tokens included
+                    ctx = steer(model, attention_shift(model, prompted, plain, n_q),
+                                (seq["position_ids"] >= 1) & (seq["attention_mask"] > 0))
+                elif method is last:  # the last position of the prompt only: re-applied at its index
+                    ctx = _at(model, task_vectors(model, prompted).only(1), plain["input_ids"].shape[1] - 1)
+                else:
+                    ctx = method.prefill(seq)
+                with ctx:
+                    nxt = model(**seq).logits[:, -1].argmax(-1)
+            assert torch.equal(nxt, tokens[:, step]), (method.name, step)
+            seq = {"input_ids": torch.cat([seq["input_ids"], nxt[:, None]], 1),
+                   "attention_mask": torch.cat([seq["attention_mask"], torch.ones_like(nxt)[:, None]], 1),
+                   "position_ids": torch.cat([seq["position_ids"], seq["position_ids"][:, -1:] + 1], 1)}
+
+
+def _at(model, s: Steering, index: int):
+    """``s`` (a last-position replacement) written at a fixed index of a longer sequence."""
+    from tokenpatch.arch.hf import _hooks
+
+    def hook(module, args, out):
+        t = out.clone()
+        t[:, index] = s.vectors[next(iter(s.vectors))]
+        return t
+    return _hooks([(site_modules(model, s.site)[next(iter(s.vectors))].register_forward_hook, hook)])
+
+
+def test_steering_leaves_the_bos_and_padding_alone():
+    model = build("llama")
+    prompted, plain, n_q = batches(seed=9)
+    shift = attention_shift(model, prompted, plain, n_q)
+    where = (plain["position_ids"] >= 1) & (plain["attention_mask"] > 0)
+    before = _states(model, plain, "residual", last=False)
+    with steer(model, shift, where):
+        after = _states(model, plain, "residual", last=False)
+    untouched = ~where  # the BOS and the left padding of every row: causal attention, nothing reaches them
+    assert all(torch.equal(a[untouched], b[untouched]) for a, b in zip(after, before))
+    assert all(not torch.equal(a[where], b[where]) for a, b in zip(after, before))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -33,13 +34,21 @@ def test_verify_table_float64_all_positions(capsys):
 
 def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch, pretrained_cache_dir):
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))  # the real-model section shares the tests' cache
+    from tokenpatch import report, report_compress
+
+    # the compression section's own numbers are checked in test_real_models.py; here: that it runs
+    # inside reproduce and writes a valid section, on fewer queries
+    monkeypatch.setattr(report, "compression_section", functools.partial(report_compress.compression_section, test=8,
+                                                                         calibration=12, dev=8, n_heads=4))
     assert main(["reproduce", "--out", str(tmp_path), "--tasks", "16", "--quiet"]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "| layer 0 |" in report and "| output |" in report and "NOT MET" not in report
     for fig in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
-    assert set(data["sections"]) == {"equivalence", "model", "dynamics", "finetune", "thought", "real_models"}
+    assert set(data["sections"]) == {"equivalence", "model", "dynamics", "finetune", "thought", "real_models",
+                                     "prompt_compression"}
+    assert non_snake_keys(data) == []
     th = data["sections"]["thought"]
     test = dict(zip(th["curve"]["m"], th["curve"]["test"]))
     assert test[4096][1] < test[th["d_in"]][1] and test[4096][1] < 0.1  # generalises past the thresholds

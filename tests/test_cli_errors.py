@@ -103,6 +103,11 @@ def test_help_shows_every_default(command, capsys):
     (["verify", "--model", "smollm2-135m", "--prompt", "hello"], "--query TEXT"),
     (["verify", "--model", "smollm2-135m", "--checkpoint", "x.safetensors", "--prompt", "a", "--query", "b"], "exclude"),
     (["generate", "--model", "gpt-17", "--prompt", "hello"], "not a known model"),
+    (["compress", "--out", "d", "--model", "gpt-17", "--task", "antonym"], "not a known model"),
+    (["compress", "--out", "d", "--task", "antonym"], "--task is for a language model: add --model NAME"),
+    (["compress", "--out", "d", "--model", "smollm2-135m"], "either --task TASK"),
+    (["compress", "--out", "d", "--model", "smollm2-135m", "--task", "capitals"], "unknown task ['capitals']"),
+    (["compress", "--out", "p.safetensors", "--model", "smollm2-135m", "--prompt", "Q: a"], "needs --queries FILE"),
 ])
 def test_language_model_options_are_checked(argv, message, capsys):
     assert main(argv) == 2

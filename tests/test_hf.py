@@ -333,3 +333,14 @@ def test_gemma_output_side_closes_most_of_what_the_input_side_leaves(float64_gem
             fit = tp.thought_patch(model, prompt, q, output=output)
         err[output] = float((tp.functional_call(model, fit.patch, q).logits - want).abs().max())
     assert err["affine"] < 0.2 * err[None]
+
+
+@torch.no_grad()
+@pytest.mark.filterwarnings("ignore::tokenpatch.ThoughtWarning")
+def test_thought_patch_of_many_ragged_queries_in_several_chunks():
+    """More rows than one padded chunk holds (256), the later chunk wider: every real position is
+    fitted once, none of the padding."""
+    model = build("llama")
+    fit = tp.thought_patch(model, ids(1, 8, seed=14)[0], [ids(260, 2, seed=15), ids(40, 4, seed=16)], keep_bos=True,
+                           ridge=1e-3)
+    assert [f.n for f in fit.fits] == [260 * 2 + 40 * 4] * 3  # chunks of width 2 and 4

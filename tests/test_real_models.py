@@ -134,3 +134,40 @@ def test_readme_language_model_example_runs(smollm2, pretrained_cache_dir, monke
     got = scope["logits"][:, -1].detach()  # functional_call is differentiable: the example keeps the graph
     assert int(got.argmax()) == int(want.argmax()) and float((got - want).abs().max()) <= 1e-2
     assert scope["gen"].tokens.shape == (1, 20) and bool(scope["gen"].agree.all())
+
+
+def test_compression_on_smollm2(smollm2):
+    """Prompt compression on the real model (docs/prompt-compression.md), reduced: on past tense the
+    thought patch keeps the 10-shot prompt's answers and is closer to it (KL) than the task vector."""
+    from tokenpatch.compression import compare
+    from tokenpatch.tasks.wordpairs import load_task
+
+    model, tokenizer = smollm2
+    res = compare(model, tokenizer, load_task("present_past"), test=40, dev=20, ridge=0.01,
+                  methods=("thought_patch", "task_vector"), progress=False)
+    m = res["methods"]
+    assert m["icl"]["accuracy"] - m["zero_shot"]["accuracy"] >= 0.5  # the prompt teaches this model the task
+    assert m["thought_patch"]["accuracy"] >= m["icl"]["accuracy"] - 0.15
+    assert m["thought_patch"]["kl"] < m["task_vector"]["kl"] and 10 * m["thought_patch"]["kl"] < m["zero_shot"]["kl"]
+
+
+def test_cli_compress_a_prompt_and_answer_without_it(smollm2, pretrained_cache_dir, monkeypatch, capsys, tmp_path):
+    from tokenpatch.cli import main
+
+    monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
+    queries = tmp_path / "queries.txt"
+    queries.write_text("".join(f"Q: {w}\nA: {w.upper()}\n".replace("\nA", " ->") for w in
+                               ["cat", "dog", "tree", "house", "river", "stone", "bread", "light"]))
+    out = tmp_path / "upper.safetensors"
+    prompt = "Write each word in capitals.\nQ: apple -> APPLE\nQ: green -> GREEN\nQ: music -> MUSIC\n"
+    assert main(["compress", "--model", "smollm2-135m", "--prompt", prompt, "--queries", str(queries), "--out",
+                 str(out), "--quiet"]) == 0
+    assert out.stat().st_size > 0 and "tokenpatch generate" in capsys.readouterr().out
+    assert main(["generate", "--model", "smollm2-135m", "--patch", str(out), "--prompt", "Q: water ->",
+                 "--max-new-tokens", "3", "--json", "--quiet"]) == 0
+    import json
+
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["query"] == "Q: water ->" and shown["with_patch"] != shown["without_patch"]
+    assert main(["compress", "--model", "smollm2-135m", "--prompt", prompt, "--queries", str(queries), "--out",
+                 str(out), "--quiet"]) == 2  # nothing is overwritten

@@ -166,7 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--queries", default=None, help="safetensors file with a tensor 'queries' [m, T_q, d_in] (default: "
                                                    "--calibration fresh one-token queries of the checkpoint's task)")
     c.add_argument("--calibration", type=_count(1), default=1024, help="calibration queries drawn when --queries is not given")
-    c.add_argument("--ridge", type=_number(False), default=0.0, help="ridge lambda of the least-squares fits")
+    c.add_argument("--ridge", type=_number(False), default=None, help="ridge lambda of the least-squares fits "
+                   "(default: 0; with --model --prompt: 0.01; with --model --task: chosen per task on the dev split "
+                   "from 0.01 and 0.1)")
     c.add_argument("--mode", choices=["sequential", "teacher"], default="sequential", help="how deeper layers are fitted")
     c.add_argument("--output-side", choices=["affine", "vector", "none"], default="affine",
                    help="the output side of each layer: affine fit, constant thought vector, or none")
@@ -322,12 +324,12 @@ def _compress(args) -> int:
         queries = queries[:, None]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ThoughtWarning)
-        patch = compress(model, prompt, queries, ridge=args.ridge, mode=args.mode, rank=args.rank,
+        patch = compress(model, prompt, queries, ridge=args.ridge or 0.0, mode=args.mode, rank=args.rank,
                          output=None if args.output_side == "none" else args.output_side, progress=not args.quiet)
     save_patch(patch, args.out)
     fits = patch.meta["thought"]["fits"]
     print(f"{args.out}: thought patch of a {prompt.shape[0]}-token prompt from {queries.shape[0]} calibration queries "
-          f"({fits[0]['n']} positions), {args.mode} fit, ridge {args.ridge:g}")
+          f"({fits[0]['n']} positions), {args.mode} fit, ridge {args.ridge or 0.0:g}")
     print("layer | input residual | rank | condition | output residual | rank | condition")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for f in fits:

@@ -144,7 +144,7 @@ def compress_lm(args) -> int:
 
 
 def _compare_tasks(args, out) -> int:
-    from .report_compress import figure, markdown, run_model
+    from .report_compress import RIDGES, figure, markdown, run_model
     from .tasks.wordpairs import MAIN_TASKS, task_names
 
     if out.exists() and not out.is_dir():
@@ -162,8 +162,16 @@ def _compare_tasks(args, out) -> int:
     for p in paths.values():
         _check_out_file(str(p), "--out", may_exist=False)
     out.mkdir(parents=True, exist_ok=True)
+    if args.output_side != "affine":
+        raise _usage("--output-side: the comparison fits the thought patch with its affine output side; for the "
+                     "thought vector alone it reports the 'thought vector' row")
+    taken = sorted(out.glob(f"{slug}-*-thought-*.safetensors")) if out.is_dir() else []
+    if taken:
+        raise _usage(f"--out {out} already holds thought patches of this model ({taken[0].name}); nothing is "
+                     "overwritten: give a new folder")
     run = run_model(args.model, tasks, shots=args.shots, test=100 if args.test is None else args.test, seed=args.seed,
-                    out=out, progress=not args.quiet)
+                    ridge=RIDGES if args.ridge is None else args.ridge, rank=args.rank or 4, out=out,
+                    progress=not args.quiet)
     text = markdown(run)
     paths["json"].write_text(json.dumps(run, indent=1))
     paths["md"].write_text(f"# Prompt compression: {args.model}\n\n{text}\n\n![figure]({paths['png'].name})\n")
@@ -192,12 +200,13 @@ def _compress_prompt(args) -> int:
         ids = tokenizer(line, add_special_tokens=False)["input_ids"]
         by_len.setdefault(len(ids), []).append(ids)
     queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
-    patch = compress(model, prompt, queries, ridge=args.ridge or 0.01, keep_bos=bool(lead),
-                     output="affine" if args.output_side == "affine" else None, rank=args.rank,
+    ridge = 0.01 if args.ridge is None else args.ridge
+    patch = compress(model, prompt, queries, ridge=ridge, keep_bos=bool(lead),
+                     output=None if args.output_side == "none" else args.output_side, rank=args.rank,
                      progress=not args.quiet)
     save_patch(patch, args.out)
     print(f"{args.out}: thought patch of a {len(prompt)}-token prompt from {len(lines)} calibration queries, "
-          f"ridge {args.ridge or 0.01:g}; answer without the prompt: tokenpatch generate --model {args.model} "
+          f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
           f"--patch {args.out} --prompt QUERY")
     return 0
 

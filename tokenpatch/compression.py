@@ -4,7 +4,7 @@ floor) and the prompt itself (ICL, the ceiling), on the same word-pair task, pro
 (``docs/prompt-compression.md``).
 
     result = compare(model, tokenizer, load_task("present_past"), shots=10)
-    result["methods"]["thought patch"]["accuracy"], result["methods"]["thought patch"]["kl"]
+    result["methods"]["thought_patch"]["accuracy"], result["methods"]["thought_patch"]["kl"]
 
 Per method and test query: greedy decoding of the answer (whole-word match, ``wordpairs.is_correct``)
 and the answer position's next-token distribution, scored by ``KL(p_ICL || p_method)`` (fidelity to
@@ -33,8 +33,10 @@ from .errors import InputError
 from .hooks import apply
 from .tasks.wordpairs import Format, WordPairs, is_correct
 
-METHODS = ("zero-shot", "ICL", "thought patch", "thought patch (rank {r})", "thought vector", "attention shift",
-           "task vector", "function vector")
+# key (snake_case, as in the results) -> the name shown
+METHODS = {"zero_shot": "zero-shot", "icl": "ICL", "thought_patch": "thought patch",
+           "thought_patch_rank": "thought patch (rank r)", "thought_vector": "thought vector",
+           "attention_shift": "attention shift", "task_vector": "task vector", "function_vector": "function vector"}
 
 
 @dataclass
@@ -76,6 +78,9 @@ class Encoded:
         self.tokenizer, self.fmt, self.splits = tokenizer, fmt, splits
         ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         self.prefix = leading_tokens(tokenizer)
+        if len(self.prefix) > 1:
+            raise InputError(f"the tokenizer starts every sequence with {len(self.prefix)} tokens; the comparison keeps "
+                             "one leading token (a BOS) in both passes")
         if len(splits["demos"]) < shots:
             raise InputError(f"{shots} shots asked, the split has {len(splits['demos'])} demonstrations")
         self.demo_pairs = splits["demos"][:shots]
@@ -188,10 +193,10 @@ def extract(model: nn.Module, enc: Encoded, *, rank: int = 4, ridge: float = 0.0
     from .thought import compress
 
     want = lambda name: methods is None or name in methods  # noqa: E731
-    out = {"zero-shot": Method("zero-shot"), "ICL": Method("ICL", prompted=True)}
+    out = {"zero_shot": Method("zero-shot"), "icl": Method("ICL", prompted=True)}
     prompted, plain = enc.batch("calibration", True, answers=True), enc.batch("calibration", False, answers=True)
     n_q = enc.n_query("calibration", answers=True)
-    if want("thought patch") or want("thought patch (rank {r})"):
+    if want("thought_patch") or want("thought_patch_rank"):
         rows = [q + a for q, a in zip(enc.query["calibration"], enc.answer["calibration"])]
         by_len: dict[int, list] = {}
         for r in rows:
@@ -203,38 +208,41 @@ def extract(model: nn.Module, enc: Encoded, *, rank: int = 4, ridge: float = 0.0
         fit = lambda r, lam: compress(model, prompt, queries, ridge=lam, rank=r, output=output,  # noqa: E731
                                       keep_bos=keep_bos, layers=layers, progress=progress)
         ridges = [float(ridge)] if isinstance(ridge, (int, float)) else [float(x) for x in ridge]
-        dev, dev_kl, full = enc.batch("dev", False), {}, {}
+        dev, dev_kl, full, start = enc.batch("dev", False), {}, {}, time.perf_counter()
         if len(ridges) > 1:  # the ridge with the lowest KL to ICL on the dev split
-            ref = answer_logits(model, enc.batch("dev", True), out["ICL"])
+            ref = answer_logits(model, enc.batch("dev", True), out["icl"])
             for lam in ridges:
                 full[lam] = _timed(lambda: fit(None, lam))
                 p = _patched(model, "", full[lam][0], 0.0, {})
                 dev_kl[lam] = float((ref.exp() * (ref - answer_logits(model, dev, p))).sum(-1).mean())
         chosen = min(dev_kl, key=dev_kl.get) if dev_kl else ridges[0]
-        for name, r in (("thought patch", None), (f"thought patch (rank {rank})", rank)):
-            if not want(name.replace(str(rank), "{r}")):
+        search = time.perf_counter() - start if dev_kl else 0.0  # every ridge's fit and dev run
+        for key, name, r in (("thought_patch", "thought patch", None),
+                             ("thought_patch_rank", f"thought patch (rank {rank})", rank)):
+            if not want(key):
                 continue
             patch, secs = full[chosen] if r is None and chosen in full else _timed(lambda: fit(r, chosen))
             fits = patch.meta["thought"]["fits"]
-            out[name] = _patched(model, name, patch, secs, {"rank": r, "ridge": chosen, "dev_kl_by_ridge": dev_kl,
+            out[key] = _patched(model, name, patch, secs, {"rank": r, "ridge": chosen, "selection_s": search,
+                                                           "dev_kl_by_ridge": [[k, v] for k, v in dev_kl.items()],
                                                             "output": output, "fits": fits, "patch": patch})
-    if want("thought vector"):
+    if want("thought_vector"):
         s, secs = _timed(lambda: thought_vector(model, prompted, plain, n_q, len(enc.prefix)))
-        out["thought vector"] = _steered(model, "thought vector", s, secs, len(enc.prefix))
-    if want("attention shift"):
+        out["thought_vector"] = _steered(model, "thought vector", s, secs, len(enc.prefix))
+    if want("attention_shift"):
         s, secs = _timed(lambda: attention_shift(model, prompted, plain, n_q))
-        out["attention shift"] = _steered(model, "attention shift", s, secs, len(enc.prefix))
+        out["attention_shift"] = _steered(model, "attention shift", s, secs, len(enc.prefix))
     dummy = enc.batch("calibration", True)  # the prompt and a dummy query, the answer to come
-    if want("task vector"):
+    if want("task_vector"):
         tv, secs = _timed(lambda: task_vectors(model, dummy))
         (layer, scores), pick = _timed(lambda: choose_layer(model, enc, tv, "task vector", progress))
-        out["task vector"] = _steered(model, "task vector", tv.only(layer), secs, len(enc.prefix),
+        out["task_vector"] = _steered(model, "task vector", tv.only(layer), secs, len(enc.prefix),
                                       {"layer": layer, "dev_scores": scores, "selection_s": pick})
-    if want("function vector"):
+    if want("function_vector"):
         corrupted = enc.batch("calibration", True, demos=enc.shuffled_demos(seed))
         fv, secs = _timed(lambda: function_vectors(model, dummy, corrupted, enc.first("calibration"), n_heads, progress))
         (layer, scores), pick = _timed(lambda: choose_layer(model, enc, fv, "function vector", progress))
-        out["function vector"] = _steered(model, "function vector", fv.only(layer), secs, len(enc.prefix),
+        out["function_vector"] = _steered(model, "function vector", fv.only(layer), secs, len(enc.prefix),
                                           {"layer": layer, "dev_scores": scores, "selection_s": pick,
                                            "heads": fv.meta["heads"]})
     return out
@@ -268,17 +276,17 @@ def evaluate(model: nn.Module, enc: Encoded, methods: dict[str, Method], split: 
         texts = enc.tokenizer.batch_decode(tokens.cpu())
         runs[name] = ([is_correct(t, ys) for t, (_, ys) in zip(texts, pairs)], logp.cpu(), texts,
                       _prefill_seconds(model, timing[m.prompted], m))
-    if "ICL" not in runs:
+    if "icl" not in runs:
         raise InputError("evaluate needs the ICL method (the KL is to it)")
-    ref = runs["ICL"][1]
+    ref = runs["icl"][1]
     rows = {}
     for name, (correct, logp, texts, secs) in runs.items():
         k, n = sum(correct), len(correct)
         kl = (ref.exp() * (ref - logp)).sum(-1).clamp_min(0)  # [B]
         m = methods[name]
-        rows[name] = {"correct": k, "n": n, "accuracy": k / n, "ci95": list(wilson(k, n)), "kl": float(kl.mean()),
+        rows[name] = {"name": m.name, "correct": k, "n": n, "accuracy": k / n, "ci95": list(wilson(k, n)), "kl": float(kl.mean()),
                       "kl_median": float(kl.median()), "extraction_s": m.extraction_s, "bytes": m.nbytes,
-                      "overhead": secs / runs["zero-shot"][3] if "zero-shot" in runs else None,
+                      "overhead": secs / runs["zero_shot"][3] if "zero_shot" in runs else None,
                       "examples": [[x, t.split("\n", 1)[0].strip(), ok] for (x, _), t, ok in list(zip(pairs, texts, correct))[:5]]}
     return rows
 
@@ -292,9 +300,17 @@ def single_token_answers(tokenizer, task: WordPairs, fmt: Format = Format()) -> 
 def compare(model: nn.Module, tokenizer, task: WordPairs, *, shots: int = 10, seed: int = 0, test: int | None = None,
             calibration: int = 40, dev: int = 30, fmt: Format = Format(), rank: int = 4, ridge: float = 0.0, layers: Any = None, n_heads: int = 10,
             methods: tuple[str, ...] | None = None, progress: bool | None = None) -> dict:
-    """Every method on one task (``extract`` then ``evaluate`` on the test split); JSON-able."""
+    """Every method on one task (``extract`` then ``evaluate`` on the test split). Returns a JSON-able
+    dict (methods keyed as in ``METHODS``) but for ``"patches"``: the fitted thought patches
+    (``tp.save_patch`` them; ``json.dumps`` the rest). ``ridge``: a number, or several to choose
+    from on the dev split by the KL to ICL."""
     if model.training:
         raise InputError("the model is in training mode: call model.eval()")
+    if test is not None and test < 1:
+        raise InputError(f"test must be at least 1 pair (or None: all that are left), got {test}")
+    if shots < 2 and (methods is None or "function_vector" in methods):
+        raise InputError("the function vector's corrupted prompts shuffle the answers of the demonstrations: "
+                         f"it needs shots >= 2, got {shots}")
     splits = task.split(seed, demos=max(shots, 10), calibration=calibration, dev=dev, test=test)
     enc = Encoded(tokenizer, splits, shots, fmt)
     built = extract(model, enc, rank=rank, ridge=ridge, layers=layers, n_heads=n_heads, seed=seed, methods=methods,
@@ -302,17 +318,30 @@ def compare(model: nn.Module, tokenizer, task: WordPairs, *, shots: int = 10, se
     rows = evaluate(model, enc, built, progress=progress)
     for name, m in built.items():
         if m.info:
-            rows[name].update({k: v for k, v in m.info.items() if k != "patch"})
-    zero, icl = rows["zero-shot"]["accuracy"], rows["ICL"]["accuracy"]
+            rows[name].update({k: _finite(v) for k, v in m.info.items() if k != "patch"})
+    zero, icl = rows["zero_shot"]["correct"], rows["icl"]["correct"]
+    n = rows["icl"]["n"]
     for r in rows.values():
-        r["gain_recovered"] = (r["accuracy"] - zero) / (icl - zero) if icl > zero else None
-    n_layers = model.config.num_hidden_layers
-    kv = 2 * n_layers * getattr(model.config, "num_key_value_heads", 1) * _head_dim(model) * len(enc.prefix + enc.demos)
-    rows["ICL"]["bytes"] = kv * model.get_input_embeddings().weight.element_size()  # the prompt's KV cache
+        r["gain_recovered"] = (r["correct"] - zero) / (icl - zero) if icl > zero else None
+    c = model.config
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * kv_heads * _head_dim(model) * len(enc.prefix + enc.demos)
+    rows["icl"]["bytes"] = kv * model.get_input_embeddings().weight.element_size()  # the prompt's KV cache
     return {"task": task.name, "description": task.description, "shots": shots, "seed": seed,
             "prompt_tokens": len(enc.prefix + enc.demos), "splits": {k: len(v) for k, v in splits.items()},
-            "answers": single_token_answers(tokenizer, task, fmt), "informative": icl - zero >= 0.20,
+            "answers": single_token_answers(tokenizer, task, fmt), "informative": 5 * (icl - zero) >= n,  # >= 20 points
             "methods": rows, "patches": {n: m.info["patch"] for n, m in built.items() if m.info and "patch" in m.info}}
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (an infinite condition number) as ``None``: valid JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _head_dim(model: nn.Module) -> int:

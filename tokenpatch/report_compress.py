@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 KEY = "prompt_compression"
 TITLE = "Prompt compression on real language models"
 RIDGES = (0.01, 0.1)  # the thought patch's ridge, chosen per task on the dev split (KL to ICL)
-BASELINES = ("task vector", "function vector", "attention shift")
+BASELINES = ("task_vector", "function_vector", "attention_shift")
 # Hendel et al. 2023, "In-Context Learning Creates Task Vectors", Pythia-2.8B: zero-shot / task vector / ICL.
 HENDEL_PYTHIA_2_8B = {"antonym": (0.37, 0.68, 0.76), "country_capital": (0.18, 0.70, 0.76),
                       "english_french": (0.16, 0.28, 0.60)}
@@ -34,9 +34,10 @@ HENDEL_PYTHIA_2_8B = {"antonym": (0.37, 0.68, 0.76), "country_capital": (0.18, 0
 
 def run_model(name: str, tasks: list[str] | None = None, *, shots: int = 10, test: int | None = 100, seed: int = 0,
               ridge=RIDGES, rank: int = 4, min_informative: int = 4, out: Path | None = None,
-              progress: bool | None = None) -> dict:
+              progress: bool | None = None, **options) -> dict:
     """``compare`` on ``tasks`` (default: the main tasks, then reserves until ``min_informative``
-    are informative) for the pretrained model ``name``; thought patches are saved to ``out``."""
+    are informative) for the pretrained model ``name``; thought patches are saved to ``out``.
+    ``options``: more of ``compare``'s (``calibration``, ``dev``, ``n_heads``, ``layers``...)."""
     from .delta import save_patch
     from .pretrained import load_pretrained
 
@@ -50,11 +51,11 @@ def run_model(name: str, tasks: list[str] | None = None, *, shots: int = 10, tes
             break
         log.info("%s: %s", name, task)
         res = compare(model, tokenizer, load_task(task), shots=shots, seed=seed, test=test, ridge=ridge, rank=rank,
-                      progress=progress)
+                      progress=progress, **options)
         patches = res.pop("patches")
         if out is not None:
             for method, patch in patches.items():
-                tag = "full" if "rank" not in method else f"rank{rank}"
+                tag = "full" if method == "thought_patch" else f"rank{rank}"
                 save_patch(patch, Path(out) / f"{_slug(name)}-{task}-thought-{tag}.safetensors")
         results[task] = res
         log.info("%s", _line(task, res))
@@ -79,12 +80,12 @@ def goal(results: dict[str, dict]) -> dict:
     lowest_kl, at_least, shares = [], [], []
     for t in informative:
         m = results[t]["methods"]
-        others = {k: v["kl"] for k, v in m.items() if k not in ("ICL", "thought patch")}
-        if m["thought patch"]["kl"] <= min(others.values()):
+        others = {k: v["kl"] for k, v in m.items() if k not in ("icl", "thought_patch")}
+        if m["thought_patch"]["kl"] <= min(others.values()):
             lowest_kl.append(t)
-        if all(m["thought patch"]["correct"] >= m[b]["correct"] for b in BASELINES if b in m):
+        if all(m["thought_patch"]["correct"] >= m[b]["correct"] for b in BASELINES if b in m):
             at_least.append(t)
-        shares.append(m["thought patch"]["gain_recovered"])
+        shares.append(m["thought_patch"]["gain_recovered"])
     mean_share = sum(shares) / len(shares) if shares else None
     return {"informative": informative, "lowest_kl": lowest_kl, "accuracy_at_least_baselines": at_least,
             "mean_gain_recovered": mean_share,
@@ -95,26 +96,27 @@ def markdown(run: dict) -> str:
     """The accuracy / KL / cost table of one model, then the goal's checks."""
     lines = [f"**{run['model']}**, {run['shots']}-shot prompts, seed {run['seed']}, "
              f"{run['seconds'] / 60:.1f} min on {run['threads']} threads.", ""]
-    methods = list(next(iter(run["tasks"].values()))["methods"])
-    lines += ["| task | ICL gain | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    first = next(iter(run["tasks"].values()))
+    names = [v["name"] for v in first["methods"].values()]
+    lines += ["| task | ICL gain | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for task, res in run["tasks"].items():
         m = res["methods"]
-        gain = m["ICL"]["accuracy"] - m["zero-shot"]["accuracy"]
+        gain = m["icl"]["accuracy"] - m["zero_shot"]["accuracy"]
         cells = [f"{v['correct']}/{v['n']} [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] KL {v['kl']:.2f}" for v in m.values()]
         flag = "" if res["informative"] else " (uninformative)"
         lines.append(f"| {task}{flag} | {gain:+.2f} | " + " | ".join(cells) + " |")
-    first = next(iter(run["tasks"].values()))
     lines += ["", "Costs on " + first["task"] + " (extraction seconds; bytes stored; prefill time over zero-shot's):", "",
               "| method | extraction s | bytes | inference overhead |", "|---|---|---|---|"]
-    for k, v in first["methods"].items():
-        lines.append(f"| {k} | {v['extraction_s']:.1f} | {v['bytes']:,} | {v['overhead']:.2f}x |")
+    for v in first["methods"].values():
+        lines.append(f"| {v['name']} | {v['extraction_s']:.1f} | {v['bytes']:,} | {v['overhead']:.2f}x |")
     lines += ["", "Single-token answers: " + ", ".join(f"{t} {r['answers']['single_token']}/{r['answers']['pairs']}"
                                                    for t, r in run["tasks"].items()) + "."]
     g = run["goal"]
     share = "n/a" if g["mean_gain_recovered"] is None else f"{g['mean_gain_recovered']:.2f}"
     lines += ["", f"Goal on the {len(g['informative'])} informative tasks: lowest KL to ICL of all methods but ICL on "
               f"{len(g['lowest_kl'])} ({', '.join(g['lowest_kl']) or 'none'}; goal 4); accuracy at least each of "
-              f"{', '.join(BASELINES)} on {len(g['accuracy_at_least_baselines'])} (goal 3); mean share of the "
+              f"{', '.join(b.replace('_', ' ') for b in BASELINES)} on {len(g['accuracy_at_least_baselines'])} (goal 3); "
+              "mean share of the "
               f"ICL-over-zero-shot gain {share} (goal 0.80): {'met' if g['met'] else 'not met'}."]
     hendel = [t for t in HENDEL_PYTHIA_2_8B if t in run["tasks"]]
     if hendel:
@@ -122,7 +124,7 @@ def markdown(run: dict) -> str:
                   "| task | Pythia-2.8B (Hendel et al.) | " + run["model"] + " |", "|---|---|---|"]
         for t in hendel:
             m = run["tasks"][t]["methods"]
-            ours = " / ".join(f"{m[k]['accuracy']:.2f}" for k in ("zero-shot", "task vector", "ICL"))
+            ours = " / ".join(f"{m[k]['accuracy']:.2f}" for k in ("zero_shot", "task_vector", "icl"))
             lines.append(f"| {t} | {' / '.join(f'{x:.2f}' for x in HENDEL_PYTHIA_2_8B[t])} | {ours} |")
     return "\n".join(lines)
 
@@ -139,8 +141,8 @@ def figure(run: dict, path: Path) -> Path:
         rows = [run["tasks"][t]["methods"][method] for t in tasks]
         acc = [r["accuracy"] for r in rows]
         err = [[a - r["ci95"][0] for a, r in zip(acc, rows)], [r["ci95"][1] - a for a, r in zip(acc, rows)]]
-        axes[0].bar(xs, acc, width, yerr=err, capsize=2, label=method, color=colors(j))
-        if method != "ICL":
+        axes[0].bar(xs, acc, width, yerr=err, capsize=2, label=rows[0]["name"], color=colors(j))
+        if method != "icl":
             axes[1].bar(xs, [max(r["kl"], 1e-3) for r in rows], width, color=colors(j))
     axes[0].set_ylabel("test accuracy (95% CI)")
     axes[0].legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 1.25))
@@ -157,8 +159,9 @@ def figure(run: dict, path: Path) -> Path:
 
 
 def compression_section(out: Path, name: str = "smollm2-135m", task: str = "present_past", test: int = 40,
-                        progress: bool | None = None):
-    """The reduced run of ``tokenpatch reproduce``: one task, one model, ``test`` queries."""
+                        progress: bool | None = None, **options):
+    """The reduced run of ``tokenpatch reproduce``: one task, one model, ``test`` queries (``options``:
+    more of ``compare``'s)."""
     from .errors import UnsupportedModelError
     from .pretrained import check_requirements
     from .report import Section
@@ -167,7 +170,7 @@ def compression_section(out: Path, name: str = "smollm2-135m", task: str = "pres
         check_requirements(name)
     except UnsupportedModelError as exc:
         return Section(KEY, TITLE, f"Skipped: {exc}", [], {"skipped": True, "reason": str(exc)})
-    run = run_model(name, [task], test=test, progress=progress)
+    run = run_model(name, [task], test=test, progress=progress, **options)
     png = figure(run, Path(out) / "compression.png")
     body = (f"A reduced run: one task, {test} test queries (the full table: `tokenpatch compress --model {name} "
             f"--task all`, docs/prompt-compression.md).\n\n" + markdown(run) + f"\n\n![compression]({png.name})")

@@ -5,17 +5,24 @@ sequential mode, with both passes the model's own forward:
 
 * **targets**: the calibration query tokens read after the prompt, ``[prompt; q]`` (positions
   ``P ..``), every layer recorded at once per batch;
-* **anchors**: the query tokens without the prompt (positions ``0 ..``), under the static patch
-  fitted so far, recorded at the layer being fitted.
+* **anchors**: the query tokens without the prompt (positions ``0 ..``; after the prompt's first
+  token with ``keep_bos``), under the static patch fitted so far, recorded at the layer being
+  fitted. This pass runs one decoder layer at a time: the stream entering layer ``l`` is kept (the
+  output of layer ``l - 1`` under its fitted patch) and each layer is called with the arguments the
+  model's own forward gave it (masks, rotary embeddings), captured once, so a layer costs a few
+  layer forwards, not a forward up to it.
+
+Calibration queries of different lengths are padded on the right (token 0) into a few batches;
+causal attention keeps padding from reaching any real token, and only real positions are fitted.
 
 Input side: ``D`` with ``D s_0 ~ s_C - s_0`` (ridge), stored as the input change
 ``"<mlp>:input"`` (``s -> s + D s``, i.e. ``W + W D`` on every matrix reading the MLP input: the
 gate, the up projection, a router and its experts). Output side, with the input change in place:
 ``dW h' (+ db) ~ t``, ``t = out_C - out_0`` what the layer still misses, on the output matrix (and
 its bias, affine). A norm after the MLP (Gemma 2/3: ``out = g * unit(W h)``) makes the output
-nonlinear in ``W``; there the fit matches the norm's input instead, ``dW h' ~ p_C - W h'`` with
-``p = W h`` the MLP output before the norm: where it is met, ``unit`` of it, and so the layer's
-output, is met too (a sufficient condition, linear in ``dW``).
+nonlinear in ``W``: there ``dW`` aims the norm's input ``p = W h'`` at the direction the norm must
+output, ``unit((out_C - m_0) / g) rms(p)``, and the norm's scale is then fitted per channel
+(``_norm_target``, ``_fit_scale``; ``docs/prompt-compression.md`` §2).
 """
 
 from __future__ import annotations
@@ -105,7 +112,7 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
         full = torch.cat([prompt.to(device).expand(q.shape[0], -1), q.to(device)], 1)
         with adapter.recording(model, torch.arange(p, full.shape[1], device=device)) as rec:
             model.base_model(input_ids=full, use_cache=False)
-        return [{k: r[k] for k in ("s", "out", "p") if k in r} for r in rec]  # all the fits read
+        return [{k: r[k] for k in ("s", "out")} for r in rec]  # all the fits read of the with-prompt pass
 
     # the targets do not depend on the fit: computed once and kept (m x T_q x layers x 2 d numbers)
     cache = [targets(q) for q in batches]
@@ -116,7 +123,7 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
     alone = [torch.cat([head.to(device).expand(q.shape[0], -1), q.to(device)], 1) for q in batches]  # [b, (1) + T_q]
     streams, calls = zip(*(_layer_calls(model, layers_, a) for a in alone))
     streams = list(streams)
-    at = torch.arange(head.shape[1], alone[0].shape[1], device=device)
+    ats = [torch.arange(head.shape[1], a.shape[1], device=device) for a in alone]  # the query positions
     deltas: dict[str, Delta] = {}
     fits = []
     readers: dict[str, list] = {}
@@ -131,7 +138,7 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
             for b, (v, kw) in enumerate(zip(valid, calls)):
                 # the patch's hooks first: a recording hook on a patched module then sees the patched output
                 with _hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
-                    with adapter.recording(model, at[: streams[b].shape[1] - head.shape[1]], every=not keep_bos) \
+                    with adapter.recording(model, ats[b], every=not keep_bos) \
                             if record else contextlib.nullcontext([None] * (i + 1)) as rec:
                         out = _first(layer(streams[b], *kw[i][0], **kw[i][1]))
                 yield (cache[b][i], rec[i], v.to(device)) if record else out
@@ -218,8 +225,7 @@ def _norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
     ``norm(x) = g * unit(x)`` and the layer needs ``norm(x) = want`` (``out_C - m_0``: the MLP's
     output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
     ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
-    the norm's input that does). Exact where ``rms(z) = 1``: with one query, and when the attention
-    already matches (``z = unit(p_C)``)."""
+    the norm's input that does). With ``_fit_scale`` after it, exact for one calibration position."""
     from .arch.hf import scale_norm
 
     unit, offset = scale_norm(norm)

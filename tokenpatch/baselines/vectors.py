@@ -100,7 +100,8 @@ def head_effects(model: nn.Module, corrupted: dict[str, Tensor], answers: Tensor
     ``means[l, h]`` at the last position, averaged over the prompts.
 
     Only the last position changes, so the prompts are run once up to the last token with a KV
-    cache; each head costs one forward of the last token (the cache cut back after it)."""
+    cache; each head costs one forward of the last token on a copy of that cache (a copy, not a
+    crop: a sliding-window layer's cache cannot be cut back)."""
     batch = _on(model, corrupted)
     answers = answers.to(_device(model))
     if answers.shape != (batch["input_ids"].shape[0],):
