@@ -283,10 +283,14 @@ def test_thought_patch_gemma_output_side(float64_gemma_norms):
     """Gemma's output side: ``down_proj`` aimed at the directions the post-MLP norm must output,
     then the norm's scale per channel; the input side alone stays available."""
     model = build("gemma3")
+    with torch.no_grad():  # channels whose scale is exactly 0, as real Gemma 3 270M has
+        model.model.layers[1].post_feedforward_layernorm.weight[:3] = -1.0
     prompt, cal = ids(1, 10, seed=9)[0], ids(20, 2, seed=10)
     with pytest.warns(tp.ThoughtWarning, match="rank-deficient"):  # 20 queries of 2 tokens: fewer positions than d
         both = tp.thought_patch(model, prompt, cal)
         inputs_only = tp.thought_patch(model, prompt, cal, output=None)
+    assert all(bool(torch.isfinite(t).all()) for d in both.patch.values() for t in
+               ((d.u, d.v) if isinstance(d, tp.LowRank) else (d,)))
     ends = (":input", "down_proj.weight", "post_feedforward_layernorm.weight")
     assert {k.rpartition(".layers.")[2].partition(".")[2] for k in both.patch} == {"mlp:input", "mlp.down_proj.weight",
                                                                                     "post_feedforward_layernorm.weight"}

@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--calibration", type=_count(1), default=1024, help="calibration queries drawn when --queries is not given")
     c.add_argument("--ridge", type=_number(False), default=None, help="ridge lambda of the least-squares fits "
                    "(default: 0; with --model --prompt: 0.01; with --model --task: chosen per task on the dev split "
-                   "from 0.01 and 0.1)")
+                   "from 0.01, 0.1, 1 and 10)")
     c.add_argument("--mode", choices=["sequential", "teacher"], default="sequential", help="how deeper layers are fitted")
     c.add_argument("--output-side", choices=["affine", "vector", "none"], default="affine",
                    help="the output side of each layer: affine fit, constant thought vector, or none")

@@ -116,7 +116,7 @@ def _solve(sums: _Sums | _QR, lam: float, free_last: bool, where: str) -> tuple[
         pen[-1] = 0
     m = sums.xx / sums.n + lam * torch.diag(pen)  # [p, p]
     b = sums.yx / sums.n  # [q, p]
-    e, vecs = torch.linalg.eigh(m)  # ascending
+    e = torch.linalg.eigvalsh(m)  # ascending; the eigenvectors only where the minimum-norm solution needs them
     top = float(e[-1].clamp_min(0))
     cutoff = top * p * torch.finfo(torch.float64).eps
     rank = int((e > cutoff).sum())
@@ -128,6 +128,7 @@ def _solve(sums: _Sums | _QR, lam: float, free_last: bool, where: str) -> tuple[
         if int(info) == 0:
             return torch.cholesky_solve(b.T, chol).T, rank, cond
     _warn(where, rank, p, cond)
+    e, vecs = torch.linalg.eigh(m)
     inv = torch.where(e > cutoff, 1 / e.clamp_min(cutoff or 1.0), torch.zeros_like(e))  # [p]
     return (b @ vecs) * inv @ vecs.T, rank, cond
 

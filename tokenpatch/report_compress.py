@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 KEY = "prompt_compression"
 TITLE = "Prompt compression on real language models"
-RIDGES = (0.01, 0.1)  # the thought patch's ridge, chosen per task on the dev split (KL to ICL)
+RIDGES = (0.01, 0.1, 1.0, 10.0)  # the thought patch's ridge, chosen per task on the dev split (KL to ICL)
 BASELINES = ("task_vector", "function_vector", "attention_shift")
 # Hendel et al. 2023, "In-Context Learning Creates Task Vectors", Pythia-2.8B: zero-shot / task vector / ICL.
 HENDEL_PYTHIA_2_8B = {"antonym": (0.37, 0.68, 0.76), "country_capital": (0.18, 0.70, 0.76),

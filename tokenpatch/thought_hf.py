@@ -229,7 +229,8 @@ def _norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
     from .arch.hf import scale_norm
 
     unit, offset = scale_norm(norm)
-    z = want / (offset + norm.weight).to(want.dtype)  # [..., d]
+    g = (offset + norm.weight).to(want.dtype)
+    z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to _fit_scale
     return (unit(norm, z).to(p.dtype) * _rms(norm, p) - p).to(want.dtype)  # [..., d]  x* - p
 
 
