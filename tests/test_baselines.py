@@ -225,7 +225,7 @@ class CharTokenizer:
         return ["".join(self.chars[int(t) - 3] if 3 <= int(t) < 3 + len(self.chars) else "?" for t in row) for row in rows]
 
 
-def test_compare_runs_every_method_on_a_tiny_model():
+def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
     model = build("llama")
     words = [chr(97 + i % 26) + chr(97 + i // 26) + chr(97 + 3 * i % 26) for i in range(40)]  # distinct
     task = WordPairs("rev", "word -> reversed", tuple((w, (w[::-1],)) for w in words))
@@ -245,6 +245,13 @@ def test_compare_runs_every_method_on_a_tiny_model():
     assert set(res["patches"]) == {"thought_patch", "thought_patch_rank"}
     json.dumps({k: v for k, v in res.items() if k != "patches"}, allow_nan=False)  # valid JSON, no inf
     assert non_snake_keys({k: v for k, v in res.items() if k != "patches"}) == []
+    from tokenpatch.report_compress import figure, goal, markdown
+
+    tasks = {"rev": {k: v for k, v in res.items() if k != "patches"}}
+    run = {"model": "tiny", "shots": 2, "seed": 0, "seconds": 1.0, "threads": 1, "tasks": tasks, "goal": goal(tasks)}
+    text = markdown(run)
+    assert "| rev" in text and "thought patch (rank 2)" in text and "| input side |" in text
+    assert figure(run, tmp_path / "c.png").stat().st_size > 10_000
     with pytest.raises(tp.InputError, match="shots >= 2"):
         compare(model, CharTokenizer(), task, shots=1)
     with pytest.raises(tp.InputError, match="at least 1"):

@@ -161,10 +161,11 @@ def _parser() -> argparse.ArgumentParser:
                    "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)")
     c.add_argument("--shots", type=_count(1), default=10, help="with --model --task: demonstrations in the prompt")
     c.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
-    c.add_argument("--prompt", default=None, help="safetensors file with a tensor 'prompt' [P, d_in] (default: the "
-                                                  "context of a fresh task of the checkpoint, drawn with --seed)")
-    c.add_argument("--queries", default=None, help="safetensors file with a tensor 'queries' [m, T_q, d_in] (default: "
-                                                   "--calibration fresh one-token queries of the checkpoint's task)")
+    c.add_argument("--prompt", default=None, help="safetensors file with a tensor 'prompt' [P, d_in]; with --model: "
+                   "the prompt text (default: the context of a fresh task of the checkpoint, drawn with --seed)")
+    c.add_argument("--queries", default=None, help="safetensors file with a tensor 'queries' [m, T_q, d_in]; with "
+                   "--model: a text file, one calibration query per line, like those the patch will answer (default: "
+                   "--calibration fresh one-token queries of the checkpoint's task)")
     c.add_argument("--calibration", type=_count(1), default=1024, help="calibration queries drawn when --queries is not given")
     c.add_argument("--ridge", type=_number(False), default=None, help="ridge lambda of the least-squares fits "
                    "(default: 0; with --model --prompt: 0.01; with --model --task: chosen per task on the dev split "
@@ -173,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--output-side", choices=["affine", "vector", "none"], default="affine",
                    help="the output side of each layer: affine fit, constant thought vector, or none")
     c.add_argument("--rank", type=_count(1), default=None, help="keep every matrix delta at this rank during the fit "
-                                                                "(default: full rank)")
+                   "(default: full rank; with --model --task: the rank of the truncated thought patch's row, 4)")
     c.add_argument("--test", type=_count(0), default=None, help="fresh queries to evaluate the patch on (0: skip) "
                    "(default: 1000; with --model --task: the test pairs per task, default 100)")
     c.add_argument("--seed", type=int, default=0, help="seed of the drawn prompt and queries")

@@ -111,6 +111,16 @@ def markdown(run: dict) -> str:
         lines.append(f"| {v['name']} | {v['extraction_s']:.1f} | {v['bytes']:,} | {v['overhead']:.2f}x |")
     lines += ["", "Single-token answers: " + ", ".join(f"{t} {r['answers']['single_token']}/{r['answers']['pairs']}"
                                                    for t, r in run["tasks"].items()) + "."]
+    lines += ["", "Where the thought patch's fit leaves a residual (relative least-squares residual of each layer's "
+              "input / output side on the calibration positions, averaged over the tasks; ridge chosen per task: "
+              + ", ".join(f"{t} {r['methods']['thought_patch']['ridge']:g}" for t, r in run["tasks"].items()) + "):", ""]
+    fits = [r["methods"]["thought_patch"]["fits"] for r in run["tasks"].values()]
+    n = len(fits[0])
+    picks = sorted({0, n // 4, n // 2, (3 * n) // 4, n - 1})
+    mean = lambda key, i: sum(f[i][key] or 0.0 for f in fits) / len(fits)  # noqa: E731
+    lines += ["| layer | " + " | ".join(str(fits[0][i]["layer"]) for i in picks) + " |", "|---|" + "---|" * len(picks),
+              "| input side | " + " | ".join(f"{mean('input_residual', i):.2f}" for i in picks) + " |",
+              "| output side | " + " | ".join(f"{mean('output_residual', i):.2f}" for i in picks) + " |"]
     g = run["goal"]
     share = "n/a" if g["mean_gain_recovered"] is None else f"{g['mean_gain_recovered']:.2f}"
     lines += ["", f"Goal on the {len(g['informative'])} informative tasks: lowest KL to ICL of all methods but ICL on "
