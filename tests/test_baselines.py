@@ -12,7 +12,7 @@ from conftest import non_snake_keys
 import tokenpatch as tp
 
 pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
-from test_hf import build  # noqa: E402
+from test_hf import build, float64_gemma_norms  # noqa: E402,F401  (a fixture)
 
 from tokenpatch.baselines import (Steering, attention_shift, function_vectors, head_contribution,  # noqa: E402
                                   head_effects, heads_set, mean_heads, pad_left, recording_heads, site_modules, steer,
@@ -313,3 +313,21 @@ def test_steering_leaves_the_bos_and_padding_alone():
     untouched = ~where  # the BOS and the left padding of every row: causal attention, nothing reaches them
     assert all(torch.equal(a[untouched], b[untouched]) for a, b in zip(after, before))
     assert all(not torch.equal(a[where], b[where]) for a, b in zip(after, before))
+
+
+def test_head_terms_through_gemmas_post_attention_norm_add_up(float64_gemma_norms):
+    """With a norm after ``o_proj`` (Gemma), a head's term is ``g / rms(a) W_O[:, h] z_h``: on one
+    prompt the terms add up to the norm's output exactly."""
+    from tokenpatch.baselines.steering import o_proj_modules
+    from tokenpatch.baselines.vectors import _norm_gain
+
+    model = build("gemma3")
+    prompted, _, _ = batches(seed=10, n=1)
+    with recording_heads(model) as rec:
+        logits(model, prompted)
+    layer, z = 1, rec[1]  # [1, H, dh]
+    gain = _norm_gain(model, layer, z)
+    total = sum(head_contribution(model, layer, h, z[0, h]) * gain for h in range(model.config.num_attention_heads))
+    with torch.no_grad():
+        want = site_modules(model, "attention")[layer](o_proj_modules(model)[layer](z.flatten(1)))[0]
+    assert float((total - want).abs().max()) <= 1e-12

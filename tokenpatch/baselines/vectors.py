@@ -132,17 +132,40 @@ def head_effects(model: nn.Module, corrupted: dict[str, Tensor], answers: Tensor
 def function_vectors(model: nn.Module, prompted: dict[str, Tensor], corrupted: dict[str, Tensor], answers: Tensor,
                      n_top: int = 10, progress: bool | None = None) -> Steering:
     """The function vector (the top ``n_top`` heads by AIE, their mean outputs summed through
-    ``o_proj``) as a candidate at every layer; ``.only(l)`` picks the layer it is added after.
-    ``meta`` keeps the ranked heads and the AIE table."""
-    means = mean_heads(model, prompted)  # [L, H, dh]
+    ``o_proj``, and through a norm after it at its mean gain: ``_norm_gain``) as a candidate at every
+    layer; ``.only(l)`` picks the layer it is added after. ``meta`` keeps the ranked heads and the
+    AIE table."""
+    with recording_heads(model) as rec, torch.no_grad():
+        model.base_model(**_on(model, prompted), use_cache=False)
+    means = torch.stack([z.mean(0) for z in rec])  # [L, H, dh]
     effects = head_effects(model, corrupted, answers, means, progress)  # [L, H]
     heads = n_heads(model)
     top = effects.flatten().argsort(descending=True)[: max(1, int(n_top))]
     chosen = [(int(i) // heads, int(i) % heads) for i in top]
-    fv = sum(head_contribution(model, layer, h, means[layer, h]) for layer, h in chosen)
+    fv = sum(head_contribution(model, layer, h, means[layer, h]) * _norm_gain(model, layer, rec[layer])
+             for layer, h in chosen)
     return Steering("residual", {i: fv for i in range(means.shape[0])}, "add", "last",
                     {"method": "function vector", "heads": [[layer, h, float(effects[layer, h])] for layer, h in chosen],
                      "aie": effects.tolist()})
+
+
+def _norm_gain(model: nn.Module, layer: int, z: Tensor) -> Tensor | float:
+    """What a norm between ``o_proj`` and the residual stream (Gemma's post-attention norm, ``g *
+    a / rms(a)``) multiplies a head's term by: ``g / rms(a)``, ``a`` the attention output of the
+    prompted rows at the last position (its mean RMS). The heads' terms then add up to the norm's
+    output, as they add up to ``o_proj``'s where no norm follows (gain 1)."""
+    from ..arch.hf import HFAdapter, scale_norm
+    from .steering import o_proj_modules
+
+    fam = HFAdapter.family(model)
+    if fam.attn_out is None:
+        return 1.0
+    norm = site_modules(model, "attention")[layer]
+    unit, offset = scale_norm(norm)
+    with torch.no_grad():
+        a = o_proj_modules(model)[layer](z.flatten(1).to(next(norm.parameters()).dtype))  # [B, d]
+        rms = (a.double().square().mean(-1) + norm.eps).sqrt().mean()
+        return ((offset + norm.weight.double()) / rms).to(a.dtype)  # [d]
 
 
 def attention_shift(model: nn.Module, prompted: dict[str, Tensor], plain: dict[str, Tensor], n_query: Tensor) -> Steering:
