@@ -21,7 +21,7 @@ def _pretrained(args):
     from .pretrained import load_pretrained
 
     _check_model_name(args.model)
-    return load_pretrained(args.model, dtype=args.dtype, progress=None if not args.quiet else False)
+    return load_pretrained(args.model, dtype=getattr(args, "dtype", "float32"), progress=None if not args.quiet else False)
 
 
 def verify_lm(args) -> int:
