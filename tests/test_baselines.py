@@ -12,7 +12,8 @@ from conftest import non_snake_keys
 import tokenpatch as tp
 
 pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
-from test_hf import build, float64_gemma_norms  # noqa: E402,F401  (a fixture)
+from test_hf import build  # noqa: E402
+from test_hf import float64_gemma_norms as _float64_gemma_norms  # noqa: E402
 
 from tokenpatch.baselines import (Steering, attention_shift, function_vectors, head_contribution,  # noqa: E402
                                   head_effects, heads_set, mean_heads, pad_left, recording_heads, site_modules, steer,
@@ -20,6 +21,8 @@ from tokenpatch.baselines import (Steering, attention_shift, function_vectors, h
 from tokenpatch.baselines.vectors import _states  # noqa: E402
 from tokenpatch.compression import Method, compare, greedy, wilson  # noqa: E402
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPairs, is_correct, load_task, task_names  # noqa: E402
+
+float64_gemma_norms = _float64_gemma_norms  # test_hf's fixture, shared
 
 FAMILIES = ["llama", "gemma3", "gpt2", "gpt_neox"]
 BOS = 1
