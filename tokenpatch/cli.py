@@ -180,6 +180,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="seed of the drawn prompt and queries")
     _common(c)
 
+    from .cli_markov import add_parser as add_markov
+
+    add_markov(sub, fmt, _common, _count, _number)
+
     r = sub.add_parser("reproduce", help="run the paper experiments; write results/report.md, figures, JSON",
                        formatter_class=fmt,
                        description=f"Run every section of the report on the shipped checkpoint ({REPRODUCE_TIME}) "
@@ -360,6 +364,12 @@ def _reproduce(args) -> int:
     return 0
 
 
+def _markov(args) -> int:
+    from .cli_markov import run
+
+    return run(args, _usage)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("TOKENPATCH_DEBUG", "") not in ("", "0")
     try:
         return {"train": _train, "verify": _verify, "generate": _generate_lm, "compress": _compress,
-                "reproduce": _reproduce}[args.command](args)
+                "reproduce": _reproduce, "markov": _markov}[args.command](args)
     except (TokenpatchError, OSError) as exc:  # user mistakes: bad values, missing or wrong files
         if debug:
             raise

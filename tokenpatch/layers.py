@@ -141,6 +141,13 @@ class SoftmaxAttention(_Attention):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, dh]
 
+    def pattern(self, h: Tensor) -> Tensor:
+        """The attention probabilities ``[B, H, T, T]`` (row ``t``: query ``t`` over keys ``j <= t``)."""
+        q, k = self._split(self.q(h)), self._split(self.k(h))  # [B, H, T, dh]
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # [B, H, T, T]
+        causal = torch.ones(h.shape[1], h.shape[1], dtype=torch.bool, device=h.device).tril()
+        return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+
     def _attend_prefix(self, q, k, v, k_self, v_self, lengths) -> Tensor:
         scale = q.shape[-1] ** -0.5
         rows = q.shape[2]

@@ -1,0 +1,1 @@
+"""Circuits behind in-context learning: Markov-chain phases (``phases``, ``circuits``)."""
