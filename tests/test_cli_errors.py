@@ -54,6 +54,14 @@ CASES = [  # (argv, what the one line must say); {d} is the fixture folder
     (["train", "--noise", "nan"], "argument --noise: nan must be a finite number >= 0"),
     (["train", "--out", "{d}/new.safetensors", "--d-model", "10", "--heads", "4"], "d_model=10 is not divisible by n_heads=4"),
     (["frobnicate"], "argument command: invalid choice: 'frobnicate'"),
+    (["markov", "predictors", "--alpha", "0"], "argument --alpha: 0 must be a finite number > 0"),
+    (["markov", "predictors", "--states", "1"], "argument --states: 1 is too small: it must be at least 2"),
+    (["markov", "predictors", "--length", "200", "--sequences", "0"], "argument --sequences: 0 is too small"),
+    (["markov", "probe", "--run", "{d}/folder"], "--run {d}/folder holds no Markov run"),
+    (["markov", "train", "--out", "{d}/notes.txt"], "--out {d}/notes.txt is a file; give a folder for the run"),
+    (["markov", "train", "--out", "{d}"], "--out {d} is a folder with other files in it"),
+    (["markov", "report", "--out", "{d}/notes.txt"], "--out {d}/notes.txt is a file; give a folder for the report"),
+    (["markov", "sweep"], "argument markov_command: invalid choice: 'sweep'"),
 ]
 
 
@@ -81,14 +89,15 @@ def test_no_traceback_unless_debug(files):
     assert "Traceback" in subprocess.run(argv, capture_output=True, text=True, env=env).stderr
 
 
-@pytest.mark.parametrize("command", ["train", "verify", "generate", "reproduce"])
+@pytest.mark.parametrize("command", ["train", "verify", "generate", "reproduce", "markov predictors", "markov train",
+                                     "markov report"])
 def test_help_shows_every_default(command, capsys):
     with pytest.raises(SystemExit):
-        main([command, "--help"])
+        main([*command.split(), "--help"])
     out = capsys.readouterr().out.split("options:", 1)[1]
-    switches = {"--help", "--quiet", "--debug", "--json", "--no-resume", "--no-residual"}  # off unless given
+    switches = {"--help", "--quiet", "--debug", "--json", "--no-resume", "--no-residual", "--minimal", "--reduced"}
     entries = re.split(r"\n  (?=-)", out)[1:]  # one entry per option: "--name METAVAR  help (default: x)"
-    assert len(entries) >= 8
+    assert len(entries) >= 7
     for entry in entries:
         name = entry.split()[-1 if entry.startswith("-h") else 0].rstrip(",")
         name = "--help" if entry.startswith("-h") else name

@@ -49,7 +49,7 @@ def add_parser(sub, fmt, common, count, number) -> None:
     t = msub.add_parser("train", formatter_class=fmt, help="train one model; phase labels at log-spaced steps",
                         description="Train (or resume) a small transformer on K chains; the folder --out holds the "
                         "resumable checkpoint, weights-only snapshots at every evaluation, and curves.png.")
-    t.add_argument("--out", required=True, help="run folder (resumed if it holds the same recipe)")
+    t.add_argument("--out", required=True, help="run folder, resumed if it holds the same recipe (required)")
     _task_args(t, count, number)
     t.add_argument("--d-model", type=count(1), default=d.d_model, help="residual stream width")
     t.add_argument("--layers", type=count(1), default=d.n_layers, help="blocks")
@@ -65,7 +65,7 @@ def add_parser(sub, fmt, common, count, number) -> None:
     r = msub.add_parser("probe", formatter_class=fmt, help="circuits, phi patching and token patches of a trained run",
                         description="Previous-token and statistical-induction scores, head and MLP ablation, the chain "
                         "probe on phi, phi patching with controls, and the bridge to token patches, as JSON.")
-    r.add_argument("--run", required=True, help="run folder written by `tokenpatch markov train`")
+    r.add_argument("--run", required=True, help="run folder written by `tokenpatch markov train` (required)")
     r.add_argument("--seed", type=int, default=0, help="seed of the probe sequences")
     common(r)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 

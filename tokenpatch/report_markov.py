@@ -16,9 +16,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .interp.phases import LABELS  # noqa: E402
 from .markov import MarkovModel, MarkovTrain, load_run  # noqa: E402
-from .markov_sweep import fit_tau, k_star, phase_grid, sweep_chains, sweep_lengths, transition_step  # noqa: E402
+from .markov_sweep import k_star, phase_grid, sweep_chains, sweep_lengths, transition_step  # noqa: E402
 from .tasks.markov import MarkovTask  # noqa: E402
 
 __all__ = ["FULL", "REDUCED", "markov_section", "curves_figure", "phase_figure", "tau_figure"]

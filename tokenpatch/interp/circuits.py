@@ -81,8 +81,8 @@ def statistical_induction_score(pattern: Tensor, states: Tensor) -> tuple[Tensor
     keys[:, 1:, 1:] = match
     keys &= torch.ones(t, t, dtype=torch.bool).tril()  # s <= t
     mass = (pattern[:, :, 1:] * keys[:, None, 1:]).sum(-1)  # [B, H, T-1]
-    uniform = keys[:, 1:].sum(-1) / torch.arange(2, t + 1)  # [B, T-1]
-    return mass.mean((0, -1)), uniform.double().mean().item()
+    uniform = keys[:, 1:].sum(-1).double() / torch.arange(2, t + 1, dtype=torch.float64)  # [B, T-1]
+    return mass.mean((0, -1)), uniform.mean().item()
 
 
 @contextmanager
