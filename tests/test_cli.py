@@ -40,6 +40,10 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch,
     # inside reproduce and writes a valid section, on fewer queries
     monkeypatch.setattr(report, "compression_section", functools.partial(report_compress.compression_section, test=8,
                                                                          calibration=12, dev=8, n_heads=4))
+    from tokenpatch import report_markov  # the Markov sweep on two small runs (its numbers: test_markov.py)
+
+    tiny = {**report_markov.REDUCED, "chains": (2, 8), "steps": 40, "show": (2, 8)}
+    monkeypatch.setattr(report, "markov_section", functools.partial(report_markov.markov_section, preset=tiny, workers=1))
     assert main(["reproduce", "--out", str(tmp_path), "--tasks", "16", "--quiet"]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "| layer 0 |" in report and "| output |" in report and "NOT MET" not in report
@@ -47,7 +51,10 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch,
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data["sections"]) == {"equivalence", "model", "dynamics", "finetune", "thought", "real_models",
-                                     "prompt_compression"}
+                                     "prompt_compression", "markov"}
+    mk = data["sections"]["markov"]
+    assert [r["chains"] for r in mk["final"]] == [2, 8] and set(mk["probes"]) == {"2", "8"}
+    assert set(mk["probes"]["2"]["phi_patching"]) == {"clean", "donor", "same_chain", "mean", "random"}
     assert non_snake_keys(data) == []
     th = data["sections"]["thought"]
     test = dict(zip(th["curve"]["m"], th["curve"]["test"]))

@@ -253,7 +253,10 @@ def test_transition_step_interpolates_in_log_step():
     h = _hist([(0, 0.5, 0.4), (10, 0.1, 0.3), (100, 0.2, 0.1), (1000, 0.3, 0.05)])
     # gap (2-gen - 1-gen) goes 0.2 at step 10 -> -0.1 at step 100: crossing 2/3 of the way in log-step
     assert transition_step(h) == pytest.approx(10 ** (1 + 2 / 3))
-    assert transition_step(_hist([(0, 0.5, 0.4), (10, 0.1, 0.3)])) is None
+    assert transition_step(_hist([(0, 0.5, 0.4), (10, 0.1, 0.3)])) is None  # never crosses
+    assert transition_step(_hist([(0, 0.5, 0.6), (10, 0.3, 0.1), (100, 0.3, 0.1)])) is None  # below from the start
+    bounce = _hist([(0, 0.5, 0.4), (10, 0.3, 0.1), (100, 0.1, 0.3), (1000, 0.3, 0.0)])  # the last crossing counts
+    assert transition_step(bounce) == pytest.approx(10 ** (2 + 0.2 / 0.5))
 
 
 def test_fit_tau_recovers_a_power_law_and_n_over_log_n():
@@ -268,7 +271,8 @@ def test_fit_tau_recovers_a_power_law_and_n_over_log_n():
 def test_k_star_from_final_evaluations():
     def run(k, seed, gen, mem):
         return {"chains": k, "seed": seed, "history": [{"fresh": {"kl": {"2-gen": 0.1 if gen else 0.5, "2-mem": 0.3}},
-                                                        "train": {"kl": {"2-mem": 0.01 if mem else 0.4}}}]}
+                                                        "train": {"kl": {"2-mem": 0.01 if mem else 0.4, "2-gen": 0.2,
+                                                                         "1-gen": 0.5, "1-mem": 0.3}}}]}
     summary = {"runs": [run(1, 0, False, True), run(4, 0, False, True), run(16, 0, True, True), run(64, 0, True, False),
                         run(1, 1, False, True), run(4, 1, True, False), run(16, 1, True, False), run(64, 1, True, False)]}
     s = k_star(summary)
@@ -276,6 +280,7 @@ def test_k_star_from_final_evaluations():
     assert s["per_seed"][0]["k2"] == 16 and s["per_seed"][0]["k2_bracket"] == [16, 64]
     assert s["per_seed"][1]["k1"] == 4 and s["per_seed"][1]["k2"] == 1
     assert s["k1"]["geomean"] == pytest.approx(8.0) and (s["k1"]["min"], s["k1"]["max"]) == (4, 16)
+    assert k_star(summary, tol=0.005)["k2"] is None and k_star(summary, tol=0.05)["per_seed"][0]["k2"] == 16
 
 
 # ----------------------------------------------------------------------------- circuits
@@ -344,7 +349,7 @@ def test_mean_ablation_uses_the_reference_mean(tiny):
         h.remove()
     assert torch.allclose(seen["z2"][..., :8], mean.expand_as(seen["z2"][..., :8]), atol=1e-15)
     assert torch.equal(seen["z2"][..., 8:], seen["z"][..., 8:])
-    with pytest.raises(tp.InputError, match="head 2 is outside layer 0's 2 heads"):
+    with pytest.raises(tp.InputError, match=r"head \(0, 2\) is not in the model \(2 layers x 2 heads\)"):
         with circuits.ablated(model, heads=[(0, 2)]):
             pass
     with pytest.raises(tp.InputError, match="needs reference inputs"):

@@ -160,6 +160,7 @@ def _report(args, usage) -> int:
     out.mkdir(parents=True, exist_ok=True)
     section = markov_section(out, REDUCED if args.reduced else FULL, workers=args.workers, progress=not args.quiet)
     (out / "report.md").write_text(f"# {section.title}\n\n{section.body}\n")
-    print(f"report: {out / 'report.md'}")
+    (out / "markov.json").write_text(json.dumps(section.data, indent=1))
+    print(f"report: {out / 'report.md'}; numbers: {out / 'markov.json'}")
     return 0
 

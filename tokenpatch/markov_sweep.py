@@ -5,8 +5,9 @@
 * the **phase diagram**: the label on the training chains at every (K, step);
 * ``K*_1``: the smallest K whose final model is closer, on fresh chains, to 2-gen than to 2-mem
   (``KL(2-gen || model) < KL(2-mem || model)``): from there on the model generalises;
-* ``K*_2``: the largest K whose final model reaches 2-mem on its training chains
-  (``KL(2-mem || model) <= tol``): the most chains the model can memorise in the budget.
+* ``K*_2``: the largest K whose final model reaches 2-mem on its training chains (2-mem the
+  nearest of the four predictors, or ``KL(2-mem || model) <= tol``): the most chains the model
+  can memorise in the budget.
 
 Each is estimated per seed; the grid brackets it (``K*_1`` lies in ``(K_prev, K]``) and the
 seeds give its spread. ``sweep_lengths`` trains at large K for several N and measures ``tau(N)``,
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ._progress import progress_bar
+from .interp.phases import PHASES
 from .markov import MarkovModel, MarkovTrain, train_markov
 from .tasks.markov import MarkovTask
 
@@ -92,9 +94,14 @@ def phase_grid(summary: dict, seed: int | None = None, which: str = "train") -> 
     return [r["chains"] for r in runs], steps, [[h[which]["label"] for h in r["history"]] for r in runs]
 
 
-def k_star(summary: dict, tol: float = 0.05) -> dict:
+def k_star(summary: dict, tol: float | None = None) -> dict:
     """``K*_1`` and ``K*_2`` per seed from the final evaluation of every run (module docstring),
-    with the grid bracket, and their geometric mean and range over seeds (``None`` if not found)."""
+    with the grid bracket, and their geometric mean and range over seeds (``None`` if not found).
+
+    A run "reaches 2-mem" when ``KL(2-mem || model)`` on its training chains is the least of the
+    four predictors' (``tol=None``, the default), or is at most ``tol`` nats. The default is
+    scale-free: the gap between 2-mem and 2-gen shrinks as K grows, so a fixed tolerance
+    means a different thing at each K."""
     by_seed: dict[int, list] = {}
     for r in summary["runs"]:
         by_seed.setdefault(r["seed"], []).append(r)
@@ -104,7 +111,8 @@ def k_star(summary: dict, tol: float = 0.05) -> dict:
         ks = [r["chains"] for r in runs]
         final = [r["history"][-1] for r in runs]
         gen = [f["fresh"]["kl"]["2-gen"] < f["fresh"]["kl"]["2-mem"] for f in final]
-        mem = [f["train"]["kl"]["2-mem"] <= tol for f in final]
+        mem = [(f["train"]["kl"]["2-mem"] <= tol) if tol is not None else
+               min(PHASES, key=lambda p: f["train"]["kl"][p]) == "2-mem" for f in final]
         k1 = next((i for i, g in enumerate(gen) if g), None)
         k2 = max((i for i, m in enumerate(mem) if m), default=None)
         per_seed[seed] = {
@@ -124,19 +132,18 @@ def k_star(summary: dict, tol: float = 0.05) -> dict:
 
 
 def transition_step(history: list[dict], which: str = "fresh", after: str = "2-gen", before: str = "1-gen") -> float | None:
-    """First step with ``KL(after || model) < KL(before || model)``, interpolated in log-step
-    between the two evaluations around the crossing; ``None`` if it never happens."""
-    prev = None
-    for h in history:
-        gap = h[which]["kl"][after] - h[which]["kl"][before]
-        if gap < 0 and h["step"] > 0:
-            if prev is None or prev[0] == 0:
-                return float(h["step"])
-            s0, g0 = prev
-            frac = g0 / (g0 - gap)
-            return float(math.exp(math.log(s0) + frac * (math.log(h["step"]) - math.log(s0))))
-        prev = (h["step"], gap)
-    return None
+    """The step at which ``KL(after || model)`` falls below ``KL(before || model)`` for good: the
+    last crossing from ``>=`` to ``<`` (step 0 excluded), interpolated in log-step between the two
+    evaluations around it; ``None`` if the run ends above, or was never above after step 0."""
+    pts = [(h["step"], h[which]["kl"][after] - h[which]["kl"][before]) for h in history if h["step"] > 0]
+    if not pts or pts[-1][1] >= 0:
+        return None
+    above = [i for i, (_, gap) in enumerate(pts) if gap >= 0]
+    if not above:
+        return None
+    (s0, g0), (s1, g1) = pts[above[-1]], pts[above[-1] + 1]
+    frac = g0 / (g0 - g1)
+    return float(math.exp(math.log(s0) + frac * (math.log(s1) - math.log(s0))))
 
 
 def fit_tau(lengths: list[int], taus: list[float | None]) -> dict:

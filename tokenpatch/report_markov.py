@@ -5,7 +5,6 @@ scale; ``tokenpatch reproduce`` runs the ``REDUCED`` preset."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -197,14 +196,29 @@ def markov_section(out: Path, preset: dict = REDUCED, task: MarkovTask = MarkovT
                        "g1_to_g2": transition_step(r["history"])} for r in summary["runs"]]}
     if lengths:
         data["lengths"] = {"runs": [{k: r[k] for k in ("length", "seed", "tau")} for r in lengths["runs"]], "fit": lengths["fit"]}
-    (out / "markov.json").write_text(json.dumps(data, indent=1))
-    return Section("markov", "Markov-chain ICL phases", _markdown(data, figs, hist, refs, show), figs, data)
+    body = _markdown(data, figs, hist, refs, show)
+    return Section("markov", "Markov-chain ICL phases", body, figs, _snake(data))
+
+
+def _snake(obj):
+    """The report's JSON keys in snake_case (``"2-gen"`` -> ``"2_gen"``, ``"layer-1 head"`` -> ``"layer_1_head"``)."""
+    if isinstance(obj, dict):
+        return {str(k).replace("-", "_").replace(" ", "_").lower(): _snake(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snake(v) for v in obj]
+    return obj
 
 
 def _fmt_star(s) -> str:
     if s is None:
         return "not found in the grid"
     return f"{s['geomean']:.3g} (geometric mean over {s['found']}/{s['seeds']} seeds; range {s['min']}-{s['max']})"
+
+
+def _bracket(b, left: str, right: str) -> str:
+    if b is None:
+        return "not found"
+    return f"in {left}{b[0]}, {'inf' if b[1] is None else b[1]}{right}"
 
 
 def _markdown(data: dict, figs: list[str], hist: dict, refs: dict, show: dict) -> str:
@@ -230,10 +244,10 @@ def _markdown(data: dict, figs: list[str], hist: dict, refs: dict, show: dict) -
     s = data["k_star"]
     lines += ["", f"![phase diagram]({figs[1]})", "",
               f"- K*_1 (smallest K closer to 2-gen than to 2-mem on fresh chains at the end): {_fmt_star(s['k1'])}",
-              f"- K*_2 (largest K reaching KL(2-mem || model) <= {s['tol']} on its training chains): {_fmt_star(s['k2'])}",
-              "- per seed: " + "; ".join(f"seed {seed}: K*_1 in ({v['k1_bracket'][0] if v['k1_bracket'] else '-'}, {v['k1']}], "
-                                          f"K*_2 in [{v['k2']}, {v['k2_bracket'][1] if v['k2_bracket'] else '-'})"
-                                          for seed, v in s["per_seed"].items())]
+              f"- K*_2 (largest K whose final model is nearest to 2-mem on its training chains): {_fmt_star(s['k2'])}",
+              "- per seed (the grid brackets each estimate): " + "; ".join(
+                  f"seed {seed}: K*_1 {_bracket(v['k1_bracket'], '(', ']')}, K*_2 {_bracket(v['k2_bracket'], '[', ')')}"
+                  for seed, v in s["per_seed"].items())]
     if "lengths" in data:
         f = data["lengths"]["fit"]
         lines += ["", f"![tau vs N]({figs[2]})", "",

@@ -6,7 +6,7 @@
   previous state equals it, ``mean_t sum_{s<=t: x_{s-1} = x_t} A[t, s]``, beside the mass uniform
   causal attention would put there (``baseline``): the layer-2 half, whose values then average
   the successors of ``x_t`` into the 2-gen estimate ``n_{x_t j} / n_{x_t .}``.
-* ``ablated``: zero or mean-ablate heads (their slice of the attention's output-projection
+* ``ablated``: ablate heads (``interp.ablation``: their slice of the attention's output-projection
   input) and MLPs, by hooks, removed on exit; no weight is written.
 * ``phi``: the memorising phase's task vector, the last layer's attention output at the final
   position (the pooled pair features whose average identifies the chain); ``chain_probe``
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..models import ICLTransformer
+from .ablation import ablate_heads
 
 __all__ = ["attention_patterns", "mixer_outputs", "previous_token_score", "statistical_induction_score",
            "ablated", "replaced_mixer", "phi", "chain_probe", "phi_patching"]
@@ -87,51 +88,31 @@ def statistical_induction_score(pattern: Tensor, states: Tensor) -> tuple[Tensor
 
 @contextmanager
 def ablated(model: ICLTransformer, heads=(), mlps=(), mode: str = "zero", reference: Tensor | None = None):
-    """Ablate ``heads`` (``(layer, head)`` pairs) and ``mlps`` (layer indices) inside the block.
+    """Ablate ``heads`` (``(layer, head)`` pairs; ``interp.ablation.ablate_heads``, any of its modes)
+    and ``mlps`` (layer indices) inside the block.
 
-    ``mode="zero"``: the head's slice of the output projection's input (its ``z``), or the MLP's
-    output (``fc_out``'s, the block calls ``fc_out`` itself), is set to 0; ``"mean"``: to its mean over every position of ``reference [B, T, d_in]``.
-    Hooks only; they are removed on exit, errors included, so the model is left as it was.
+    An MLP's output (``fc_out``'s: the block calls ``fc_out`` itself) is set to 0 (``mode="zero"``)
+    or to its mean over every position of ``reference [B, T, d_in]`` (``"mean"``). Hooks only;
+    removed on exit, errors included, so the model is left as it was.
     """
-    if mode not in ("zero", "mean"):
-        raise InputError(f"mode={mode!r}; choose 'zero' or 'mean'")
-    if mode == "mean" and reference is None:
-        raise InputError("mode='mean' needs reference inputs to average over")
-    heads, mlps = [(_check(model, l), h) for l, h in heads], [_check(model, l) for l in mlps]
-    for l, h in heads:
-        if not 0 <= h < model.blocks[l].mixer.n_heads:
-            raise InputError(f"head {h} is outside layer {l}'s {model.blocks[l].mixer.n_heads} heads")
-    means: dict = {}
-    if mode == "mean":
-        z: dict[int, Tensor] = {}
-        y: dict[int, Tensor] = {}
-        rec = [model.blocks[l].mixer.out.register_forward_pre_hook(lambda m, a, l=l: z.__setitem__(l, a[0]))
-               for l in {l for l, _ in heads}]
-        rec += [model.blocks[l].mlp.fc_out.register_forward_hook(lambda m, a, o, l=l: y.__setitem__(l, o)) for l in mlps]
+    if mlps and mode not in ("zero", "mean"):
+        raise InputError(f"mode={mode!r} for MLPs; choose 'zero' or 'mean'")
+    if mode != "zero" and reference is None:
+        raise InputError(f"mode={mode!r} needs reference inputs to average over")
+    mlps = [_check(model, l) for l in mlps]
+    means: dict[int, Tensor] = {}
+    if mode == "mean" and mlps:
+        rec = [model.blocks[l].mlp.fc_out.register_forward_hook(lambda m, a, o, l=l: means.__setitem__(l, o.mean((0, 1))))
+               for l in mlps]
         with _hooks(rec), torch.no_grad():
             model(reference)
-        means = {**{("z", l): v.mean((0, 1)) for l, v in z.items()}, **{("mlp", l): v.mean((0, 1)) for l, v in y.items()}}
-
-    def head_hook(l):
-        mixer = model.blocks[l].mixer
-        dh = mixer.out.in_features // mixer.n_heads
-        mine = [h for ll, h in heads if ll == l]
-
-        def hook(module, args):
-            z = args[0].clone()
-            for h in mine:
-                sl = slice(h * dh, (h + 1) * dh)
-                z[..., sl] = 0 if mode == "zero" else means[("z", l)][sl]
-            return (z,)
-        return mixer.out.register_forward_pre_hook(hook)
 
     def mlp_hook(l):
         return model.blocks[l].mlp.fc_out.register_forward_hook(
-            lambda m, a, out: torch.zeros_like(out) if mode == "zero" else means[("mlp", l)].expand_as(out))
+            lambda m, a, out: torch.zeros_like(out) if mode == "zero" else means[l].expand_as(out))
 
-    handles = []
-    with _hooks(handles):
-        handles += [head_hook(l) for l in sorted({l for l, _ in heads})]
+    handles: list = []
+    with ablate_heads(model, heads, mode, reference), _hooks(handles):
         handles += [mlp_hook(l) for l in mlps]
         yield model
 

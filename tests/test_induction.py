@@ -1,0 +1,167 @@
+"""Induction-head scores (both definitions, against hand-made patterns and TransformerLens'
+detector re-implemented here as loops), head selection, and head ablation that restores the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenpatch as tp
+from tokenpatch.interp.ablation import ablate_heads, select_heads
+from tokenpatch.interp.induction import (detection_pattern, detector_score, diagonal_score, rank_heads,
+                                         repeated_tokens)
+
+L = 5
+
+
+def perfect_induction(tokens: torch.Tensor) -> torch.Tensor:
+    """Each query attends to the token after the previous occurrence of itself, or to BOS without one."""
+    s, t = tokens.shape
+    a = torch.zeros(s, 1, t, t, dtype=torch.float64)
+    for b in range(s):
+        for q in range(t):
+            prior = [j for j in range(1, q) if tokens[b, j - 1] == tokens[b, q] and j - 1 < q]
+            a[b, 0, q, prior[-1] if prior else 0] = 1.0
+    return a
+
+
+def previous_token(t: int, s: int = 1) -> torch.Tensor:
+    a = torch.zeros(s, 1, t, t, dtype=torch.float64)
+    a[:, 0, 0, 0] = 1
+    a[:, 0, torch.arange(1, t), torch.arange(t - 1)] = 1
+    return a
+
+
+def test_repeated_tokens():
+    tok = repeated_tokens(100, L, 4, seed=3, bos=0)
+    assert tok.shape == (4, 1 + 2 * L) and (tok[:, 0] == 0).all()
+    assert torch.equal(tok[:, 1:L + 1], tok[:, L + 1:])
+    assert all(len(set(row[1:L + 1].tolist())) == L for row in tok)  # distinct when the pool allows
+    assert torch.equal(tok, repeated_tokens(100, L, 4, seed=3, bos=0))
+
+
+def test_perfect_induction_scores_one_and_previous_token_zero():
+    tok = repeated_tokens(50, L, 3, seed=1, bos=999)
+    a = perfect_induction(tok)
+    assert diagonal_score(a, L).item() == 1.0
+    assert detector_score(a, tok, exclude_bos=True).item() == 1.0
+    # TransformerLens' default keeps BOS in the denominator: only the L second-copy rows of 2L + 1 count
+    assert detector_score(a, tok).item() == pytest.approx(L / (2 * L + 1), abs=1e-15)
+    p = previous_token(2 * L + 1, 3)
+    assert diagonal_score(p, L).item() == 0.0
+    assert detector_score(p, tok, exclude_bos=True).item() == 0.0
+    assert detector_score(p, tok, "previous_token").item() == pytest.approx(2 * L / (2 * L + 1), abs=1e-15)
+
+
+def test_detector_matches_transformerlens_definition_on_a_hand_made_pattern():
+    tokens = torch.tensor([7, 1, 2, 1, 2, 3])
+    # TransformerLens: duplicate D[i, j] = [tok_i == tok_j, j < i]; induction = D shifted one column right
+    dup = torch.zeros(6, 6)
+    dup[3, 1] = dup[4, 2] = 1
+    ind = torch.zeros(6, 6)
+    ind[3, 2] = ind[4, 3] = 1
+    assert torch.equal(detection_pattern(tokens, "duplicate_token"), dup)
+    assert torch.equal(detection_pattern(tokens, "induction"), ind)
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(2, 6, 6, generator=g, dtype=torch.float64).tril()
+    a = a / a.sum(-1, keepdim=True)  # two heads, causal rows summing to 1
+    for h in range(2):
+        expect = (a[h] * ind.double()).sum() / a[h].sum()
+        assert detector_score(a[h][None, None], tokens[None]).item() == pytest.approx(expect.item(), abs=1e-15)
+        no_bos = a[h].clone()
+        no_bos[:, 0] = 0
+        expect = (no_bos * ind.double()).sum() / no_bos.sum()
+        assert detector_score(a[h][None, None], tokens[None], exclude_bos=True).item() == pytest.approx(expect.item(), abs=1e-15)
+        no_cur = a[h].clone()
+        no_cur.fill_diagonal_(0)
+        expect = (no_cur * dup.double()).sum() / no_cur.sum()
+        got = detector_score(a[h][None, None], tokens[None], "duplicate_token", exclude_current_token=True)
+        assert got.item() == pytest.approx(expect.item(), abs=1e-15)
+    before = a.clone()
+    detector_score(a[None], tokens[None], exclude_bos=True, exclude_current_token=True)
+    assert torch.equal(a, before)  # unlike TransformerLens, the patterns are left as they were
+
+
+def test_rank_and_select_heads():
+    scores = {"diagonal": torch.tensor([[0.1, 0.9], [0.5, 0.2]]), "detector": torch.zeros(2, 2)}
+    ranked = rank_heads(scores)
+    assert [(r["layer"], r["head"]) for r in ranked] == [(0, 1), (1, 0), (1, 1), (0, 0)]
+    assert select_heads(ranked, 2) == [(0, 1), (1, 0)]
+    assert select_heads(ranked, 1, layers=range(1, 2)) == [(1, 0)]
+    rand = select_heads(ranked, 2, how="random", exclude_top=2, seed=0)
+    assert sorted(rand) == [(0, 0), (1, 1)]
+    with pytest.raises(tp.InputError, match="asked for 3 heads, only 2 are eligible"):
+        select_heads(ranked, 3, how="random", exclude_top=2)
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return tp.ICLTransformer(tp.ICLConfig(d_in=6, d_out=3, d_model=8, n_layers=2, n_heads=2)).double().eval()
+
+
+def test_head_ablation_modes_and_exact_restore(model):
+    x = torch.randn(3, 7, 6, dtype=torch.float64)
+    clean = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with ablate_heads(model, [(0, 1)]):
+        zero = model(x)
+    edited = tp.ICLTransformer(model.config).double().eval()
+    edited.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        edited.blocks[0].mixer.out.weight[:, 4:] = 0
+    assert torch.allclose(zero, edited(x), atol=1e-14) and not torch.allclose(zero, clean)
+    with ablate_heads(model, [(0, 1)], "resample", reference=x[:1]):  # one reference row: x[0] itself
+        same = model(x[:1])
+    assert torch.allclose(same, clean[:1], atol=1e-14)
+    with ablate_heads(model, [(1, 0), (1, 1)], "mean", reference=x):
+        mean = model(x)
+    assert not torch.allclose(mean, clean)
+    with pytest.raises(RuntimeError, match="boom"), ablate_heads(model, [(0, 0)], "mean", reference=x):
+        raise RuntimeError("boom")
+    assert torch.equal(model(x), clean) and all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    with pytest.raises(tp.InputError, match="needs reference inputs"):
+        with ablate_heads(model, [(0, 0)], "resample"):
+            pass
+    with pytest.raises(tp.InputError, match="mode='shuffle'"):
+        with ablate_heads(model, [(0, 0)], "shuffle"):
+            pass
+    with pytest.raises(tp.InputError, match="resample: reference sequences have 3 positions, the run 7"):
+        with ablate_heads(model, [(0, 0)], "resample", reference=x[:, :3]):
+            model(x)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2"])
+def test_hugging_face_patterns_scores_and_ablation(name):
+    pytest.importorskip("transformers", reason="the Hugging Face extra is not installed")
+    from test_hf import VOCAB, build
+
+    from tokenpatch.interp.induction import attention_patterns, head_scores, kv_group
+
+    model = build(name)
+    before = model.config._attn_implementation
+    ids = repeated_tokens(range(1, VOCAB), 6, 2, seed=0, bos=0)
+    pats = attention_patterns(model, ids)
+    assert model.config._attn_implementation == before  # eager only inside
+    assert len(pats) == 3 and pats[0].shape == (2, 4, 13, 13)
+    assert torch.allclose(pats[1].sum(-1), torch.ones(2, 4, 13, dtype=pats[1].dtype), atol=1e-12)
+    assert (pats[1].triu(1) == 0).all()
+    rows = head_scores(model, length=6, sequences=2, bos=0, pool=range(1, VOCAB))
+    assert len(rows) == 12 and [r["diagonal"] for r in rows] == sorted((r["diagonal"] for r in rows), reverse=True)
+    groups = {"llama": [0, 0, 1, 1], "gemma3": [0, 0, 0, 0], "gpt2": [0, 1, 2, 3]}[name]
+    assert [kv_group(model, h) for h in range(4)] == groups
+    clean = model(ids).logits
+    with ablate_heads(model, [(1, 2)]):
+        zero = model(ids).logits
+    o_proj = model.transformer.h[1].attn.c_proj if name == "gpt2" else model.model.layers[1].self_attn.o_proj
+    saved = o_proj.weight.detach().clone()
+    with torch.no_grad():  # the same head removed from the weights (GPT-2's Conv1D stores [in, out])
+        if name == "gpt2":
+            o_proj.weight[32:48] = 0
+        else:
+            o_proj.weight[:, 32:48] = 0
+        edited = model(ids).logits
+        o_proj.weight.copy_(saved)
+    assert torch.allclose(zero, edited, atol=1e-12) and not torch.allclose(zero, clean)
+    assert torch.equal(model(ids).logits, clean)
