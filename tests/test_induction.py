@@ -165,3 +165,39 @@ def test_hugging_face_patterns_scores_and_ablation(name):
         o_proj.weight.copy_(saved)
     assert torch.allclose(zero, edited, atol=1e-12) and not torch.allclose(zero, clean)
     assert torch.equal(model(ids).logits, clean)
+
+
+def test_lag_crp_by_hand():
+    from tokenpatch.tasks.recall import lag_crp
+
+    r = lag_crp([[0, 1, 2, 3], [3, 2, 1, 0], [0, 2, 1, 3]], 4)
+    # e.g. lag +1: available 3 + 0 + 2 (after 0, after 2 in [0, 2, 1, 3]); taken 3 times
+    assert r["available"] == [1, 2, 4, 0, 5, 4, 2] and r["actual"] == [0, 0, 4, 0, 3, 2, 0]
+    assert r["crp"] == [0.0, 0.0, 1.0, None, 0.6, 0.5, 0.0]
+    r = lag_crp([[0, 1, None, 2], [2, 2, 1]], 3)  # an intrusion or a repeat breaks the chain
+    assert r["actual"] == [0, 0, 0, 1, 0] and r["available"] == [0, 0, 0, 1, 1]
+
+
+def test_lag_prompts_and_probabilities():
+    from tokenpatch.tasks.recall import lag_probabilities, lag_prompts
+
+    p = lag_prompts(range(100, 200), 7, 5, seed=2)
+    assert p.shape == (5, 8) and (p[:, -1] == p[:, 3]).all()
+    assert all(sorted(row[:7].tolist()) == sorted(p[0, :7].tolist()) for row in p)  # one set, permuted
+    probs = torch.zeros(5, 300)
+    probs[torch.arange(5), p[:, 4]] = 0.9  # all mass on the successor of the repeated token
+    out = lag_probabilities(probs, p)
+    assert out["lags"] == [-3, -2, -1, 0, 1, 2, 3]
+    assert out["mean"] == pytest.approx([0, 0, 0, 0, 0.9, 0, 0]) and max(out["ci95"]) < 1e-12
+
+
+def test_recall_prompt_and_scoring():
+    from tokenpatch.tasks.recall import nouns, recall_lists, recall_prompt, score_recall
+
+    assert len(nouns()) == 6782 and "aardvark" in nouns()
+    lists = recall_lists(["a", "b", "c", "d", "e"], 3, 2, seed=0)
+    assert all(len(set(x)) == 3 for x in lists)
+    text = recall_prompt([["cat", "dog"]], ["sun", "tree"])
+    assert text == "List: cat dog\nRecall: cat dog\n\nList: sun tree\nRecall:"
+    s = score_recall(["sun", "moon"], ["sun", "tree"])
+    assert s == {"per_position": [1, 0], "exact": 0, "positions": [0, None]}
