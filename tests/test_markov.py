@@ -386,6 +386,9 @@ def test_bridge_numbers(tiny):
     b = phase_bridge(model, task, sequences=4)
     assert len(b["update_norm"]) == 2 and all(v > 0 for v in b["update_norm"])
     assert all(-1 <= v <= 1 for v in b["phi_cosine"].values())
+    f32 = markov_model(task, MarkovModel(d_model=16, n_heads=2))
+    phase_bridge(f32, task, sequences=2)
+    assert next(f32.parameters()).dtype == torch.float32  # computed on a float64 copy
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -17,6 +17,8 @@ and the final state ``x_t`` is the query:
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -38,7 +40,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def phase_bridge(model: ICLTransformer, task, sequences: int = 32, seed: int = 0) -> dict:
     """``{"phi_cosine": {"raw", "centred"}, "update_norm": [per layer], "step_exponent": [per layer]}``
     (means over ``sequences`` training-chain sequences; module docstring)."""
-    model = model.double()
+    model = copy.deepcopy(model).double()  # the caller's model is left in its dtype
     rng = np.random.default_rng(seed)
     states = task.sample(sequences, rng, "train").states  # [S, N]
     x = model_inputs(model, task, states)  # [S, N, d_in]

@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from ..markov import log_probs, model_inputs
 from ..models import ICLTransformer
+from ..tasks.markov import sample_sequences
 from .ablation import ablate_heads
 
 __all__ = ["attention_patterns", "mixer_outputs", "previous_token_score", "statistical_induction_score",
@@ -167,8 +169,6 @@ def phi_patching(model: ICLTransformer, task, pairs: int = 256, seed: int = 0, l
     recipient's final state ``x_t``. Controls: ``phi`` from another sequence of the recipient's own
     chain, the mean ``phi``, and a random direction of the recipient's ``phi`` norm. Each entry:
     mean and 95% half-width over ``pairs``."""
-    from ..markov import log_probs, model_inputs
-
     chains = task.train_chains
     k = chains.shape[0]
     if k < 2:
@@ -176,8 +176,6 @@ def phi_patching(model: ICLTransformer, task, pairs: int = 256, seed: int = 0, l
     rng = np.random.default_rng(seed)
     b = torch.from_numpy(rng.integers(k, size=pairs))
     a = (b + torch.from_numpy(rng.integers(1, k, size=pairs))) % k  # a != b
-    from ..tasks.markov import sample_sequences
-
     rec = sample_sequences(chains, b, task.length, rng)
     don = sample_sequences(chains, a, task.length, rng)
     same = sample_sequences(chains, b, task.length, rng)
