@@ -99,7 +99,8 @@ def test_two_gen_and_one_gen_by_hand():
     # t = 2 (x_t = 0): n_0. = 1 (0->1), so 2-gen = ((0+1)/3, (1+1)/3); t = 3: n_00 = 1, n_01 = 1 -> (2/4, 2/4)
     assert torch.allclose(lp["2-gen"][0, 2].exp(), torch.tensor([1 / 3, 2 / 3], dtype=torch.float64), atol=1e-15)
     assert torch.allclose(lp["2-gen"][0, 3].exp(), torch.tensor([0.5, 0.5], dtype=torch.float64), atol=1e-15)
-    # 1-gen at t = 1: counts (1, 1) of 2 states seen -> (2/4, 2/4); at t = 3: (3+1)/6, (1+1)/6
+    # 1-gen at t = 1: counts (1, 1) -> (2/4, 2/4); at t = 3: counts (3, 1) -> (4/6, 2/6)
+    assert torch.allclose(lp["1-gen"][0, 1].exp(), torch.tensor([0.5, 0.5], dtype=torch.float64), atol=1e-15)
     assert torch.allclose(lp["1-gen"][0, 3].exp(), torch.tensor([4 / 6, 2 / 6], dtype=torch.float64), atol=1e-15)
     # 2-mem at t = 0: w ∝ pi^k(x_0): pi^0 = (2/3, 1/3), pi^1 = (6/13, 7/13)
     w = torch.tensor([2 / 3, 6 / 13], dtype=torch.float64)
@@ -220,8 +221,9 @@ def test_training_records_and_refuses_another_recipe(tmp_path):
 def test_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypatch):
     task = MarkovTask(length=10, chains=3)
     shape = MarkovModel(d_model=8)
-    cfg = MarkovTrain(steps=10, evals=3, eval_sequences=8, checkpoint_every=5)
-    full, hist = train_markov(tmp_path / "full", task, shape, cfg, progress=False, snapshots=False)
+    cfg = MarkovTrain(steps=10, evals=5, eval_sequences=8, checkpoint_every=4)  # evaluations 0 1 2 3 6 10
+    full, hist = train_markov(tmp_path / "full", task, shape, cfg, progress=False)
+    assert [h["step"] for h in hist] == [0, 1, 2, 3, 6, 10]
     import tokenpatch.markov as mk
 
     calls = {"n": 0}
@@ -229,17 +231,58 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypatch)
 
     def failing(self, *a, **k):
         calls["n"] += 1
-        if calls["n"] == 8:  # dies in step 8, after the checkpoint of step 5
-            raise RuntimeError("power cut")
+        if calls["n"] == 2 + 7:  # two for the evaluation set, then one per step: dies in step 7,
+            raise RuntimeError("power cut")  # after the evaluation at step 6 and the checkpoint of step 4
         return real(self, *a, **k)
 
     monkeypatch.setattr(mk.MarkovTask, "sample", failing)
     with pytest.raises(RuntimeError, match="power cut"):
-        train_markov(tmp_path / "cut", task, shape, cfg, progress=False, snapshots=False)
+        train_markov(tmp_path / "cut", task, shape, cfg, progress=False)
     monkeypatch.setattr(mk.MarkovTask, "sample", real)
-    resumed, hist2 = train_markov(tmp_path / "cut", task, shape, cfg, progress=False, snapshots=False)
+    resumed, hist2 = train_markov(tmp_path / "cut", task, shape, cfg, progress=False)  # from step 4: step 6 again
     assert all(torch.equal(p, q) for p, q in zip(full.state_dict().values(), resumed.state_dict().values()))
     assert json.dumps(hist) == json.dumps(hist2)
+    for step in (6, 10):  # the snapshot written twice (before the cut and after) is the same
+        a = load_run_snapshot(tmp_path / "full" / f"step-{step:07d}.safetensors")
+        b = load_run_snapshot(tmp_path / "cut" / f"step-{step:07d}.safetensors")
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
+    train_markov(tmp_path / "cut", task, shape, MarkovTrain(**{**cfg.to_dict(), "steps": 3}), resume=False, progress=False)
+    assert sorted(p.name for p in (tmp_path / "cut").glob("step-*")) == [f"step-{s:07d}.safetensors" for s in (0, 1, 2, 3)]
+
+
+def load_run_snapshot(path):
+    from tokenpatch.models import read_checkpoint
+
+    return list(read_checkpoint(path)[0].state_dict().values())
+
+
+def test_bad_training_settings():
+    with pytest.raises(tp.InputError, match="MarkovTrain.warmup must be an integer >= 1"):
+        MarkovTrain(warmup=0)
+    with pytest.raises(tp.InputError, match="MarkovTrain.seed must be an integer >= 0"):
+        MarkovTrain(seed=-1)
+    with pytest.raises(tp.InputError, match="MarkovTask.seed must be an integer >= 0"):
+        MarkovTask(seed=-2)
+    with pytest.raises(tp.InputError, match="MarkovTask.chains must be an integer >= 1"):
+        MarkovTask(chains=True)
+
+
+def test_tiny_alpha_chains_still_have_a_stationary_distribution():
+    m = random_chains(16, 10, 1e-6, np.random.default_rng(0))
+    pi = stationary(m)
+    assert torch.isfinite(pi).all() and torch.allclose(pi.sum(-1), torch.ones(16, dtype=torch.float64))
+    assert torch.allclose(torch.einsum("kc,kcd->kd", pi, m), pi, atol=1e-8)
+
+
+def test_chunked_predictors_equal_one_batch(monkeypatch):
+    import tokenpatch.interp.phases as ph
+
+    task = MarkovTask(length=16, chains=5)
+    b = task.sample(7, np.random.default_rng(0))
+    whole = predictors(b.states, task.train_chains, 0.5, chain=b.chain)
+    monkeypatch.setattr(ph, "CHUNK", 2 * 16 * 100)  # two sequences per chunk
+    parts = predictors(b.states, task.train_chains, 0.5, chain=b.chain)
+    assert all(torch.equal(whole[k], parts[k]) for k in whole)
 
 
 # ----------------------------------------------------------------------------- sweep estimators
@@ -281,6 +324,9 @@ def test_k_star_from_final_evaluations():
     assert s["per_seed"][1]["k1"] == 4 and s["per_seed"][1]["k2"] == 1
     assert s["k1"]["geomean"] == pytest.approx(8.0) and (s["k1"]["min"], s["k1"]["max"]) == (4, 16)
     assert k_star(summary, tol=0.005)["k2"] is None and k_star(summary, tol=0.05)["per_seed"][0]["k2"] == 16
+    one = run(1, 2, False, True)
+    one["history"][-1]["train"]["kl"]["1-mem"] = one["history"][-1]["train"]["kl"]["2-mem"]  # K = 1: a tie
+    assert k_star({"runs": [one]})["per_seed"][2]["k2"] == 1
 
 
 # ----------------------------------------------------------------------------- circuits
@@ -406,3 +452,18 @@ def test_cli_predictors_json(capsys):
     assert out["train"]["2-mem"] < out["train"]["2-gen"] < out["train"]["uniform"]
     assert out["fresh"]["2-gen"] < out["fresh"]["2-mem"]
     assert main(argv) == 0 and json.loads(capsys.readouterr().out) == out  # seeded
+
+
+def test_cli_train_and_probe_on_a_one_layer_minimal_run(tmp_path, capsys):
+    from tokenpatch.cli import main
+
+    out = tmp_path / "run"
+    argv = ["markov", "train", "--out", str(out), "--chains", "3", "--length", "12", "--steps", "6", "--minimal",
+            "--heads", "2", "--d-model", "8", "--quiet"]
+    assert main(argv) == 0
+    assert "phases" in capsys.readouterr().out and (out / "curves.png").stat().st_size > 10_000
+    assert main(["markov", "probe", "--run", str(out), "--quiet"]) == 0
+    probe = json.loads(capsys.readouterr().out)
+    assert probe["layers"] == 1 and len(probe["previous_token_score"]) == 2 and "induction_score" not in probe
+    assert set(probe["ablation_loss"]) == {"clean", "layer 1 head 0", "layer 1 head 1", "layer 1 MLP"}
+    assert set(probe["phi_patching"]) == {"clean", "donor", "same_chain", "mean", "random"}

@@ -40,7 +40,7 @@ def add_parser(sub, fmt, common, count, number) -> None:
                         "training chains.")
     _task_args(p, count, number)
     p.add_argument("--sequences", type=count(1), default=400, help="sequences per set (S)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the training chains and of the sampling")
+    p.add_argument("--seed", type=count(0), default=0, help="seed of the training chains and of the sampling")
     p.add_argument("--rule", choices=["row", "stationary"], default="row", help="1-mem prediction rule")
     p.add_argument("--json", action="store_true", help="print JSON keyed fresh/train, then predictor")
     common(p)
@@ -58,15 +58,15 @@ def add_parser(sub, fmt, common, count, number) -> None:
     t.add_argument("--steps", type=count(1), default=c.steps, help="training steps")
     t.add_argument("--batch-size", type=count(1), default=c.batch_size, help="sequences per step")
     t.add_argument("--lr", type=number(True), default=c.lr, help="learning rate (AdamW)")
-    t.add_argument("--seed", type=int, default=c.seed, help="seed of the chains, the weights and the sampling")
-    t.add_argument("--no-resume", action="store_true", help="start afresh even if --out holds a run")
+    t.add_argument("--seed", type=count(0), default=c.seed, help="seed of the chains, the weights and the sampling")
+    t.add_argument("--no-resume", action="store_true", help="start afresh even if --out holds a run (its checkpoint and snapshots are replaced)")
     common(t)
 
     r = msub.add_parser("probe", formatter_class=fmt, help="circuits, phi patching and token patches of a trained run",
                         description="Previous-token and statistical-induction scores, head and MLP ablation, the chain "
                         "probe on phi, phi patching with controls, and the bridge to token patches, as JSON.")
     r.add_argument("--run", required=True, help="run folder written by `tokenpatch markov train` (required)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the probe sequences")
+    r.add_argument("--seed", type=count(0), default=0, help="seed of the probe sequences")
     common(r)
 
     s = msub.add_parser("report", formatter_class=fmt, help="the sweep: phase diagram, K*, tau(N), probes (report.md)",
@@ -76,7 +76,7 @@ def add_parser(sub, fmt, common, count, number) -> None:
                         "under --out/markov-runs are read back, interrupted ones resume.")
     s.add_argument("--out", default="results-markov", help="output folder")
     s.add_argument("--reduced", action="store_true", help="the small preset of `tokenpatch reproduce`")
-    s.add_argument("--workers", type=count(1), default=2, help="runs trained in parallel (one thread each)")
+    s.add_argument("--workers", type=count(1), default=2, help="runs trained in parallel (the cores shared among them)")
     common(s)
 
 
@@ -88,10 +88,10 @@ def _predictors(args, usage) -> int:
     import numpy as np
 
     from .interp.phases import cross_entropy, predictors
-    from .tasks.markov import MarkovTask
+    from .tasks.markov import STREAMS, MarkovTask
 
     task = MarkovTask(states=args.states, alpha=args.alpha, length=args.length, chains=args.chains, seed=args.seed)
-    rng = np.random.default_rng(args.seed + 1)
+    rng = np.random.default_rng([args.seed, STREAMS["eval"]])
     chains = task.train_chains
     result = {}
     for which in ("fresh", "train"):
@@ -115,7 +115,7 @@ def _check_run_folder(path: str, usage) -> Path:
     if p.exists() and not p.is_dir():
         raise usage(f"--out {path} is a file; give a folder for the run")
     if p.is_dir() and any(p.iterdir()) and not (p / "model.safetensors").exists():
-        raise usage(f"--out {path} is a folder with other files in it; give a new or empty folder (nothing is overwritten)")
+        raise usage(f"--out {path} is a folder with other files in it; give a new or empty folder")
     return p
 
 

@@ -6,7 +6,7 @@ patches) applies to it unchanged. ``minimal=True`` is paper A's minimal model: o
 ``[x_n; x_{n-1}; n]``, the first attention layer replaced by the hard previous-state concatenation.
 
 Training is next-state cross-entropy at every position on fresh sequences from the K training
-chains (AdamW, linear warm-up, then a constant rate, so that time on the x-axis is not
+chains (random streams: ``tasks.markov.STREAMS``) (AdamW, linear warm-up, then a constant rate, so that time on the x-axis is not
 confounded with a decay schedule). At log-spaced steps the run evaluates a fixed, seeded set of
 sequences from the training chains and from fresh chains: the model's cross-entropy, its KL to
 each ideal predictor, the phase label and the mixture weights (``interp.phases``), and keeps a
@@ -29,7 +29,7 @@ from ._progress import DELAY_S
 from .errors import FileFormatError, InputError
 from .interp.phases import PHASES, cross_entropy, kl_to, mixture_fit, phase_label, predictors
 from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
-from .tasks.markov import MarkovTask, encode
+from .tasks.markov import STREAMS, MarkovTask, encode
 from .train import _deferred_interrupt, _load_optim, _optim_tensors
 
 __all__ = ["MarkovModel", "MarkovTrain", "markov_model", "log_probs", "EvalSet", "eval_set", "evaluate",
@@ -63,6 +63,16 @@ class MarkovTrain:
     evals: int = 24  # log-spaced evaluation points (plus step 0)
     eval_sequences: int = 256
     checkpoint_every: int = 500
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "warmup", "evals", "eval_sequences", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"MarkovTrain.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise InputError(f"MarkovTrain.seed must be an integer >= 0, got {self.seed!r}")
+        if not (self.lr > 0 and self.weight_decay >= 0 and self.grad_clip > 0):
+            raise InputError(f"MarkovTrain needs lr > 0, weight_decay >= 0 and grad_clip > 0, got {self}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -104,8 +114,10 @@ class EvalSet:
     refs: dict[str, dict[str, torch.Tensor]]  # "train"/"fresh" -> predictor -> [S, N, C]
 
 
-def eval_set(task: MarkovTask, sequences: int = 256, seed: int = 12345) -> EvalSet:
-    rng = np.random.default_rng(seed)
+def eval_set(task: MarkovTask, sequences: int = 256, seed: int = 0) -> EvalSet:
+    """``sequences`` from the training chains and as many from fresh chains, from the stream
+    ``[seed, STREAMS["eval"]]``, with every predictor's log-probabilities."""
+    rng = np.random.default_rng([seed, STREAMS["eval"]])
     chains = task.train_chains
     sets, refs = {}, {}
     for which in ("train", "fresh"):
@@ -159,15 +171,15 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
     out = Path(out)
     path = out / "model.safetensors"
     recipe = _recipe(task, shape, cfg)
-    data = eval_set(task, cfg.eval_sequences, seed=cfg.seed + 12345)
+    data = eval_set(task, cfg.eval_sequences, seed=cfg.seed)
     chains = task.train_chains
     when = log_steps(cfg.steps, cfg.evals)
     if resume and path.exists():
         model, doc, extra = read_checkpoint(path)
         meta = doc.get("meta", {})
         if meta.get("recipe") != recipe:
-            raise FileFormatError(f"{path} was written by another recipe; pass another directory or resume=False "
-                                  f"(saved {meta.get('recipe')}, asked {recipe})")
+            raise FileFormatError(f"{path} was written by another recipe; choose another folder, or start afresh "
+                                  f"(resume=False; --no-resume) (saved {meta.get('recipe')}, asked {recipe})")
         rng = np.random.default_rng()
         rng.bit_generator.state = meta["rng"]
         start, history = int(meta["step"]), meta["history"]
@@ -176,10 +188,12 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
         _load_optim(opt, extra)
         log.info("resuming %s at step %d", path, start)
     else:
+        for stale in out.glob("step-*.safetensors"):  # starting afresh: the old run's snapshots go too
+            stale.unlink()
         torch.manual_seed(cfg.seed)
         model = markov_model(task, shape).train()
         opt = _optimizer(model, cfg)
-        rng = np.random.default_rng(cfg.seed)
+        rng = np.random.default_rng([cfg.seed, STREAMS["train"]])
         start, history = 0, []
 
     def checkpoint(step: int) -> None:

@@ -11,8 +11,8 @@
 
 Each is estimated per seed; the grid brackets it (``K*_1`` lies in ``(K_prev, K]``) and the
 seeds give its spread. ``sweep_lengths`` trains at large K for several N and measures ``tau(N)``,
-the first step at which ``KL(2-gen || model) < KL(1-gen || model)`` on fresh chains (log-step
-interpolation between evaluations), then fits ``tau = c N / log N`` and ``tau = c N^a``.
+the step at which ``KL(2-gen || model)`` falls below ``KL(1-gen || model)`` on fresh chains for good
+(``transition_step``), then fits ``tau = c N / log N`` and ``tau = c N^a``.
 Runs are directories of ``markov.train_markov``: a finished run is read back, not retrained, and
 an interrupted one resumes.
 """
@@ -111,8 +111,8 @@ def k_star(summary: dict, tol: float | None = None) -> dict:
         ks = [r["chains"] for r in runs]
         final = [r["history"][-1] for r in runs]
         gen = [f["fresh"]["kl"]["2-gen"] < f["fresh"]["kl"]["2-mem"] for f in final]
-        mem = [(f["train"]["kl"]["2-mem"] <= tol) if tol is not None else
-               min(PHASES, key=lambda p: f["train"]["kl"][p]) == "2-mem" for f in final]
+        mem = [(f["train"]["kl"]["2-mem"] <= tol) if tol is not None else  # ties (K = 1: 1-mem = 2-mem) count
+               f["train"]["kl"]["2-mem"] <= min(f["train"]["kl"][p] for p in PHASES) for f in final]
         k1 = next((i for i, g in enumerate(gen) if g), None)
         k2 = max((i for i, m in enumerate(mem) if m), default=None)
         per_seed[seed] = {

@@ -129,7 +129,8 @@ def tau_figure(lengths: dict, path: Path) -> Path:
 
 
 def _probe(run_dir: Path, seed: int = 0) -> dict:
-    """Circuit probes, phi patching and the bridge on one finished run."""
+    """Circuit probes, ablations, phi patching and the bridge on one finished run (any depth and
+    head count; phi patching and the chain probe need K >= 2)."""
     import torch
 
     from .interp.bridge import phase_bridge
@@ -137,26 +138,34 @@ def _probe(run_dir: Path, seed: int = 0) -> dict:
                                   statistical_induction_score)
     from .interp.phases import cross_entropy
     from .markov import log_probs, model_inputs
+    from .tasks.markov import STREAMS
 
     model, task, meta = load_run(run_dir)
-    rng = np.random.default_rng(seed)
-    batch = task.sample(256, rng, "train")
+    batch = task.sample(256, np.random.default_rng([seed, STREAMS["probe"]]), "train")
     x = model_inputs(model, task, batch.states)
     pats = attention_patterns(model, x)
-    ind, base = ([None], None) if len(pats) < 2 else statistical_induction_score(pats[1], batch.states)
-    loss = cross_entropy(log_probs(model, task, batch.states), batch.states).mean().item()
-    ablations = {}
-    for name, heads, mlps in (("layer-1 head", [(0, 0)], []), ("layer-2 head", [(1, 0)], []),
-                              ("layer-1 MLP", [], [0]), ("layer-2 MLP", [], [1])):
-        with ablated(model, heads, mlps, "zero"):
-            ablations[name] = cross_entropy(log_probs(model, task, batch.states), batch.states).mean().item()
-    out = {"chains": task.chains, "final_label": meta["history"][-1]["train"]["label"], "loss": loss,
+
+    def loss() -> float:
+        return cross_entropy(log_probs(model, task, batch.states), batch.states).mean().item()
+
+    ablations = {"clean": loss()}
+    for l, block in enumerate(model.blocks):
+        for h in range(block.mixer.n_heads):
+            with ablated(model, heads=[(l, h)]):
+                ablations[f"layer {l + 1} head {h}"] = loss()
+        with ablated(model, mlps=[l]):
+            ablations[f"layer {l + 1} MLP"] = loss()
+    out = {"chains": task.chains, "layers": len(model.blocks), "final_label": meta["history"][-1]["train"]["label"],
            "references": meta["references"]["train"],
-           "previous_token_score": float(previous_token_score(pats[0])[0]),
-           "induction_score": None if ind[0] is None else float(ind[0]), "induction_baseline": base,
-           "ablation_loss": ablations, "phi_patching": phi_patching(model, task, 256, seed=seed)}
-    if task.chains <= 64:
-        out["chain_probe"] = chain_probe(phi(model, x), batch.chain, seed=seed)
+           "previous_token_score": previous_token_score(pats[0]).tolist(),  # per layer-1 head
+           "ablation_loss": ablations}
+    if len(pats) > 1:
+        score, base = statistical_induction_score(pats[1], batch.states)
+        out["induction_score"], out["induction_baseline"] = score.tolist(), base  # per layer-2 head
+    if task.chains >= 2:
+        out["phi_patching"] = phi_patching(model, task, 256, seed=seed)
+        if task.chains <= 64:  # enough sequences per chain for a held-out split
+            out["chain_probe"] = chain_probe(phi(model, x), batch.chain, seed=seed)
     with torch.no_grad():
         out["bridge"] = phase_bridge(model, task, sequences=32, seed=seed)
     return out
@@ -178,6 +187,9 @@ def markov_section(out: Path, preset: dict = REDUCED, task: MarkovTask = MarkovT
     if preset["lengths"]:
         lengths = sweep_lengths(runs_dir / "lengths", preset["lengths"], preset["length_seeds"],
                                 replace(task, chains=preset["length_chains"]), shape, cfg, workers, progress)
+        minimal = sweep_lengths(runs_dir / "minimal", (task.length,), preset["length_seeds"],
+                                replace(task, chains=preset["length_chains"]), replace(shape, minimal=True), cfg,
+                                workers, progress)
     seed = preset["seeds"][0]
     small, large = preset["show"]
     show = {k: runs_dir / "chains" / f"K{k:05d}-s{seed}" for k in (small, large)}
@@ -196,6 +208,13 @@ def markov_section(out: Path, preset: dict = REDUCED, task: MarkovTask = MarkovT
                        "g1_to_g2": transition_step(r["history"])} for r in summary["runs"]]}
     if lengths:
         data["lengths"] = {"runs": [{k: r[k] for k in ("length", "seed", "tau")} for r in lengths["runs"]], "fit": lengths["fit"]}
+        data["minimal"] = [{"seed": r["seed"], "tau": r["tau"], "loss": r["history"][-1]["fresh"]["loss"],
+                            "label": r["history"][-1]["fresh"]["label"],
+                            "full_tau": next((f["tau"] for f in lengths["runs"]
+                                              if f["length"] == task.length and f["seed"] == r["seed"]), None),
+                            "full_loss": next((f["history"][-1]["fresh"]["loss"] for f in lengths["runs"]
+                                               if f["length"] == task.length and f["seed"] == r["seed"]), None)}
+                           for r in minimal["runs"]]
     body = _markdown(data, figs, hist, refs, show)
     return Section("markov", "Markov-chain ICL phases", body, figs, _snake(data))
 
@@ -258,18 +277,29 @@ def _markdown(data: dict, figs: list[str], hist: dict, refs: dict, show: dict) -
             lines += ["", f"Fits in log space: tau = {f['n_over_log_n']['c']:.3g} N/log N (rms log residual "
                           f"{f['n_over_log_n']['rms_log']:.3f}); tau = {f['power']['c']:.3g} N^{f['power']['a']:.2f} "
                           f"(rms {f['power']['rms_log']:.3f})."]
+    if "minimal" in data:
+        lines += ["", f"The minimal model (paper A's eq. XII7: layer 1 replaced by the hard previous-state "
+                      f"concatenation, one layer reading [x_n; x_(n-1); n]) at N = {t['length']}, the same K and steps, "
+                      "on fresh chains:", "",
+                      "| seed | tau, minimal | tau, 2-layer | final loss, minimal | final loss, 2-layer | final label, minimal |",
+                      "|---|---|---|---|---|---|"]
+        fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        loss = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        lines += [f"| {m['seed']} | {fmt(m['tau'])} | {fmt(m['full_tau'])} | {loss(m['loss'])} | {loss(m['full_loss'])} | "
+                  f"{m['label']} |" for m in data["minimal"]]
     lines += ["", "Circuits, phi patching and the bridge to token patches (256 training-chain sequences; "
                   "KL to the donor / recipient chain's row at the final state, mean ± 95% half-width):", ""]
-    lines += ["| K | phase | prev-token score (L1) | stat.-induction score (L2) / uniform | loss: clean / -L1 head / -L2 head / -MLP1 / -MLP2 |",
-              "|---|---|---|---|---|"]
+    lines += ["| K | phase | prev-token score, layer-1 heads | stat.-induction score, layer-2 heads (uniform) | "
+              "loss: clean, then each head and MLP ablated (zero) |", "|---|---|---|---|---|"]
     for k, p in data["probes"].items():
-        a = p["ablation_loss"]
-        ind = "-" if p["induction_score"] is None else f"{p['induction_score']:.2f} / {p['induction_baseline']:.2f}"
-        lines.append(f"| {k} | {p['final_label']} | {p['previous_token_score']:.2f} | {ind} | {p['loss']:.3f} / "
-                     f"{a['layer-1 head']:.3f} / {a['layer-2 head']:.3f} / {a['layer-1 MLP']:.3f} / {a['layer-2 MLP']:.3f} |")
+        ind = "-" if "induction_score" not in p else (
+            f"{', '.join(f'{v:.2f}' for v in p['induction_score'])} ({p['induction_baseline']:.2f})")
+        abl = "; ".join(f"{name} {v:.3f}" for name, v in p["ablation_loss"].items())
+        lines.append(f"| {k} | {p['final_label']} | {', '.join(f'{v:.2f}' for v in p['previous_token_score'])} | "
+                     f"{ind} | {abl} |")
     lines += ["", "| K | phi from | KL to donor | KL to recipient |", "|---|---|---|---|"]
     for k, p in data["probes"].items():
-        for cond, row in p["phi_patching"].items():
+        for cond, row in p.get("phi_patching", {}).items():
             lines.append(f"| {k} | {cond.replace('_', ' ')} | {row['kl_donor']['mean']:.3f} ± {row['kl_donor']['ci95']:.3f} | "
                          f"{row['kl_recipient']['mean']:.3f} ± {row['kl_recipient']['ci95']:.3f} |")
     lines += ["", "| K | chain probe on phi (accuracy / chance) | cos(phi, thought vector) raw / centred / context part | "

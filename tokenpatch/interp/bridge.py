@@ -26,7 +26,7 @@ from .. import diagnostics
 from ..dynamics import trajectory
 from ..markov import model_inputs
 from ..models import ICLTransformer
-from ..tasks.markov import encode
+from ..tasks.markov import STREAMS, encode
 from ..thought import thought_patch
 from .circuits import phi
 
@@ -41,7 +41,7 @@ def phase_bridge(model: ICLTransformer, task, sequences: int = 32, seed: int = 0
     """``{"phi_cosine": {"raw", "centred"}, "update_norm": [per layer], "step_exponent": [per layer]}``
     (means over ``sequences`` training-chain sequences; module docstring)."""
     model = copy.deepcopy(model).double()  # the caller's model is left in its dtype
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, STREAMS["probe"]])
     states = task.sample(sequences, rng, "train").states  # [S, N]
     x = model_inputs(model, task, states)  # [S, N, d_in]
     last = len(model.blocks) - 1

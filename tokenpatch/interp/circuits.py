@@ -24,20 +24,25 @@ from torch import Tensor
 from ..errors import InputError
 from ..markov import log_probs, model_inputs
 from ..models import ICLTransformer
-from ..tasks.markov import sample_sequences
+from ..tasks.markov import STREAMS, sample_sequences
 from .ablation import ablate_heads
 
 __all__ = ["attention_patterns", "mixer_outputs", "previous_token_score", "statistical_induction_score",
            "ablated", "replaced_mixer", "phi", "chain_probe", "phi_patching"]
 
 
-def _check(model: ICLTransformer, layer: int) -> int:
+def _layer(model: ICLTransformer, layer: int) -> int:
     n = len(model.blocks)
     if not -n <= layer < n:
         raise InputError(f"layer {layer} is outside the model's {n} layers")
+    return layer % n
+
+
+def _check(model: ICLTransformer, layer: int) -> int:
+    layer = _layer(model, layer)
     if not hasattr(model.blocks[layer].mixer, "pattern"):
         raise InputError(f"layer {layer} is {model.blocks[layer].mixer.kind} attention; probes need softmax attention")
-    return layer % n
+    return layer
 
 
 @contextmanager
@@ -101,7 +106,7 @@ def ablated(model: ICLTransformer, heads=(), mlps=(), mode: str = "zero", refere
         raise InputError(f"mode={mode!r} for MLPs; choose 'zero' or 'mean'")
     if mode != "zero" and reference is None:
         raise InputError(f"mode={mode!r} needs reference inputs to average over")
-    mlps = [_check(model, l) for l in mlps]
+    mlps = [_layer(model, l) for l in mlps]
     means: dict[int, Tensor] = {}
     if mode == "mean" and mlps:
         rec = [model.blocks[l].mlp.fc_out.register_forward_hook(lambda m, a, o, l=l: means.__setitem__(l, o.mean((0, 1))))
@@ -173,7 +178,9 @@ def phi_patching(model: ICLTransformer, task, pairs: int = 256, seed: int = 0, l
     k = chains.shape[0]
     if k < 2:
         raise InputError("phi patching needs at least two training chains (K >= 2)")
-    rng = np.random.default_rng(seed)
+    if pairs < 2:
+        raise InputError(f"phi patching needs pairs >= 2 for its intervals, got {pairs}")
+    rng = np.random.default_rng([seed, STREAMS["patching"]])
     b = torch.from_numpy(rng.integers(k, size=pairs))
     a = (b + torch.from_numpy(rng.integers(1, k, size=pairs))) % k  # a != b
     rec = sample_sequences(chains, b, task.length, rng)

@@ -15,7 +15,8 @@ Each predictor gives ``p(x_{t+1} = j | x_0..x_t)`` at every position, as log-pro
 * ``uniform`` ``1/C`` and ``true`` ``T^(chain)(i, j)``.
 
 The chain posteriors are kept as log-weights (a cumulative sum of log-likelihoods, normalised
-by ``logsumexp``), so thousands of positions never underflow.
+by a softmax at each position), so thousands of positions never underflow. Long batches are
+computed in chunks of sequences, so the ``[b, N, C, C]`` running bigram counts stay within ``CHUNK``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..tasks.markov import stationary
 
 __all__ = ["PREDICTORS", "PHASES", "LABELS", "predictors", "cross_entropy", "kl_to", "phase_label", "mixture_fit"]
 
+CHUNK = 2**24  # float64 entries of the [b, N, C, C] bigram counts per chunk of sequences (128 MiB)
 PREDICTORS = ("uniform", "1-gen", "2-gen", "1-mem", "2-mem", "true")
 PHASES = {"1-gen": "G1", "2-gen": "G2", "1-mem": "M1", "2-mem": "M2"}
 LABELS = {"uniform": "U", **PHASES}
@@ -77,6 +79,12 @@ def predictors(states: Tensor, chains: Tensor, alpha: float, *, prior: Tensor | 
         raise InputError(f"unigram={unigram!r}; choose 'counts' or 'bigram-stationary'")
     if alpha <= 0:
         raise InputError(f"alpha must be > 0, got {alpha}")
+    step = max(1, CHUNK // max(1, states.shape[1] * c * c))  # sequences per chunk: [b, N, C, C] stays small
+    if states.shape[0] > step:
+        parts = [predictors(states[i:i + step], chains, alpha, prior=prior, rule=rule, unigram=unigram,
+                            true_chains=true_chains, chain=None if chain is None else chain[i:i + step])
+                 for i in range(0, states.shape[0], step)]
+        return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
     chains = chains.to(torch.float64)
     b, n = states.shape
     onehot = torch.nn.functional.one_hot(states, c).to(torch.float64)  # [B, N, C]
@@ -100,9 +108,9 @@ def predictors(states: Tensor, chains: Tensor, alpha: float, *, prior: Tensor | 
         raise InputError(f"prior must be a probability vector of length K={k}")
     log_pi = _log(stationary(chains))  # [K, C]
     log_t = _log(chains)  # [K, C, C]
-    step = log_t[:, states[:, :-1], states[:, 1:]].permute(1, 2, 0)  # [B, N-1, K]  log T^k(x_s, x_{s+1})
+    trans = log_t[:, states[:, :-1], states[:, 1:]].permute(1, 2, 0)  # [B, N-1, K]  log T^k(x_s, x_{s+1})
     logw2 = _log(prior) + log_pi[:, states[:, 0]].T[:, None, :].expand(b, n, k).clone()  # [B, N, K]
-    logw2[:, 1:] += step.cumsum(1)
+    logw2[:, 1:] += trans.cumsum(1)
     out["2-mem"] = _mem_rows(states, chains, logw2)
     logw1 = _log(prior) + log_pi[:, states].permute(1, 2, 0).cumsum(1)  # [B, N, K]  sum_{s<=t} log pi^k(x_s)
     out["1-mem"] = _mem_rows(states, chains, logw1) if rule == "row" else _mixture(logw1, stationary(chains))
@@ -145,13 +153,18 @@ def mixture_fit(logp_model: Tensor, refs: dict[str, Tensor], iters: int = 500, t
     p = logp_model[:, :-1].exp().reshape(-1, logp_model.shape[-1]).to(torch.float64)  # [M, C]
     comp = torch.stack([refs[n][:, :-1].exp().reshape(p.shape) for n in names])  # [P, M, C]
     w = torch.full((len(names),), 1.0 / len(names), dtype=torch.float64)
-    prev = math.inf
-    for _ in range(iters):
+
+    def objective(w: Tensor) -> tuple[Tensor, float]:
         q = torch.einsum("p,pmc->mc", w, comp).clamp_min(1e-300)  # [M, C]
-        kl = (p * (_log(p) - _log(q))).sum(-1).mean().item()
-        if prev - kl < tol:
+        return q, (p * (_log(p) - _log(q))).sum(-1).mean().item()
+
+    q, kl = objective(w)
+    for _ in range(iters):
+        new = w * torch.einsum("mc,pmc->p", p / q, comp) / p.shape[0]
+        new = new / new.sum()
+        q_new, kl_new = objective(new)
+        done = kl - kl_new < tol
+        w, q, kl = new, q_new, kl_new
+        if done:
             break
-        prev = kl
-        w = w * torch.einsum("mc,pmc->p", p / q, comp) / p.shape[0]
-        w = w / w.sum()
     return dict(zip(names, w.tolist())), kl

@@ -26,7 +26,10 @@ from torch import Tensor
 
 from ..errors import InputError
 
-__all__ = ["MarkovTask", "MarkovBatch", "random_chains", "stationary", "sample_sequences", "encode"]
+# One seed, independent streams: np.random.default_rng([seed, STREAMS[name]]).
+STREAMS = {"chains": 0, "train": 1, "eval": 2, "probe": 3, "patching": 4}
+
+__all__ = ["STREAMS", "MarkovTask", "MarkovBatch", "random_chains", "stationary", "sample_sequences", "encode"]
 
 
 class MarkovBatch(NamedTuple):
@@ -46,16 +49,24 @@ def stationary(matrices: Tensor) -> Tensor:
     """``[..., C]`` stationary distributions of ``[..., C, C]`` row-stochastic matrices.
 
     Solves ``pi (T - I) = 0`` with one equation replaced by ``sum(pi) = 1``: the linear system
-    ``A^T pi = e_C`` where ``A = T - I`` with its last column set to ones (unique for an
-    irreducible chain, which a Dirichlet draw is almost surely).
+    ``A^T pi = e_C`` where ``A = T - I`` with its last column set to ones, unique for an
+    irreducible chain. A Dirichlet draw is irreducible almost surely, but with a tiny ``alpha``
+    rows can be one-hot to machine precision and the system singular; those matrices take the
+    minimum-norm least-squares solution of the same system instead (one of their stationary
+    distributions), clipped at 0 and renormalised.
     """
     c = matrices.shape[-1]
     a = matrices - torch.eye(c, dtype=matrices.dtype)
     a[..., :, -1] = 1.0
     rhs = torch.zeros(*matrices.shape[:-2], c, 1, dtype=matrices.dtype)
     rhs[..., -1, 0] = 1.0
-    pi = torch.linalg.solve(a.transpose(-1, -2), rhs)[..., 0]
-    return pi.clamp_min(0) / pi.clamp_min(0).sum(-1, keepdim=True)
+    pi, info = torch.linalg.solve_ex(a.transpose(-1, -2), rhs)
+    pi = pi[..., 0]
+    bad = (info != 0) | ~torch.isfinite(pi).all(-1)
+    if bad.any():
+        pi[bad] = torch.linalg.lstsq(a.transpose(-1, -2)[bad], rhs[bad], driver="gelsd").solution[..., 0]
+    pi = pi.clamp_min(0)
+    return pi / pi.sum(-1, keepdim=True)
 
 
 def sample_sequences(matrices: Tensor, chain: Tensor, length: int, rng: np.random.Generator,
@@ -110,8 +121,10 @@ def encode(states: Tensor, n_states: int, n_positions: int, previous: bool = Fal
 class MarkovTask:
     """K training chains over C states; sequences of length N with ``x_1 ~ pi``.
 
-    ``seed`` fixes the training chains (the same ``seed`` always gives the same chains);
-    sampling sequences takes a separate ``numpy.random.Generator``.
+    ``seed`` fixes the training chains (the same ``seed`` always gives the same chains); sampling
+    sequences takes a separate ``numpy.random.Generator``. Every random stream of a run is
+    ``default_rng([seed, STREAMS[name]])``: independent streams from one seed (numpy's
+    ``SeedSequence`` hashes the pair), so the chains and the training batches never share bits.
     """
 
     states: int = 10  # C
@@ -123,10 +136,12 @@ class MarkovTask:
     def __post_init__(self) -> None:
         for name in ("states", "length", "chains"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (2 if name != "chains" else 1):
+            if not isinstance(value, int) or isinstance(value, bool) or value < (2 if name != "chains" else 1):
                 raise InputError(f"MarkovTask.{name} must be an integer >= {2 if name != 'chains' else 1}, got {value!r}")
-        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
+        if isinstance(self.alpha, bool) or not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
             raise InputError(f"MarkovTask.alpha must be > 0, got {self.alpha!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise InputError(f"MarkovTask.seed must be an integer >= 0, got {self.seed!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,7 +149,7 @@ class MarkovTask:
     @property
     def train_chains(self) -> Tensor:
         """``[K, C, C]`` float64, fixed by ``seed``."""
-        return random_chains(self.chains, self.states, self.alpha, np.random.default_rng(self.seed))
+        return random_chains(self.chains, self.states, self.alpha, np.random.default_rng([self.seed, STREAMS["chains"]]))
 
     def fresh_chains(self, n: int, rng: np.random.Generator) -> Tensor:
         """``[n, C, C]`` new chains from the same Dirichlet (out of distribution)."""
@@ -152,5 +167,5 @@ class MarkovTask:
             chain = torch.arange(batch)
         else:
             raise InputError(f"which={which!r}; choose 'train' or 'fresh'")
-        states = sample_sequences(mats, chain, length or self.length, rng)
+        states = sample_sequences(mats, chain, self.length if length is None else length, rng)
         return MarkovBatch(states, chain, mats)
