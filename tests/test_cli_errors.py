@@ -62,6 +62,7 @@ CASES = [  # (argv, what the one line must say); {d} is the fixture folder
     (["markov", "train", "--out", "{d}"], "--out {d} is a folder with other files in it"),
     (["markov", "report", "--out", "{d}/notes.txt"], "--out {d}/notes.txt is a file; give a folder for the report"),
     (["markov", "sweep"], "argument markov_command: invalid choice: 'sweep'"),
+    (["markov", "train", "--out", "{d}/run", "--seed", "-1"], "argument --seed: -1 is too small: it must be at least 0"),
 ]
 
 
