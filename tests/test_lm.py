@@ -20,6 +20,7 @@ def test_data_holds_repeats_at_varying_offsets():
         best = max(range(4, 20), key=lambda n: sum(row[t] == row[t - n] for t in range(n + 1, 40)))
         offsets.add(best)
     assert len(offsets) > 5
+    assert max(np.bincount(row).max() for row in x.numpy()) < 10  # a random stretch repeated, not a constant
     with pytest.raises(tp.InputError, match="do not fit"):
         LMData(length=10, span_max=8)
 
