@@ -1,6 +1,6 @@
 """Two small transformers on Markov chains: one memorises its 4 chains, one learns the 2-gen rule.
 
-Run: python examples/markov_phases.py   (about half a minute on 2 cores)
+Run: python examples/markov_phases.py   (under a minute on 2 cores)
 
 Each model is trained on sequences from K fixed chains (C = 10 states, rows ~ Dirichlet(0.25)).
 At log-spaced steps its predictions are compared with the four ideal predictors, and the phase is

@@ -145,7 +145,7 @@ REFERENCE = [(1.0, 128, 2.323, 2.181, 1.931), (1.0, 256, 2.305, 2.127, 1.930), (
 @pytest.mark.parametrize("alpha,n,one,two,true", REFERENCE)
 def test_reference_table_within_002_nats(alpha, n, one, two, true):
     task = MarkovTask(states=10, alpha=alpha, length=n, chains=16, seed=0)
-    batch = task.sample(400, np.random.default_rng(1), "fresh")
+    batch = task.sample(2000, np.random.default_rng(1), "fresh")  # Monte-Carlo error ~0.005 nats
     lp = predictors(batch.states, task.train_chains, alpha, true_chains=batch.matrices, chain=batch.chain)
     ce = {k: cross_entropy(v, batch.states).mean().item() for k, v in lp.items()}
     assert ce["uniform"] == pytest.approx(math.log(10), abs=1e-12)

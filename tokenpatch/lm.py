@@ -5,7 +5,7 @@ The model is an ``ICLTransformer`` reading one-hot ``[token; position]`` vectors
 position embedding, and every tokenpatch tool applies to it. Token 0 is BOS.
 
 Training data (``LMData.sample``): ``[BOS, x_1 .. x_{T-1}]`` with tokens uniform over ``1..V-1``
-and repeats: a share ``whole`` of the sequences holds one stretch of ``span_min..(T-1)//2`` tokens
+and repeats: a share ``whole`` of the sequences holds one stretch of ``span_min..span_max`` tokens
 followed at once by the same stretch; each of the others copies ``spans`` earlier stretches of
 ``span_min..span_max`` tokens to later places. Offsets vary, so only matching content (an induction
 head), not a fixed position, finds what comes next. Next-token prediction on such data rewards
@@ -61,7 +61,7 @@ class LMData:
         x[:, 0] = BOS
         whole = rng.random(batch) < self.whole
         for b in np.flatnonzero(whole):  # a random stretch of random length, repeated at once
-            n = int(rng.integers(self.span_min, (self.length - 1) // 2 + 1))
+            n = int(rng.integers(self.span_min, self.span_max + 1))
             start = int(rng.integers(1, self.length - 2 * n + 1))
             x[b, start + n:start + 2 * n] = x[b, start:start + n]
         for b in np.flatnonzero(~whole):
