@@ -63,6 +63,10 @@ CASES = [  # (argv, what the one line must say); {d} is the fixture folder
     (["markov", "report", "--out", "{d}/notes.txt"], "--out {d}/notes.txt is a file; give a folder for the report"),
     (["markov", "sweep"], "argument markov_command: invalid choice: 'sweep'"),
     (["markov", "train", "--out", "{d}/run", "--seed", "-1"], "argument --seed: -1 is too small: it must be at least 0"),
+    (["induction", "scores", "--model", "gpt-17"], "--model 'gpt-17' is neither a known model"),
+    (["induction", "scores", "--model", "{d}/patch.safetensors"], "holds a 'tokenpatch.patch/1', not a 'tokenpatch.model/1'"),
+    (["induction", "scores", "--model", "{d}/notes.txt"], "is not a readable safetensors file"),
+    (["induction", "scores", "--model", "x", "--length", "1"], "argument --length: 1 is too small"),
 ]
 
 

@@ -201,3 +201,21 @@ def test_recall_prompt_and_scoring():
     assert text == "List: cat dog\nRecall: cat dog\n\nList: sun tree\nRecall:"
     s = score_recall(["sun", "moon"], ["sun", "tree"])
     assert s == {"per_position": [1, 0], "exact": 0, "positions": [0, None]}
+
+
+def test_cli_scores_on_a_small_lm(tmp_path, capsys):
+    import json
+
+    from tokenpatch.cli import main
+    from tokenpatch.lm import LMData, LMTrain, train_lm
+
+    path = tmp_path / "lm.safetensors"
+    train_lm(path, LMData(vocab=20, length=16, span_max=6), LMTrain(steps=2, batch_size=2), d_model=8, n_heads=2,
+             progress=False)
+    assert main(["induction", "scores", "--model", str(path), "--length", "5", "--sequences", "3", "--json",
+                 "--quiet"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 4 and list(rows[0]) == ["layer", "head", "diagonal", "detector", "previous_token",
+                                                "duplicate_token", "kv_group"]
+    assert main(["induction", "scores", "--model", str(path), "--length", "5", "--quiet"]) == 0
+    assert "layer | head" in capsys.readouterr().out

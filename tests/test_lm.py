@@ -62,3 +62,6 @@ def test_training_resumes_bit_for_bit(tmp_path):
     assert torch.equal(load_lm(tmp_path / "a.safetensors").read_in.weight, full.read_in.weight)
     with pytest.raises(tp.FileFormatError, match="another recipe"):
         train_lm(tmp_path / "a.safetensors", data, cfg, d_model=4, n_heads=2, progress=False)
+    tp.save_model(tp.ICLTransformer(tp.ICLConfig(d_in=3)), tmp_path / "other.safetensors")
+    with pytest.raises(tp.FileFormatError, match="is not a small LM of tokenpatch.lm"):
+        load_lm(tmp_path / "other.safetensors")

@@ -171,3 +171,21 @@ def test_cli_compress_a_prompt_and_answer_without_it(smollm2, pretrained_cache_d
     assert shown["query"] == "Q: water ->" and shown["with_patch"] != shown["without_patch"]
     assert main(["compress", "--model", "smollm2-135m", "--prompt", prompt, "--queries", str(queries), "--out",
                  str(out), "--quiet"]) == 2  # nothing is overwritten
+
+
+def test_cli_induction_scores_find_induction_heads(smollm2, pretrained_cache_dir, monkeypatch, capsys):
+    """SmolLM2 has induction heads: the top one scores > 0.5 under both definitions; the JSON is
+    every head, sorted by the diagonal score."""
+    import json
+
+    from tokenpatch.cli import main
+
+    monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
+    argv = ["induction", "scores", "--model", "smollm2-135m", "--length", "30", "--sequences", "4", "--seed", "0",
+            "--json", "--quiet"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 30 * 9 and set(rows[0]) >= {"layer", "head", "diagonal", "detector"}
+    assert [r["diagonal"] for r in rows] == sorted((r["diagonal"] for r in rows), reverse=True)
+    assert rows[0]["diagonal"] > 0.5 and rows[0]["detector"] > 0.5
+    assert sorted(r["diagonal"] for r in rows)[len(rows) // 2] < 0.05  # most heads are not induction heads

@@ -183,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
     from .cli_markov import add_parser as add_markov
 
     add_markov(sub, fmt, _common, _count, _number)
+    from .cli_induction import add_parser as add_induction
+
+    add_induction(sub, fmt, _common, _count, _number)
 
     r = sub.add_parser("reproduce", help="run the paper experiments; write results/report.md, figures, JSON",
                        formatter_class=fmt,
@@ -370,6 +373,12 @@ def _markov(args) -> int:
     return run(args, _usage)
 
 
+def _induction(args) -> int:
+    from .cli_induction import run
+
+    return run(args, _usage)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
@@ -378,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("TOKENPATCH_DEBUG", "") not in ("", "0")
     try:
         return {"train": _train, "verify": _verify, "generate": _generate_lm, "compress": _compress,
-                "reproduce": _reproduce, "markov": _markov}[args.command](args)
+                "reproduce": _reproduce, "markov": _markov,
+                "induction": _induction}[args.command](args)
     except (TokenpatchError, OSError) as exc:  # user mistakes: bad values, missing or wrong files
         if debug:
             raise
