@@ -219,3 +219,50 @@ def test_cli_scores_on_a_small_lm(tmp_path, capsys):
                                                 "duplicate_token", "kv_group"]
     assert main(["induction", "scores", "--model", str(path), "--length", "5", "--quiet"]) == 0
     assert "layer | head" in capsys.readouterr().out
+
+
+def test_dose_response_ablates_then_restores(model):
+    from tokenpatch.interp.ablation import head_sites
+    from tokenpatch.interp.temporal import dose_response
+
+    ranked = rank_heads({"diagonal": torch.tensor([[0.9, 0.1], [0.5, 0.2]])})
+    modules, _ = head_sites(model)
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    clean = model(x)
+
+    def measure():  # how many layers carry an ablation hook, and the output's distance from clean
+        return [sum(len(m._forward_pre_hooks) for m in modules), float((model(x) - clean).abs().max())]
+
+    d = dose_response(model, ranked, measure, ns=(0, 1, 2), exclude_top=1, draws=2)
+    assert d["n"] == [0, 1, 2] and d["top"][0] == [0, 0.0] and d["random"][0] == [[0, 0.0]]
+    assert d["top"][1][0] == 1 and d["top"][1][1] > 0 and d["top"][2][0] == 2  # heads (0,0) then (1,0): two layers
+    assert len(d["random"][1]) == 2 and all(r[1] > 0 for r in d["random"][1])
+    assert not any(m._forward_pre_hooks for m in modules) and torch.equal(model(x), clean)
+
+
+def test_lag_curve_and_serial_recall_on_a_tiny_hf_model():
+    pytest.importorskip("transformers", reason="the Hugging Face extra is not installed")
+    from test_hf import VOCAB, build
+
+    from tokenpatch.interp.temporal import lag_curve, serial_recall
+    from tokenpatch.tasks.recall import lag_prompts
+
+    model = build("llama")
+    prompts = lag_prompts(range(1, VOCAB), 9, 4, seed=0)
+    lc = lag_curve(model, prompts, bos=0, batch_size=3)
+    probs = torch.softmax(model(torch.cat([torch.zeros(4, 1, dtype=torch.long), prompts], 1)).logits[:, -1].double(), -1)
+    assert lc["lags"] == list(range(-4, 5))
+    assert lc["mean"] == pytest.approx(probs.gather(1, prompts[:, :9]).mean(0).tolist(), abs=1e-12)
+
+    class Words:  # one token per word: ids 1..VOCAB-1 are "w1".."w100"
+        pad_token_id = 0
+
+        def __call__(self, text, return_tensors=None, add_special_tokens=True):
+            ids = [int(w[1:]) if w.startswith("w") else 1 for w in text.replace("\n", " ").split()]
+            return {"input_ids": torch.tensor([ids])}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(f"w{int(i)}" for i in ids)
+
+    r = serial_recall(model, Words(), [f"w{i}" for i in range(2, 60)], length=5, shots=1, lists=3)
+    assert len(r["per_position"]) == 5 and 0 <= r["accuracy"] <= 1 and len(r["crp"]["lags"]) == 9

@@ -1,0 +1,79 @@
+"""Temporal order in context, measured on a model: the lag curve, serial recall, and their
+dose-response to head ablation (``docs/induction.md`` §3-4).
+
+* ``lag_curve``: next-token probabilities at the end of ``tasks.recall.lag_prompts``, read at every
+  prompt token and aligned by lag (``tasks.recall.lag_probabilities``).
+* ``serial_recall``: few-shot recall of word lists by greedy decoding, scored per position, per
+  list and by the lag-CRP of the recalled order.
+* ``dose_response``: a measurement with the top-n heads ablated and with n random heads outside the
+  top M ablated (several draws), for every n.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..tasks.recall import lag_crp, lag_probabilities, recall_lists, recall_prompt, score_recall
+from .ablation import ablate_heads, select_heads
+
+__all__ = ["lag_curve", "serial_recall", "dose_response"]
+
+
+def lag_curve(model, prompts: Tensor, bos: int | None = None, batch_size: int = 32) -> dict:
+    """``{"lags", "mean", "ci95"}`` for ``prompts [P, n + 1]`` (a Hugging Face causal LM; ``bos`` is
+    put in front of every prompt when given)."""
+    rows = []
+    with torch.no_grad():
+        for i in range(0, prompts.shape[0], batch_size):
+            ids = prompts[i:i + batch_size]
+            if bos is not None:
+                ids = torch.cat([torch.full((ids.shape[0], 1), bos, dtype=ids.dtype), ids], 1)
+            logits = model(ids).logits[:, -1].double()  # [b, V]
+            rows.append(torch.softmax(logits, -1))
+    return lag_probabilities(torch.cat(rows), prompts)
+
+
+def serial_recall(model, tokenizer, words: list[str], length: int = 14, shots: int = 2, lists: int = 20,
+                  seed: int = 0) -> dict:
+    """Greedy few-shot serial recall of ``lists`` lists of ``length`` single-token words.
+
+    Returns ``{"per_position": [mean exact match at each position], "exact": share of lists
+    recalled perfectly, "exact_ci95", "crp": lag-CRP of the recalled serial positions}``."""
+    pool = recall_lists(words, length, lists * (shots + 1), seed)
+    scores = []
+    for j in range(lists):
+        group = pool[j * (shots + 1):(j + 1) * (shots + 1)]
+        text = recall_prompt(group[:-1], group[-1])
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=length, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        recalled = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split()[:length]
+        scores.append(score_recall(recalled, group[-1]))
+    per = np.array([s["per_position"] for s in scores], dtype=float)  # [lists, length]
+    exact = np.array([s["exact"] for s in scores], dtype=float)
+    return {"per_position": per.mean(0).tolist(), "accuracy": float(per.mean()),
+            "accuracy_ci95": float(1.96 * per.mean(1).std(ddof=1) / len(scores) ** 0.5) if len(scores) > 1 else 0.0,
+            "exact": float(exact.mean()), "crp": lag_crp([s["positions"] for s in scores], length)}
+
+
+def dose_response(model, ranked: list[dict], measure, ns=(0, 1, 2, 4, 8, 16), exclude_top: int = 50, draws: int = 3,
+                  seed: int = 0, progress=None) -> dict:
+    """``{"n": [...], "top": [measure(...)], "random": [[measure(...) per draw]]}``: ``measure()`` (a
+    callable returning a JSON-able result) with the top-``n`` heads of ``ranked`` ablated (zero),
+    and with ``n`` random heads outside the top ``exclude_top``, ``draws`` times."""
+    from .._progress import progress_bar
+
+    out = {"n": list(ns), "top": [], "random": [], "exclude_top": exclude_top, "draws": draws}
+    for n in progress_bar(ns, progress, desc="dose-response", unit="n"):
+        with ablate_heads(model, select_heads(ranked, n)):
+            out["top"].append(measure())
+        runs = []
+        for d in range(draws if n else 1):
+            heads = select_heads(ranked, n, how="random", exclude_top=exclude_top, seed=seed + d)
+            with ablate_heads(model, heads):
+                runs.append(measure())
+        out["random"].append(runs)
+    return out
