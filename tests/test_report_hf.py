@@ -53,17 +53,19 @@ def test_reproduce_succeeds_with_the_note(monkeypatch, tmp_path):
     """``reproduce`` with no model installed: the other sections (stubbed here: they have their own
     tests) and the one-line note, numbered like any section, in report.md and results.json."""
     nothing_installed(monkeypatch)
-    for name in ("equivalence_section", "model_section", "dynamics_section", "finetune_section", "thought_section"):
+    for name in ("equivalence_section", "model_section", "dynamics_section", "finetune_section", "thought_section",
+                 "markov_section"):
         key = name.removesuffix("_section")
         monkeypatch.setattr(report, name, lambda *a, _key=key, **k: Section(_key, _key.title(), "stub", [], {}))
     monkeypatch.setattr(report, "load_model", lambda checkpoint=None: None)
     path = report.reproduce(tmp_path, progress=False)
     text = path.read_text()
     body, compression = text.split("## 6. Real language models\n\n", 1)[1].split("## 7. Prompt compression", 1)
+    compression = compression.split("## 8. ", 1)[0]
     assert body.strip().count("\n") == 0 and body.startswith("Skipped")
     assert compression.split("\n\n", 1)[1].strip().count("\n") == 0 and "Skipped" in compression
     data = json.loads((tmp_path / "results.json").read_text())
-    assert list(data["sections"])[-2:] == ["real_models", "prompt_compression"]
+    assert list(data["sections"])[-3:] == ["real_models", "prompt_compression", "markov"]
     assert data["sections"]["real_models"]["skipped"] is True and data["sections"]["prompt_compression"]["skipped"]
     assert bad_keys(data) == []
 
