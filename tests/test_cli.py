@@ -44,6 +44,12 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch,
 
     tiny = {**report_markov.REDUCED, "chains": (2, 8), "steps": 40, "show": (2, 8)}
     monkeypatch.setattr(report, "markov_section", functools.partial(report_markov.markov_section, preset=tiny, workers=1))
+    from tokenpatch import report_induction  # the small LM on a short run (its numbers: docs/induction.md)
+    from tokenpatch.lm import LMData, LMTrain
+
+    monkeypatch.setattr(report, "induction_section", functools.partial(
+        report_induction.induction_section, data=LMData(vocab=12, length=24), cfg=LMTrain(steps=20),
+        options={"n_words": 7, "prompts": 8, "draws": 2}))
     assert main(["reproduce", "--out", str(tmp_path), "--tasks", "16", "--quiet"]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "| layer 0 |" in report and "| output |" in report and "NOT MET" not in report
@@ -51,7 +57,9 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch,
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data["sections"]) == {"equivalence", "model", "dynamics", "finetune", "thought", "real_models",
-                                     "prompt_compression", "markov"}
+                                     "prompt_compression", "markov", "induction"}
+    ind = data["sections"]["induction"]
+    assert ind["heads"] == 4 and ind["dose_lag_plus_one"]["n"] == [0, 1, 2] and len(ind["patches"]["share"]) == 4
     mk = data["sections"]["markov"]
     assert [r["chains"] for r in mk["final"]] == [2, 8] and set(mk["probes"]) == {"2", "8"}
     assert set(mk["probes"]["2"]["phi_patching"]) == {"clean", "donor", "same_chain", "mean", "random"}

@@ -67,6 +67,12 @@ CASES = [  # (argv, what the one line must say); {d} is the fixture folder
     (["induction", "scores", "--model", "{d}/patch.safetensors"], "holds a 'tokenpatch.patch/1', not a 'tokenpatch.model/1'"),
     (["induction", "scores", "--model", "{d}/notes.txt"], "is not a readable safetensors file"),
     (["induction", "scores", "--model", "x", "--length", "1"], "argument --length: 1 is too small"),
+    (["induction", "train", "--out", "{d}/lm.pt"], "--out {d}/lm.pt: give a file path ending in .safetensors"),
+    (["induction", "train", "--out", "{d}/lm.safetensors", "--follow", "1.5"], "--follow 1.5: a probability, in [0, 1]"),
+    (["induction", "train", "--out", "{d}/lm.safetensors", "--heads", "3"], "--d-model 64 is not divisible by --heads 3"),
+    (["induction", "train", "--out", "{d}/patch.safetensors"], "holds a 'tokenpatch.patch/1', not a 'tokenpatch.model/1'"),
+    (["induction", "report", "--model", "{d}/notes.txt", "--out", "{d}/r"], "is not a readable safetensors file"),
+    (["induction", "report", "--model", "gpt-17"], "--model 'gpt-17' is neither a known model"),
 ]
 
 

@@ -210,7 +210,7 @@ def test_cli_scores_on_a_small_lm(tmp_path, capsys):
     from tokenpatch.lm import LMData, LMTrain, train_lm
 
     path = tmp_path / "lm.safetensors"
-    train_lm(path, LMData(vocab=20, length=16, span_max=6), LMTrain(steps=2, batch_size=2), d_model=8, n_heads=2,
+    train_lm(path, LMData(vocab=20, length=16), LMTrain(steps=2, batch_size=2), d_model=8, n_layers=2, n_heads=2,
              progress=False)
     assert main(["induction", "scores", "--model", str(path), "--length", "5", "--sequences", "3", "--json",
                  "--quiet"]) == 0
@@ -231,7 +231,8 @@ def test_dose_response_ablates_then_restores(model):
     clean = model(x)
 
     def measure():  # how many layers carry an ablation hook, and the output's distance from clean
-        return [sum(len(m._forward_pre_hooks) for m in modules), float((model(x) - clean).abs().max())]
+        with torch.no_grad():
+            return [sum(len(m._forward_pre_hooks) for m in modules), float((model(x) - clean).abs().max())]
 
     d = dose_response(model, ranked, measure, ns=(0, 1, 2), exclude_top=1, draws=2)
     assert d["n"] == [0, 1, 2] and d["top"][0] == [0, 0.0] and d["random"][0] == [[0, 0.0]]
@@ -266,3 +267,59 @@ def test_lag_curve_and_serial_recall_on_a_tiny_hf_model():
 
     r = serial_recall(model, Words(), [f"w{i}" for i in range(2, 60)], length=5, shots=1, lists=3)
     assert len(r["per_position"]) == 5 and 0 <= r["accuracy"] <= 1 and len(r["crp"]["lags"]) == 9
+
+
+def test_cli_trains_a_small_lm_and_reports_on_it(tmp_path, capsys):
+    import json
+
+    from tokenpatch.cli import main
+
+    path = tmp_path / "lm.safetensors"
+    args = ["induction", "train", "--out", str(path), "--vocab", "12", "--length", "24", "--steps", "3",
+            "--d-model", "8", "--layers", "2", "--heads", "2", "--quiet"]
+    assert main(args) == 0 and "2-layer Pre-LN softmax-attention transformer: " in capsys.readouterr().out
+    assert main(["induction", "report", "--model", str(path), "--out", str(tmp_path / "r"), "--words", "7",
+                 "--prompts", "4", "--draws", "3", "--exclude-top", "1", "--quiet"]) == 0
+    result = json.loads((tmp_path / "r" / "induction-lm.json").read_text())
+    assert result["heads"] == 4 and result["lag"]["lags"] == list(range(-3, 4)) and "per_prompt" not in result["lag"]
+    dose = result["dose_lag_plus_one"]
+    assert dose["n"] == [0, 1, 2] and all(set(c) == {"mean", "ci95"} for c in dose["top"])
+    assert dose["exact"] == [True, True, True] and len(dose["random_heads"][2]) == 3  # C(3, 2): every pair
+    assert len(dose["random"][1]) == 3 and dose["top"][0] == dose["random"][0][0]  # nothing ablated: the same
+    p = result["patches"]
+    assert len(p["share"]) == 2 and len(p["share"][0]) == 2 and p["closure_max"] < 1e-5
+    assert len(p["patch_norm"]["random"]) == 3 and p["top"] == [[r["layer"], r["head"]] for r in result["top_heads"][:2]]
+    md = (tmp_path / "r" / "induction-lm.md").read_text()
+    assert "| heads ablated | lag +1, top | lag +1, random |" in md and "top heads' share" in md
+    assert (tmp_path / "r" / "induction-lm.png").stat().st_size > 10_000
+    one = tmp_path / "one.safetensors"  # one head per layer: 2 heads, a pool of 1 outside the top 1
+    assert main(["induction", "train", "--out", str(one), "--vocab", "12", "--length", "24", "--steps", "2",
+                 "--d-model", "8", "--layers", "2", "--heads", "1", "--quiet"]) == 0
+    assert main(["induction", "report", "--model", str(one), "--out", str(tmp_path / "r1"), "--words", "7",
+                 "--prompts", "4", "--quiet"]) == 0
+    result = json.loads((tmp_path / "r1" / "induction-one.json").read_text())
+    assert result["dose_lag_plus_one"]["n"] == [0, 1] and result["patches"]["n"] == 1
+
+
+def test_random_control_sets_and_pooled_intervals():
+    from tokenpatch.interp.ablation import outside_top, random_sets
+    from tokenpatch.interp.temporal import mean_ci, pooled
+
+    ranked = rank_heads({"diagonal": torch.tensor([[0.1], [0.9], [0.3], [0.2]])})  # 4 layers x 1 head
+    assert outside_top(ranked, 1) == [(2, 0), (3, 0), (0, 0)]
+    assert random_sets(ranked, 1, exclude_top=1, draws=3) == [[(2, 0)], [(3, 0)], [(0, 0)]]  # every subset once
+    assert sorted(map(sorted, random_sets(ranked, 2, exclude_top=1, draws=3))) == [[(0, 0), (2, 0)], [(0, 0), (3, 0)],
+                                                                                  [(2, 0), (3, 0)]]
+    drawn = random_sets(ranked, 1, exclude_top=1, draws=2, seed=5)  # more subsets than draws: seeded draws
+    assert len(drawn) == 2 and drawn == random_sets(ranked, 1, exclude_top=1, draws=2, seed=5)
+    assert random_sets(ranked, 0, exclude_top=1, draws=3) == [[]]
+    with pytest.raises(tp.InputError, match="only 3 lie outside the top 1"):
+        random_sets(ranked, 4, exclude_top=1)
+    big = rank_heads({"diagonal": torch.rand(6, 4, generator=torch.Generator().manual_seed(0))})
+    sets = random_sets(big, 1, exclude_top=0, draws=12)  # 24 choices: drawn, and all distinct
+    assert len(sets) == 12 and len({tuple(h) for h in sets}) == 12
+    assert mean_ci([1.0, 3.0]) == {"mean": 2.0, "ci95": pytest.approx(1.96 * 2 ** 0.5 / 2 ** 0.5)}
+    assert pooled([{"mean": 0.5, "ci95": 0.1}]) == {"mean": 0.5, "ci95": 0.1}
+    assert pooled([{"mean": 1.0, "ci95": 0.1}, {"mean": 3.0, "ci95": 0.1}]) == mean_ci([1.0, 3.0])
+    assert pooled([{"mean": 1.0, "ci95": 0.3}, {"mean": 3.0, "ci95": 0.4}], exact=True) == {"mean": 2.0,
+                                                                                           "ci95": pytest.approx(0.35)}

@@ -54,7 +54,7 @@ def test_reproduce_succeeds_with_the_note(monkeypatch, tmp_path):
     tests) and the one-line note, numbered like any section, in report.md and results.json."""
     nothing_installed(monkeypatch)
     for name in ("equivalence_section", "model_section", "dynamics_section", "finetune_section", "thought_section",
-                 "markov_section"):
+                 "markov_section", "induction_section"):
         key = name.removesuffix("_section")
         monkeypatch.setattr(report, name, lambda *a, _key=key, **k: Section(_key, _key.title(), "stub", [], {}))
     monkeypatch.setattr(report, "load_model", lambda checkpoint=None: None)
@@ -65,7 +65,7 @@ def test_reproduce_succeeds_with_the_note(monkeypatch, tmp_path):
     assert body.strip().count("\n") == 0 and body.startswith("Skipped")
     assert compression.split("\n\n", 1)[1].strip().count("\n") == 0 and "Skipped" in compression
     data = json.loads((tmp_path / "results.json").read_text())
-    assert list(data["sections"])[-3:] == ["real_models", "prompt_compression", "markov"]
+    assert list(data["sections"])[-4:] == ["real_models", "prompt_compression", "markov", "induction"]
     assert data["sections"]["real_models"]["skipped"] is True and data["sections"]["prompt_compression"]["skipped"]
     assert bad_keys(data) == []
 

@@ -24,7 +24,7 @@ from .errors import TokenpatchError
 log = logging.getLogger("tokenpatch")
 
 USAGE_ERROR = 2
-REPRODUCE_TIME = "about ten minutes on a 2-core CPU"  # the README says the same (tests/test_cli.py)
+REPRODUCE_TIME = "about fourteen minutes on a 2-core CPU"  # the README says the same (tests/test_cli.py)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -2,6 +2,8 @@
 
     tokenpatch induction scores --model smollm2-135m --length 50 --sequences 20 --seed 0 --json
     tokenpatch induction scores --model runs/lm.safetensors      # a small LM of tokenpatch.lm
+    tokenpatch induction train --out runs/lm.safetensors          # train it (resumable)
+    tokenpatch induction report --model smollm2-135m --out results-induction
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import json
 from pathlib import Path
 
 __all__ = ["add_parser", "run"]
+
+LM_SHAPE = (64, 4, 1)  # d_model, layers, heads of the small LM (docs/induction.md §5)
 
 
 def add_parser(sub, fmt, common, count, number) -> None:
@@ -31,24 +35,42 @@ def add_parser(sub, fmt, common, count, number) -> None:
     s.add_argument("--top", type=count(1), default=10, help="rows printed without --json")
     s.add_argument("--json", action="store_true", help="print every head as a JSON list of objects")
     common(s)
+    t = isub.add_parser("train", formatter_class=fmt, help="train the small LM in which induction heads form",
+                        description="Train (or resume) the small LM of tokenpatch.lm: random tokens where a recurring "
+                        "token is followed, with probability --follow, by what followed it last time. Writes the "
+                        "checkpoint (with optimizer and sampler state) to --out; rerunning resumes bit for bit.")
+    t.add_argument("--out", required=True, help="checkpoint path, .safetensors (required)")
+    t.add_argument("--vocab", type=count(3), default=32, help="V, BOS included")
+    t.add_argument("--length", type=count(4), default=64, help="T, BOS included")
+    t.add_argument("--follow", type=number(False), default=0.7, help="probability of copying the last successor")
+    t.add_argument("--d-model", type=count(1), default=LM_SHAPE[0], help="width")
+    t.add_argument("--layers", type=count(1), default=LM_SHAPE[1], help="blocks")
+    t.add_argument("--heads", type=count(1), default=LM_SHAPE[2], help="heads per layer")
+    t.add_argument("--attention-only", action="store_true", help="blocks without MLPs (no token patches)")
+    t.add_argument("--steps", type=count(1), default=3000, help="training steps")
+    t.add_argument("--seed", type=count(0), default=0, help="seed of the weights and the data")
+    t.add_argument("--no-resume", action="store_true", help="start afresh even if --out exists")
+    common(t)
     r = isub.add_parser("report", formatter_class=fmt, help="lag curve, serial recall and their dose-response",
-                        description="On a real model: the head table, the lag curve (permuted single-token nouns, "
-                        "the middle one repeated), few-shot serial recall, and both measured with the top-n "
-                        "induction heads ablated against n random heads outside the top M. Writes "
-                        "induction-NAME.md/.json/.png to --out (about 15 minutes on 2 cores for SmolLM2).")
-    r.add_argument("--model", required=True, help="smollm2-135m or gemma3-270m (required)")
+                        description="The head table, the lag curve (permuted single-token nouns, the middle one "
+                        "repeated; token ids for a small LM), few-shot serial recall (real models), both measured "
+                        "with the top-n induction heads ablated against n random heads outside the top M, and each "
+                        "head's share of the token patches where the model copies. Writes induction-NAME.md/.json/.png "
+                        "to --out (about 15 minutes on 2 cores for SmolLM2, 25 for Gemma 3, seconds for a small LM).")
+    r.add_argument("--model", required=True, help="smollm2-135m, gemma3-270m, or the path of a small LM (required)")
     r.add_argument("--out", default="results-induction", help="output folder")
-    r.add_argument("--words", type=count(3), default=100, help="words per lag prompt (n)")
-    r.add_argument("--prompts", type=count(2), default=64, help="lag prompts (P)")
-    r.add_argument("--lists", type=count(2), default=20, help="serial-recall lists")
-    r.add_argument("--draws", type=count(1), default=3, help="random-head draws per n")
-    r.add_argument("--exclude-top", type=count(0), default=50, help="random heads come from outside the top M")
+    r.add_argument("--words", type=count(3), default=None, help="items per lag prompt (n; default 100, 21 for a small LM)")
+    r.add_argument("--prompts", type=count(2), default=None, help="lag prompts (P; default 64, 256 for a small LM)")
+    r.add_argument("--lists", type=count(2), default=20, help="serial-recall lists (real models)")
+    r.add_argument("--draws", type=count(1), default=None, help="random-head draws per n (default 3, 10 for a small LM)")
+    r.add_argument("--exclude-top", type=count(0), default=None,
+                   help="random heads come from outside the top M (default min(50, heads / 4), 1 for a small LM)")
     r.add_argument("--seed", type=count(0), default=0, help="seed of every draw")
     common(r)
 
 
 def run(args, usage) -> int:
-    return {"scores": _scores, "report": _report}[args.induction_command](args, usage)
+    return {"scores": _scores, "train": _train, "report": _report}[args.induction_command](args, usage)
 
 
 def _model(name: str, usage, quiet: bool):
@@ -92,16 +114,42 @@ def _scores(args, usage) -> int:
     return 0
 
 
+def _train(args, usage) -> int:
+    from .lm import LMData, LMTrain, train_lm
+    from .models import read_checkpoint
+
+    out = Path(args.out)
+    if out.is_dir() or out.suffix != ".safetensors":
+        raise usage(f"--out {out}: give a file path ending in .safetensors")
+    if not args.follow <= 1:
+        raise usage(f"--follow {args.follow}: a probability, in [0, 1]")
+    if args.d_model % args.heads:
+        raise usage(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = LMData(vocab=args.vocab, length=args.length, follow=args.follow)
+    model = train_lm(out, data, LMTrain(steps=args.steps, seed=args.seed), d_model=args.d_model, n_layers=args.layers,
+                     n_heads=args.heads, mlp=not args.attention_only, resume=not args.no_resume,
+                     progress=not args.quiet)
+    history = read_checkpoint(out)[1]["meta"]["history"]
+    print(f"{model.config.describe()}: {out}" + (f" (loss {history[-1][1]:.3f})" if history else ""))
+    return 0
+
+
 def _report(args, usage) -> int:
     from .pretrained import pretrained_names
-    from .report_induction import run_model, write
+    from .report_induction import run_lm, run_model, write
 
-    if args.model not in pretrained_names():
-        raise usage(f"--model {args.model!r} is not a known model; choose one of {list(pretrained_names())}")
+    known = args.model in pretrained_names()
+    if not known and not Path(args.model).is_file():
+        raise usage(f"--model {args.model!r} is neither a known model {list(pretrained_names())} nor an existing file")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise usage(f"--out {out} is a file; give a folder for the report")
-    result = run_model(args.model, n_words=args.words, prompts=args.prompts, lists=args.lists, draws=args.draws,
-                       exclude_top=args.exclude_top, seed=args.seed, progress=not args.quiet)
+    given = {k: v for k, v in (("n_words", args.words), ("prompts", args.prompts), ("exclude_top", args.exclude_top),
+                               ("draws", args.draws)) if v is not None}
+    if known:
+        result = run_model(args.model, lists=args.lists, seed=args.seed, progress=not args.quiet, **given)
+    else:
+        result = run_lm(args.model, seed=args.seed, progress=not args.quiet, **given)
     print(f"report: {write(result, out)}")
     return 0

@@ -143,7 +143,7 @@ def _train(args, usage) -> int:
 
 
 def _probe(args, usage) -> int:
-    from .report_markov import _probe as probe
+    from .report_markov import probe_run as probe
 
     if not (Path(args.run) / "model.safetensors").exists():
         raise usage(f"--run {args.run} holds no Markov run (no model.safetensors); train one with `tokenpatch markov train`")

@@ -4,14 +4,19 @@ The model is an ``ICLTransformer`` reading one-hot ``[token; position]`` vectors
 ``V + T``), as the Markov models do, so its ``read_in`` holds a token embedding and a learned
 position embedding, and every tokenpatch tool applies to it. Token 0 is BOS.
 
-Training data (``LMData.sample``): ``[BOS, x_1 .. x_{T-1}]`` with tokens uniform over ``1..V-1``
-and repeats: a share ``whole`` of the sequences holds one stretch of ``span_min..span_max`` tokens
-followed at once by the same stretch; each of the others copies ``spans`` earlier stretches of
-``span_min..span_max`` tokens to later places. Offsets vary, so only matching content (an induction
-head), not a fixed position, finds what comes next. Next-token prediction on such data rewards
-exactly the induction mechanism (after a token that occurred before, predict what followed it),
-which is the only way to beat ``log(V - 1)`` nats. Resumable training with a progress bar, as
-``tokenpatch.markov``.
+Training data (``LMData.sample``): ``[BOS, x_1 .. x_{T-1}]`` with ``x_1`` uniform over ``1..V-1``
+and, for ``t >= 1``,
+
+    x_{t+1} = (what followed x_t the last time it occurred)   with probability ``follow``, if x_t occurred before,
+    x_{t+1} ~ uniform(1..V-1)                                   otherwise.
+
+Each sequence thus has its own successor map, written only in its context: the only way to beat
+``log(V - 1)`` nats is to find the previous occurrence of the current token and copy what came
+after it, which is what an induction head does (a previous-token head in layer 0, a head in layer 1
+matching the current token against it). With one head per layer this is the circuit that forms
+(``docs/induction.md`` §5 has the trials: with more heads in layer 0 the model also builds a
+*shifted* circuit, two layer-0 heads at offsets k and k + 1, which the standard scores miss).
+Resumable training with a progress bar, as ``tokenpatch.markov``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from tqdm.auto import tqdm
 from ._progress import DELAY_S
 from .errors import FileFormatError, InputError
 from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
-from .train import _deferred_interrupt, _load_optim, _optim_tensors
+from ._training import DeferredInterrupt, load_optim, optim_tensors
 
 __all__ = ["LMData", "LMTrain", "lm_model", "lm_inputs", "train_lm", "load_lm", "BOS"]
 
@@ -38,46 +43,38 @@ BOS = 0
 
 @dataclass(frozen=True)
 class LMData:
-    vocab: int = 128  # V, BOS included
+    vocab: int = 32  # V, BOS included
     length: int = 64  # T, BOS included
-    spans: int = 2  # repeated stretches per sequence
-    span_min: int = 4
-    span_max: int = 12
-    whole: float = 0.5  # share of sequences holding one long stretch repeated at once
+    follow: float = 0.7  # probability that a recurring token is followed by what followed it last time
 
     def __post_init__(self) -> None:
-        if not (self.vocab >= 3 and self.length >= 4 and 1 <= self.span_min <= self.span_max and self.spans >= 0
-                and 0 <= self.whole <= 1):
-            raise InputError(f"LMData needs vocab >= 3, length >= 4, 1 <= span_min <= span_max, spans >= 0: {self}")
-        if 2 * self.span_max + 1 > self.length:
-            raise InputError(f"LMData: a span of {self.span_max} and its copy do not fit in {self.length} positions")
+        if not (isinstance(self.vocab, int) and self.vocab >= 3 and isinstance(self.length, int) and self.length >= 4
+                and 0 <= self.follow <= 1):
+            raise InputError(f"LMData needs vocab >= 3, length >= 4 and 0 <= follow <= 1: {self}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def sample(self, batch: int, rng: np.random.Generator) -> torch.Tensor:
         """``[B, T]`` token ids (module docstring)."""
-        x = rng.integers(1, self.vocab, size=(batch, self.length))
+        x = rng.integers(1, self.vocab, size=(batch, self.length))  # the uniform draws
         x[:, 0] = BOS
-        whole = rng.random(batch) < self.whole
-        for b in np.flatnonzero(whole):  # a random stretch of random length, repeated at once
-            n = int(rng.integers(self.span_min, self.span_max + 1))
-            start = int(rng.integers(1, self.length - 2 * n + 1))
-            x[b, start + n:start + 2 * n] = x[b, start:start + n]
-        for b in np.flatnonzero(~whole):
-            for _ in range(self.spans):
-                n = int(rng.integers(self.span_min, self.span_max + 1))
-                src = int(rng.integers(1, self.length - 2 * n + 1))  # the first copy: src .. src + n - 1
-                dst = int(rng.integers(src + n, self.length - n + 1))  # the second, after it
-                x[b, dst:dst + n] = x[b, src:src + n]
+        copy = rng.random((batch, self.length)) < self.follow  # [B, T]  whether x_t copies, where it can
+        last = np.zeros((batch, self.vocab), dtype=x.dtype)  # what followed each token last time (0: nothing yet)
+        rows = np.arange(batch)
+        for t in range(1, self.length - 1):
+            prev = last[rows, x[:, t]]  # [B]
+            use = copy[:, t + 1] & (prev > 0)
+            x[use, t + 1] = prev[use]
+            last[rows, x[:, t]] = x[:, t + 1]
         return torch.from_numpy(x)
 
 
 @dataclass(frozen=True)
 class LMTrain:
     steps: int = 3000
-    batch_size: int = 32
-    lr: float = 1e-3
+    batch_size: int = 64
+    lr: float = 3e-3
     warmup: int = 100
     grad_clip: float = 1.0
     seed: int = 0
@@ -87,9 +84,10 @@ class LMTrain:
         return dataclasses.asdict(self)
 
 
-def lm_model(data: LMData, d_model: int = 64, n_layers: int = 2, n_heads: int = 4) -> ICLTransformer:
+def lm_model(data: LMData, d_model: int = 64, n_layers: int = 4, n_heads: int = 1, mlp: bool = True) -> ICLTransformer:
+    """A Pre-LN ``ICLTransformer`` for ``data`` (``mlp=False``: attention-only)."""
     return ICLTransformer(ICLConfig(d_in=data.vocab + data.length, d_out=data.vocab, d_model=d_model,
-                                    n_layers=n_layers, n_heads=n_heads, norm="pre"))
+                                    n_layers=n_layers, n_heads=n_heads, norm="pre", mlp=mlp))
 
 
 def lm_inputs(model: ICLTransformer, ids: torch.Tensor) -> torch.Tensor:
@@ -103,11 +101,11 @@ def lm_inputs(model: ICLTransformer, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([eye_v[ids], eye_p[: ids.shape[1]].expand(ids.shape[0], -1, -1)], -1)
 
 
-def train_lm(out: str | Path, data: LMData = LMData(), cfg: LMTrain = LMTrain(), d_model: int = 64, n_layers: int = 2,
-             n_heads: int = 4, resume: bool = True, progress: bool | None = None) -> ICLTransformer:
+def train_lm(out: str | Path, data: LMData = LMData(), cfg: LMTrain = LMTrain(), d_model: int = 64, n_layers: int = 4,
+             n_heads: int = 1, mlp: bool = True, resume: bool = True, progress: bool | None = None) -> ICLTransformer:
     """Train (or resume) the small LM; the checkpoint (with optimizer and sampler state) is ``out``."""
     out = Path(out)
-    recipe = {"data": data.to_dict(), "train": cfg.to_dict(), "model": [d_model, n_layers, n_heads]}
+    recipe = {"data": data.to_dict(), "train": cfg.to_dict(), "model": [d_model, n_layers, n_heads, mlp]}
     if resume and out.exists():
         model, doc, extra = read_checkpoint(out)
         meta = doc.get("meta", {})
@@ -118,22 +116,22 @@ def train_lm(out: str | Path, data: LMData = LMData(), cfg: LMTrain = LMTrain(),
         start, history = int(meta["step"]), meta["history"]
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        _load_optim(opt, extra)
+        load_optim(opt, extra)
     else:
         torch.manual_seed(cfg.seed)
-        model = lm_model(data, d_model, n_layers, n_heads).train()
+        model = lm_model(data, d_model, n_layers, n_heads, mlp).train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         rng = np.random.default_rng([cfg.seed, 1])
         start, history = 0, []
 
     def checkpoint(step: int) -> None:
         meta = {"recipe": recipe, "step": step, "rng": rng.bit_generator.state, "history": history, "bos": BOS}
-        save_model(model, out, meta=meta, extra=_optim_tensors(opt))
+        save_model(model, out, meta=meta, extra=optim_tensors(opt))
 
     bar = tqdm(total=cfg.steps, initial=start, desc="train LM", unit="step",
                **({"disable": None, "delay": DELAY_S} if progress is None else {"disable": not progress}))
     ema = history[-1][1] if history else None
-    with _deferred_interrupt() as stop:
+    with DeferredInterrupt() as stop:
         for step in range(start, cfg.steps):
             ids = data.sample(cfg.batch_size, rng)
             logits = model(lm_inputs(model, ids))  # [B, T, V]

@@ -30,7 +30,7 @@ from .errors import FileFormatError, InputError
 from .interp.phases import PHASES, cross_entropy, kl_to, mixture_fit, phase_label, predictors
 from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
 from .tasks.markov import STREAMS, MarkovTask, encode
-from .train import _deferred_interrupt, _load_optim, _optim_tensors
+from ._training import DeferredInterrupt, load_optim, optim_tensors
 
 __all__ = ["MarkovModel", "MarkovTrain", "markov_model", "log_probs", "EvalSet", "eval_set", "evaluate",
            "train_markov", "load_run", "log_steps"]
@@ -185,7 +185,7 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
         start, history = int(meta["step"]), meta["history"]
         model.train()
         opt = _optimizer(model, cfg)
-        _load_optim(opt, extra)
+        load_optim(opt, extra)
         log.info("resuming %s at step %d", path, start)
     else:
         for stale in out.glob("step-*.safetensors"):  # starting afresh: the old run's snapshots go too
@@ -199,7 +199,7 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
     def checkpoint(step: int) -> None:
         meta = {"recipe": recipe, "step": step, "rng": rng.bit_generator.state, "history": history,
                 "references": reference_losses(data)}
-        save_model(model, path, meta=meta, extra=_optim_tensors(opt))
+        save_model(model, path, meta=meta, extra=optim_tensors(opt))
 
     def record(step: int) -> None:
         model.eval()
@@ -212,7 +212,7 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
         record(0)
     bar = tqdm(total=cfg.steps, initial=start, desc=f"train K={task.chains}", unit="step",
                **({"disable": None, "delay": DELAY_S} if progress is None else {"disable": not progress}))
-    with _deferred_interrupt() as stop:
+    with DeferredInterrupt() as stop:
         for step in range(start, cfg.steps):
             batch = task.sample(cfg.batch_size, rng, "train", matrices=chains)
             logits = model(model_inputs(model, task, batch.states))  # [B, N, C]

@@ -79,6 +79,7 @@ class ICLConfig:
     residual: bool = True
     bias: bool = True
     activation: str = "gelu"
+    mlp: bool = True  # False: attention-only blocks, y = h + A(LN1(h)) (no token patch: nothing to act on)
 
     def __post_init__(self) -> None:
         for name in ("d_in", "d_out", "d_model", "n_layers", "n_heads"):
@@ -93,6 +94,8 @@ class ICLConfig:
             raise InputError(f"ICLConfig.norm={self.norm!r}; choose one of {NORMS}")
         if self.activation not in ACTIVATIONS:
             raise InputError(f"ICLConfig.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
+        if not self.mlp and (self.norm == "post" or not self.residual):
+            raise InputError("an attention-only model (mlp=False) needs the residual stream and norm 'pre' or 'none'")
         if self.layer in ("softmax", "linear") and self.d_model % self.n_heads:
             raise InputError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
@@ -106,10 +109,16 @@ class ICLConfig:
         mixer = LAYER_NAMES[self.layer]
         kind = "transformer" if self.layer in ("softmax", "linear") else "network"
         res = "" if self.residual else " residual-free"
-        return f"{self.n_layers}-layer {norm}{res} {mixer} {kind}"
+        only = "" if self.mlp else " (attention-only)"
+        return f"{self.n_layers}-layer {norm}{res} {mixer} {kind}{only}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict; ``mlp`` only when False, so every file written before it existed
+        (checkpoints, training recipes) reads and resumes unchanged."""
+        d = dataclasses.asdict(self)
+        if d["mlp"]:
+            del d["mlp"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ICLConfig":
@@ -147,7 +156,7 @@ class Block(nn.Module):
             self.ln1 = nn.LayerNorm(c.d_model)
             self.ln2 = nn.LayerNorm(c.d_model)
         self.mixer = make_layer(c.layer, c.d_model, c.n_heads, bias=c.bias)
-        self.mlp = MLP(c.d_model, c.hidden, c.activation, bias=c.bias)
+        self.mlp = MLP(c.d_model, c.hidden, c.activation, bias=c.bias) if c.mlp else None
 
     def mix(self, h: Tensor) -> tuple[Tensor, Tensor]:
         """``(m, s)`` from the block input ``h`` [B, T, d]."""
@@ -161,7 +170,9 @@ class Block(nn.Module):
         return block_values(self.norm, self.residual, h, a, getattr(self, "ln1", None), getattr(self, "ln2", None))
 
     def finish(self, m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-        """``(hidden, out)`` from ``(m, s)``."""
+        """``(hidden, out)`` from ``(m, s)``; an attention-only block's output is ``m`` (no hidden units)."""
+        if self.mlp is None:
+            return m[..., :0], m
         hidden = self.mlp.hidden(s)
         y = self.mlp.fc_out(hidden)
         if self.residual:

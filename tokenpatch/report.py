@@ -25,6 +25,7 @@ from .report_dynamics import dynamics_section
 from .report_finetune import finetune_section
 from .report_compress import compression_section
 from .report_hf import real_models_section
+from .report_induction import induction_section
 from .report_markov import markov_section
 from .report_thought import thought_section
 from .verify import TOLERANCES, verify
@@ -165,6 +166,7 @@ def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None,
         sections.append(real_models_section(out, progress=progress))  # a one-line note without the models
         sections.append(compression_section(out, progress=progress))  # likewise
         sections.append(markov_section(out, progress=progress))  # the reduced sweep (report_markov.REDUCED)
+        sections.append(induction_section(out, progress=progress))  # the small LM, trained here
     seconds = time.perf_counter() - t0
     threads = torch.get_num_threads()
     source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"

@@ -19,7 +19,7 @@ from .markov import MarkovModel, MarkovTrain, load_run  # noqa: E402
 from .markov_sweep import k_star, phase_grid, sweep_chains, sweep_lengths, transition_step  # noqa: E402
 from .tasks.markov import MarkovTask  # noqa: E402
 
-__all__ = ["FULL", "REDUCED", "markov_section", "curves_figure", "phase_figure", "tau_figure"]
+__all__ = ["FULL", "REDUCED", "markov_section", "probe_run", "curves_figure", "phase_figure", "tau_figure"]
 
 FULL = {"chains": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), "seeds": (0, 1, 2), "steps": 4000,
         "lengths": (16, 32, 64, 128), "length_seeds": (0, 1), "length_chains": 4096, "show": (4, 1024)}
@@ -128,7 +128,7 @@ def tau_figure(lengths: dict, path: Path) -> Path:
     return path
 
 
-def _probe(run_dir: Path, seed: int = 0) -> dict:
+def probe_run(run_dir: Path, seed: int = 0) -> dict:
     """Circuit probes, ablations, phi patching and the bridge on one finished run (any depth and
     head count; phi patching and the chain probe need K >= 2)."""
     import torch
@@ -200,7 +200,7 @@ def markov_section(out: Path, preset: dict = REDUCED, task: MarkovTask = MarkovT
             phase_figure(summary, stars, out / "markov-phases.png").name]
     if lengths:
         figs.append(tau_figure(lengths, out / "markov-tau.png").name)
-    probes = {str(k): _probe(d, seed) for k, d in show.items()}
+    probes = {str(k): probe_run(d, seed) for k, d in show.items()}
     data = {"task": task.to_dict(), "model": shape.to_dict(), "train": cfg.to_dict(), "preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()},
             "k_star": stars, "probes": probes, "seconds": time.perf_counter() - t0,
             "final": [{"chains": r["chains"], "seed": r["seed"], "step": r["history"][-1]["step"],

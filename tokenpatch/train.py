@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ._progress import DELAY_S
+from ._training import DeferredInterrupt, load_optim, optim_tensors
 from .errors import FileFormatError
 from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
 from .tasks.linreg import DEFAULT_TASK, LinRegTask, evaluate
@@ -60,44 +59,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _optim_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {}
-    for idx, state in opt.state_dict()["state"].items():
-        for key, value in state.items():
-            out[f"optim.{idx}.{key}"] = torch.as_tensor(value)
-    return out
-
-
-def _load_optim(opt: torch.optim.Optimizer, extra: dict[str, torch.Tensor]) -> None:
-    state: dict[int, dict] = {}
-    for name, value in extra.items():
-        if name.startswith("optim."):
-            _, idx, key = name.split(".", 2)
-            state.setdefault(int(idx), {})[key] = value
-    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
-
-
-class _deferred_interrupt:
-    """Turn the first Ctrl-C into a flag checked between steps, so the checkpoint written on
-    interruption is a consistent step boundary; a second Ctrl-C interrupts at once."""
-
-    requested = False
-
-    def __enter__(self):
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGINT, self._old)
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-
 def train(
     out: str | Path,
     model_config: ICLConfig = DEFAULT_MODEL,
@@ -131,7 +92,7 @@ def train(
             )
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        _load_optim(opt, extra)
+        load_optim(opt, extra)
         gen.set_state(extra["rng"])
         start = int(doc["meta"]["step"])
         history = doc["meta"].get("history", [])
@@ -144,13 +105,13 @@ def train(
 
     def checkpoint(step: int, extra_meta: dict | None = None) -> None:
         meta = {"recipe": recipe, "step": step, "loss_ema": ema, "history": history, **(extra_meta or {})}
-        tensors = {**_optim_tensors(opt), "rng": gen.get_state()}
+        tensors = {**optim_tensors(opt), "rng": gen.get_state()}
         save_model(model, out, meta=meta, extra=tensors)
 
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
                **({"disable": None, "delay": DELAY_S} if progress is None else {"disable": not progress}))
     t0 = time.perf_counter()
-    with _deferred_interrupt() as stop:
+    with DeferredInterrupt() as stop:
         for step in range(start, cfg.steps):
             batch = task.sample(cfg.batch_size, gen)
             pred = model(batch.tokens)[:, -1, 0]  # [B]

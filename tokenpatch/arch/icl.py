@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from ..errors import UnsupportedModelError
 from ..models import Block, ICLTransformer, check_inputs
 from .base import Adapter, Sites
 
@@ -67,6 +68,9 @@ class ICLAdapter(Adapter):
 
     def sites(self, model, i: int) -> Sites:
         block, p = self._blocks(model)[i], self._prefix(model, i)
+        if block.mlp is None:
+            raise UnsupportedModelError(f"layer {i} has no MLP (an attention-only model): a token patch acts on MLP "
+                                        "weights, so there is nothing to patch; use a model with mlp=True")
         if not block.residual:
             output = None
         elif block.mlp.fc_out.bias is not None:

@@ -17,6 +17,8 @@ layer range.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from itertools import combinations
+from math import comb
 from typing import Iterator
 
 import numpy as np
@@ -25,7 +27,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 
-__all__ = ["head_sites", "select_heads", "ablate_heads", "MODES"]
+__all__ = ["head_sites", "select_heads", "outside_top", "random_sets", "ablate_heads", "MODES"]
 
 MODES = ("zero", "mean", "resample")
 
@@ -40,6 +42,13 @@ def head_sites(model: nn.Module) -> tuple[list[nn.Module], int]:
     return o_proj_modules(model), n_heads(model)
 
 
+def outside_top(ranked: list[dict], exclude_top: int = 50, layers=None) -> list[tuple[int, int]]:
+    """The heads of ``ranked`` outside its first ``exclude_top``, within ``layers``: the random control's pool."""
+    top = {(r["layer"], r["head"]) for r in ranked[:exclude_top]}
+    return [(r["layer"], r["head"]) for r in ranked
+            if (layers is None or r["layer"] in layers) and (r["layer"], r["head"]) not in top]
+
+
 def select_heads(ranked: list[dict], n: int, how: str = "top", exclude_top: int = 50, layers=None,
                  seed: int = 0) -> list[tuple[int, int]]:
     """``n`` heads from ``ranked`` (rows ``{"layer", "head", ...}``, best first, as ``rank_heads`` gives):
@@ -47,18 +56,36 @@ def select_heads(ranked: list[dict], n: int, how: str = "top", exclude_top: int 
     ``exclude_top`` (``"random"``); ``layers``: only heads whose layer is in it (e.g. ``range(0, 6)``)."""
     if how not in ("top", "random"):
         raise InputError(f"how={how!r}; choose 'top' or 'random'")
-    rows = [r for r in ranked if layers is None or r["layer"] in layers]
     if how == "top":
-        pool = rows
+        pool = [(r["layer"], r["head"]) for r in ranked if layers is None or r["layer"] in layers]
     else:
-        top = {(r["layer"], r["head"]) for r in ranked[:exclude_top]}
-        pool = [r for r in rows if (r["layer"], r["head"]) not in top]
+        pool = outside_top(ranked, exclude_top, layers)
     if n > len(pool):
         raise InputError(f"asked for {n} heads, only {len(pool)} are eligible ({how}, excluding the top {exclude_top})")
     if how == "random":
         pick = np.random.default_rng(seed).choice(len(pool), size=n, replace=False)
         pool = [pool[i] for i in sorted(pick)]
-    return [(r["layer"], r["head"]) for r in pool[:n]]
+    return pool[:n]
+
+
+def random_sets(ranked: list[dict], n: int, exclude_top: int = 50, draws: int = 3, seed: int = 0) -> list[list]:
+    """The random control's head sets for ``n``: ``draws`` distinct seeded draws of ``n`` heads outside
+    the top ``exclude_top``, or every such subset once when there are at most ``draws`` of them (a
+    small model: the control's exact average). ``n = 0``: one empty set."""
+    pool = outside_top(ranked, exclude_top)
+    if n > len(pool):
+        raise InputError(f"asked for {n} random heads, only {len(pool)} lie outside the top {exclude_top}")
+    if n == 0:
+        return [[]]
+    if comb(len(pool), n) <= draws:
+        return [list(c) for c in combinations(pool, n)]
+    sets: dict[tuple, list] = {}
+    for d in range(100 * draws):  # seeded draws, repeats skipped
+        heads = select_heads(ranked, n, how="random", exclude_top=exclude_top, seed=seed + d)
+        sets.setdefault(tuple(heads), heads)
+        if len(sets) == draws:
+            break
+    return list(sets.values())
 
 
 def _record(model: nn.Module, modules: list[nn.Module], layers: set[int], reference) -> dict[int, Tensor]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError
 from ..markov import log_probs, model_inputs
 from ..models import ICLTransformer
 from ..tasks.markov import STREAMS, sample_sequences
@@ -107,6 +107,8 @@ def ablated(model: ICLTransformer, heads=(), mlps=(), mode: str = "zero", refere
     if mode != "zero" and reference is None:
         raise InputError(f"mode={mode!r} needs reference inputs to average over")
     mlps = [_layer(model, l) for l in mlps]
+    if any(model.blocks[l].mlp is None for l in mlps):
+        raise UnsupportedModelError(f"cannot ablate the MLPs of layers {mlps}: the model is attention-only (no MLPs)")
     means: dict[int, Tensor] = {}
     if mode == "mean" and mlps:
         rec = [model.blocks[l].mlp.fc_out.register_forward_hook(lambda m, a, o, l=l: means.__setitem__(l, o.mean((0, 1))))

@@ -11,28 +11,53 @@ dose-response to head ablation (``docs/induction.md`` §3-4).
 
 from __future__ import annotations
 
+from math import comb
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..tasks.recall import lag_crp, lag_probabilities, recall_lists, recall_prompt, score_recall
-from .ablation import ablate_heads, select_heads
+from .ablation import ablate_heads, outside_top, random_sets, select_heads
 
-__all__ = ["lag_curve", "serial_recall", "dose_response"]
+__all__ = ["lag_curve", "serial_recall", "dose_response", "mean_ci", "pooled"]
 
 
-def lag_curve(model, prompts: Tensor, bos: int | None = None, batch_size: int = 32) -> dict:
-    """``{"lags", "mean", "ci95"}`` for ``prompts [P, n + 1]`` (a Hugging Face causal LM; ``bos`` is
-    put in front of every prompt when given)."""
+def lag_curve(model, prompts: Tensor, bos: int | None = None, batch_size: int = 32, inputs_of=None) -> dict:
+    """``{"lags", "mean", "ci95", "per_prompt"}`` for ``prompts [P, n + 1]`` (``bos`` is put in front of
+    every prompt when given). A Hugging Face causal LM reads the ids; ``inputs_of`` maps them to the
+    inputs of our models (``tokenpatch.lm.lm_inputs``)."""
     rows = []
     with torch.no_grad():
         for i in range(0, prompts.shape[0], batch_size):
             ids = prompts[i:i + batch_size]
             if bos is not None:
                 ids = torch.cat([torch.full((ids.shape[0], 1), bos, dtype=ids.dtype), ids], 1)
-            logits = model(ids).logits[:, -1].double()  # [b, V]
+            logits = model(ids).logits if inputs_of is None else model(inputs_of(ids))  # [b, T, V]
+            logits = logits[:, -1].double()  # [b, V]
             rows.append(torch.softmax(logits, -1))
     return lag_probabilities(torch.cat(rows), prompts)
+
+
+def mean_ci(values) -> dict:
+    """``{"mean", "ci95"}`` of per-item values (prompts, lists): ``1.96 sd / sqrt(n)``."""
+    v = np.asarray(values, dtype=float)
+    return {"mean": float(v.mean()), "ci95": float(1.96 * v.std(ddof=1) / len(v) ** 0.5) if len(v) > 1 else 0.0}
+
+
+def pooled(runs: list[dict], exact: bool = False) -> dict:
+    """``{"mean", "ci95"}`` over the random control's head sets, each ``{"mean", "ci95"}``: the mean of
+    the sets, and an interval. Drawn sets (``exact=False``): ``1.96 sd / sqrt(D)`` of the set means,
+    the uncertainty from the choice of heads (the prompts are the same for every set, so their noise is
+    common to all: the top curve's interval shows its size). Every subset measured (``exact=True``):
+    the mean is the control's own and only the prompts' noise is left; the sets share the prompts, so
+    their errors are correlated and the mean of their intervals bounds it. One set keeps its own."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    means = [r["mean"] for r in runs]
+    if exact:
+        return {"mean": float(np.mean(means)), "ci95": float(np.mean([r["ci95"] for r in runs]))}
+    return {"mean": float(np.mean(means)), "ci95": mean_ci(means)["ci95"]}
 
 
 def serial_recall(model, tokenizer, words: list[str], length: int = 14, shots: int = 2, lists: int = 20,
@@ -61,19 +86,24 @@ def serial_recall(model, tokenizer, words: list[str], length: int = 14, shots: i
 
 def dose_response(model, ranked: list[dict], measure, ns=(0, 1, 2, 4, 8, 16), exclude_top: int = 50, draws: int = 3,
                   seed: int = 0, progress=None) -> dict:
-    """``{"n": [...], "top": [measure(...)], "random": [[measure(...) per draw]]}``: ``measure()`` (a
-    callable returning a JSON-able result) with the top-``n`` heads of ``ranked`` ablated (zero),
-    and with ``n`` random heads outside the top ``exclude_top``, ``draws`` times."""
+    """``{"n": [...], "top": [measure(...)], "random": [[measure(...) per draw]], "random_heads": ...}``:
+    ``measure()`` (a callable returning a JSON-able result) with the top-``n`` heads of ``ranked``
+    ablated (zero), and with ``n`` random heads outside the top ``exclude_top``, ``draws`` times. When
+    the pool has at most ``draws`` subsets of ``n`` heads (a small model), every subset is measured
+    once instead: the random control's exact average."""
     from .._progress import progress_bar
 
-    out = {"n": list(ns), "top": [], "random": [], "exclude_top": exclude_top, "draws": draws}
+    out = {"n": list(ns), "top": [], "random": [], "random_heads": [], "exact": [], "exclude_top": exclude_top,
+           "draws": draws}
     for n in progress_bar(ns, progress, desc="dose-response", unit="n"):
         with ablate_heads(model, select_heads(ranked, n)):
             out["top"].append(measure())
+        sets = random_sets(ranked, n, exclude_top, draws, seed)
         runs = []
-        for d in range(draws if n else 1):
-            heads = select_heads(ranked, n, how="random", exclude_top=exclude_top, seed=seed + d)
+        for heads in sets:
             with ablate_heads(model, heads):
                 runs.append(measure())
         out["random"].append(runs)
+        out["random_heads"].append(sets)
+        out["exact"].append(len(sets) == comb(len(outside_top(ranked, exclude_top)), n))  # every subset measured
     return out

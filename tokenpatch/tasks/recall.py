@@ -65,13 +65,14 @@ def lag_prompts(pool, n: int, prompts: int, seed: int = 0) -> Tensor:
 
 def lag_probabilities(probs: Tensor, prompts: Tensor) -> dict:
     """From the final-position next-token probabilities ``probs [P, V]`` of ``prompts [P, n + 1]``:
-    ``{"lags", "mean", "ci95"}`` with the probability of the token at each lag (``i - n // 2``),
-    its mean over prompts and the 95% half-width (``1.96 sd / sqrt(P)``)."""
+    ``{"lags", "mean", "ci95", "per_prompt"}`` with the probability of the token at each lag (``i - n // 2``):
+    its mean over prompts, the 95% half-width (``1.96 sd / sqrt(P)``) and every prompt's ``[P][n]``."""
     n = prompts.shape[1] - 1
     at = probs.gather(1, prompts[:, :n]).double()  # [P, n]: p(token at index i)
     mean = at.mean(0)
     ci = 1.96 * at.std(0) / at.shape[0] ** 0.5 if at.shape[0] > 1 else torch.zeros_like(mean)
-    return {"lags": list(range(-(n // 2), n - n // 2)), "mean": mean.tolist(), "ci95": ci.tolist()}
+    return {"lags": list(range(-(n // 2), n - n // 2)), "mean": mean.tolist(), "ci95": ci.tolist(),
+            "per_prompt": at.tolist()}
 
 
 def lag_crp(recalls: list[list[int]], length: int) -> dict:
