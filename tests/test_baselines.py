@@ -296,13 +296,13 @@ def test_greedy_on_the_cache_equals_argmax_without_it():
 
 def _at(model, s: Steering, index: int):
     """``s`` (a last-position replacement) written at a fixed index of a longer sequence."""
-    from tokenpatch.arch.hf import _hooks
+    from tokenpatch.arch.hf import registered_hooks
 
     def hook(module, args, out):
         t = out.clone()
         t[:, index] = s.vectors[next(iter(s.vectors))]
         return t
-    return _hooks([(site_modules(model, s.site)[next(iter(s.vectors))].register_forward_hook, hook)])
+    return registered_hooks([(site_modules(model, s.site)[next(iter(s.vectors))].register_forward_hook, hook)])
 
 
 def test_steering_leaves_the_bos_and_padding_alone():

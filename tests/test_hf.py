@@ -1,6 +1,6 @@
 """Hugging Face adapters on tiny random models built from configs (no downloads), float64.
 
-One model per block design (``tokenpatch/arch/hf.py``), with every norm weight and bias moved off
+One model per block design (``tokenpatch/arch/families.py``), with every norm weight and bias moved off
 its initial value (identity norms and zero biases hide bugs). The claims: the patched no-context
 pass reproduces every layer's hidden state and the logits (``tp.verify``), greedy generation
 without the prompt is ordinary greedy generation, a left-padded batch gives each prompt's own

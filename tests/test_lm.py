@@ -65,11 +65,24 @@ def test_training_resumes_bit_for_bit(tmp_path):
     resumed = train_lm(tmp_path / "c.safetensors", data, cfg, d_model=8, n_heads=2, progress=False)
     assert all(torch.equal(p, q) for p, q in zip(full.state_dict().values(), resumed.state_dict().values()))
     assert torch.equal(load_lm(tmp_path / "a.safetensors").read_in.weight, full.read_in.weight)
-    with pytest.raises(tp.FileFormatError, match="another recipe"):
+    from tokenpatch.models import read_checkpoint
+
+    meta_a, meta_c = (read_checkpoint(tmp_path / f"{n}.safetensors")[1]["meta"] for n in "ac")
+    assert meta_a["loss_ema"] is not None and meta_a["loss_ema"] == meta_c["loss_ema"]  # the loss average resumes too
+    with pytest.raises(tp.FileFormatError, match="another training recipe"):
         train_lm(tmp_path / "a.safetensors", data, cfg, d_model=4, n_heads=2, progress=False)
     tp.save_model(tp.ICLTransformer(tp.ICLConfig(d_in=3)), tmp_path / "other.safetensors")
     with pytest.raises(tp.FileFormatError, match="is not a small LM of tokenpatch.lm"):
         load_lm(tmp_path / "other.safetensors")
+
+
+def test_bad_training_settings_are_refused():
+    with pytest.raises(tp.InputError, match="LMTrain.batch_size must be an integer >= 1, got 0"):
+        LMTrain(batch_size=0)
+    with pytest.raises(tp.InputError, match="LMTrain.lr must be a number > 0"):
+        LMTrain(lr=float("nan"))
+    with pytest.raises(tp.InputError, match="LMTrain.seed must be an integer >= 0"):
+        LMTrain(seed=1.5)
 
 
 def test_attention_only_model_runs_saves_and_refuses_token_patches(tmp_path):

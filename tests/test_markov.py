@@ -207,7 +207,7 @@ def test_training_records_and_refuses_another_recipe(tmp_path):
     assert set(hist[-1]["train"]) == {"loss", "kl", "label", "mixture", "mixture_kl"}
     again, hist2 = train_markov(tmp_path / "a", task, shape, cfg, progress=False)  # finished: read back
     assert hist2 == hist and all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
-    with pytest.raises(tp.FileFormatError, match="another recipe"):
+    with pytest.raises(tp.FileFormatError, match="another training recipe"):
         train_markov(tmp_path / "a", task, MarkovModel(d_model=4), cfg, progress=False)
     loaded, t, meta = load_run(tmp_path / "a")
     assert t == task and meta["step"] == 12 and set(meta["references"]) == {"train", "fresh"}

@@ -22,7 +22,9 @@ import torch
 
 import tokenpatch as tp
 from tokenpatch import pretrained
-from tokenpatch.pretrained import MARKER, PRETRAINED, load_pretrained, pretrained_cache_dir, pretrained_names
+from tokenpatch import _cache as atomic
+from tokenpatch._cache import MARKER
+from tokenpatch.pretrained import PRETRAINED, load_pretrained, pretrained_cache_dir, pretrained_names
 
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gguf", "accelerate"))
 needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason='needs transformers, gguf, accelerate: pip install "tokenpatch[hf]"')
@@ -120,9 +122,9 @@ def siblings(folder: Path) -> list[str]:
 
 def test_marker_round_trip(tmp_path):
     fake_build(tmp_path)
-    assert not pretrained._cache_matches(tmp_path, EXPECTED)  # no marker: a half-written cache
-    pretrained._write_marker(tmp_path, EXPECTED)
-    assert pretrained._cache_matches(tmp_path, EXPECTED)
+    assert not atomic.matches(tmp_path, EXPECTED)  # no marker: a half-written cache
+    atomic.write_marker(tmp_path, EXPECTED)
+    assert atomic.matches(tmp_path, EXPECTED)
     assert json.loads((tmp_path / MARKER).read_text())["cached_files"] == {"config.json": 2, "model.safetensors": 7}
 
 
@@ -141,25 +143,25 @@ def test_marker_round_trip(tmp_path):
 )
 def test_damaged_cache_is_not_trusted(tmp_path, damage):
     fake_build(tmp_path)
-    pretrained._write_marker(tmp_path, EXPECTED)
+    atomic.write_marker(tmp_path, EXPECTED)
     damage(tmp_path)
-    assert not pretrained._cache_matches(tmp_path, EXPECTED)
+    assert not atomic.matches(tmp_path, EXPECTED)
 
 
 def test_other_source_is_not_trusted(tmp_path):
     fake_build(tmp_path)
-    pretrained._write_marker(tmp_path, EXPECTED)
-    assert not pretrained._cache_matches(tmp_path, {**EXPECTED, "source": {"version": "1.1"}})
-    assert not pretrained._cache_matches(tmp_path, {**EXPECTED, "name": "other"})
+    atomic.write_marker(tmp_path, EXPECTED)
+    assert not atomic.matches(tmp_path, {**EXPECTED, "source": {"version": "1.1"}})
+    assert not atomic.matches(tmp_path, {**EXPECTED, "name": "other"})
 
 
 def test_ensure_cache_builds_once(tmp_path):
     folder = tmp_path / "root" / "fake"
     calls = []
-    assert pretrained._ensure_cache(folder, EXPECTED, lambda tmp: (calls.append(tmp), fake_build(tmp)))
-    assert pretrained._cache_matches(folder, EXPECTED)
+    assert atomic.ensure(folder, EXPECTED, lambda tmp: (calls.append(tmp), fake_build(tmp)))
+    assert atomic.matches(folder, EXPECTED)
     assert calls[0].parent == folder.parent and calls[0].name.startswith(".fake.tmp-")  # a sibling, renamed into place
-    assert not pretrained._ensure_cache(folder, EXPECTED, lambda tmp: calls.append(tmp))  # trusted: no rebuild
+    assert not atomic.ensure(folder, EXPECTED, lambda tmp: calls.append(tmp))  # trusted: no rebuild
     assert len(calls) == 1 and siblings(folder) == []
 
 
@@ -169,12 +171,12 @@ def test_stale_cache_is_rebuilt(tmp_path, stale):
     folder.mkdir()
     fake_build(folder, b"old")
     if stale == "mismatching-marker":
-        pretrained._write_marker(folder, {**EXPECTED, "transformers": "5.0.0"})
+        atomic.write_marker(folder, {**EXPECTED, "transformers": "5.0.0"})
     (folder / "leftover.bin").write_bytes(b"x")
-    assert pretrained._ensure_cache(folder, EXPECTED, lambda tmp: fake_build(tmp, b"new weights"))
+    assert atomic.ensure(folder, EXPECTED, lambda tmp: fake_build(tmp, b"new weights"))
     assert (folder / "model.safetensors").read_bytes() == b"new weights"
     assert not (folder / "leftover.bin").exists()  # the old folder was replaced as a whole
-    assert pretrained._cache_matches(folder, EXPECTED) and siblings(folder) == []
+    assert atomic.matches(folder, EXPECTED) and siblings(folder) == []
 
 
 def test_interrupted_build_leaves_nothing_trusted(tmp_path):
@@ -185,10 +187,10 @@ def test_interrupted_build_leaves_nothing_trusted(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        pretrained._ensure_cache(folder, EXPECTED, dies_halfway)
+        atomic.ensure(folder, EXPECTED, dies_halfway)
     assert not folder.exists() and siblings(folder) == []
-    assert pretrained._ensure_cache(folder, EXPECTED, fake_build)  # the next load starts over
-    assert pretrained._cache_matches(folder, EXPECTED)
+    assert atomic.ensure(folder, EXPECTED, fake_build)  # the next load starts over
+    assert atomic.matches(folder, EXPECTED)
 
 
 def test_killed_build_leftovers_are_removed(tmp_path):
@@ -197,9 +199,9 @@ def test_killed_build_leftovers_are_removed(tmp_path):
     for path in (old, fresh):
         path.mkdir()
         (path / "model.safetensors").write_bytes(b"wei")
-    long_ago = time.time() - 2 * pretrained.STALE_S
+    long_ago = time.time() - 2 * atomic.STALE_S
     os.utime(old, (long_ago, long_ago))
-    pretrained._ensure_cache(folder, EXPECTED, fake_build)
+    atomic.ensure(folder, EXPECTED, fake_build)
     assert siblings(folder) == [fresh.name]  # an hour-old one is a killed load's; a fresh one may be another process's
 
 
@@ -207,7 +209,7 @@ def test_unwritable_cache_folder(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(tp.InputError, match="cannot write the tokenpatch cache in .*; pass cache_dir= or set TOKENPATCH_CACHE"):
-        pretrained._ensure_cache(blocker / "fake", EXPECTED, fake_build)
+        atomic.ensure(blocker / "fake", EXPECTED, fake_build)
 
 
 def test_fingerprint_follows_the_source_files(tmp_path):
@@ -299,7 +301,9 @@ def tiny(monkeypatch, tmp_path):
 @needs_transformers
 def test_load_path_first_and_cached(tiny, tmp_path, capfd, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert not pretrained.is_cached("tiny-llama", tmp_path / "cache")
     model, tokenizer = load_pretrained("tiny-llama", cache_dir=tmp_path / "cache")
+    assert pretrained.is_cached("tiny-llama", tmp_path / "cache")
     err = capfd.readouterr().err
     assert err.startswith("tokenpatch: converting tiny-llama from GGUF once") and err.count("\n") == 1, err
     assert f"cached in {tmp_path / 'cache' / 'tiny-llama'}" in err
@@ -320,6 +324,7 @@ def test_load_path_rebuilds_when_the_package_changes(tiny, tmp_path, capfd):
     load_pretrained("tiny-llama", cache_dir=tmp_path, progress=False)
     assert capfd.readouterr().err == ""  # progress=False: silent even on the first load
     os.utime(tiny, ns=(tiny.stat().st_atime_ns, tiny.stat().st_mtime_ns + 10**9))
+    assert not pretrained.is_cached("tiny-llama", tmp_path)
     load_pretrained("tiny-llama", cache_dir=tmp_path)
     assert "converting tiny-llama" in capfd.readouterr().err
 
@@ -372,7 +377,7 @@ def test_real_model_first_and_cached_load(name, cls, model_type, n_layers, text,
     # Convert into the session cache (the smollm2/gemma3 fixtures then reuse it) unless it is already there.
     spec = PRETRAINED[name]
     root = pretrained_cache_dir
-    if pretrained._cache_matches(root / name, pretrained._expected_marker(spec)):
+    if atomic.matches(root / name, pretrained._expected_marker(spec)):
         root = tmp_path_factory.mktemp(f"first-load-{name}")
     capfd.readouterr()
     start = time.perf_counter()
@@ -380,7 +385,7 @@ def test_real_model_first_and_cached_load(name, cls, model_type, n_layers, text,
     first_s = time.perf_counter() - start
     err = capfd.readouterr().err
     assert err.startswith(f"tokenpatch: converting {name} from GGUF once") and err.count("\n") == 1, err
-    assert pretrained._cache_matches(root / name, pretrained._expected_marker(spec))
+    assert atomic.matches(root / name, pretrained._expected_marker(spec))
     assert not any(p.name.startswith(f".{name}.") for p in root.iterdir())  # no temporary folder left
     assert not any(p.suffix == ".gguf" for p in (root / name).rglob("*"))  # the assembled GGUF is not kept
 

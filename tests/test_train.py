@@ -98,6 +98,15 @@ def test_checkpoint_round_trip_and_corruption(tmp_path, small_model):
         tp.load_model(tmp_path / "p.safetensors")
 
 
+def test_bad_training_settings_are_refused():
+    with pytest.raises(tp.InputError, match="TrainConfig.steps must be an integer >= 1, got 0"):
+        TrainConfig(steps=0)
+    with pytest.raises(tp.InputError, match="TrainConfig.min_lr_ratio must be a number >= 0"):
+        TrainConfig(min_lr_ratio=-0.1)
+    with pytest.raises(tp.InputError, match="TrainConfig.grad_clip must be a number > 0"):
+        TrainConfig(grad_clip=True)
+
+
 def test_lr_schedule():
     cfg = TrainConfig(steps=100, lr=1.0, warmup=10, min_lr_ratio=0.1)
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from . import _io
 from .arch import weight_layout
-from .arch.hf import scale_norm
+from .arch.families import scale_norm
 from .delta import INPUT_SUFFIX, Delta, LowRank, Patch
 from .errors import InputError, UnsupportedModelError
 from .plans import Plan
@@ -54,7 +54,7 @@ class _Hook:
                  broadcast: bool, any_length: bool, unit=None):
         self.name, self.patch = module_name, patch
         w, self.b = deltas.get("weight"), deltas.get("bias")
-        self.unit = None  # a norm's scale delta: ``out + dw * unit(x)`` (``arch.hf.SCALE_NORMS``)
+        self.unit = None  # a norm's scale delta: ``out + dw * unit(x)`` (``arch.families.SCALE_NORMS``)
         if isinstance(w, Tensor):
             self.unit, self.b, w = unit, w, None
         self.w_in, self.w_out = (None, None) if w is None else ((w.v, w.u) if layout == "out_in" else (w.u, w.v))

@@ -28,12 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from ._progress import DELAY_S
 from .errors import FileFormatError, InputError
 from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
-from ._training import DeferredInterrupt, load_optim, optim_tensors
+from ._training import check_config, check_recipe, load_optim, optim_tensors, run_steps
 
 __all__ = ["LMData", "LMTrain", "lm_model", "lm_inputs", "train_lm", "load_lm", "BOS"]
 
@@ -80,6 +78,9 @@ class LMTrain:
     seed: int = 0
     checkpoint_every: int = 500
 
+    def __post_init__(self) -> None:
+        check_config(self, counts=("steps", "batch_size", "warmup", "checkpoint_every"), positive=("lr", "grad_clip"))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -109,11 +110,10 @@ def train_lm(out: str | Path, data: LMData = LMData(), cfg: LMTrain = LMTrain(),
     if resume and out.exists():
         model, doc, extra = read_checkpoint(out)
         meta = doc.get("meta", {})
-        if meta.get("recipe") != recipe:
-            raise FileFormatError(f"{out} was written by another recipe; choose another path or start afresh")
+        check_recipe(out, meta.get("recipe"), recipe)
         rng = np.random.default_rng()
         rng.bit_generator.state = meta["rng"]
-        start, history = int(meta["step"]), meta["history"]
+        start, history, ema = int(meta["step"]), meta["history"], meta.get("loss_ema")
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         load_optim(opt, extra)
@@ -122,38 +122,30 @@ def train_lm(out: str | Path, data: LMData = LMData(), cfg: LMTrain = LMTrain(),
         model = lm_model(data, d_model, n_layers, n_heads, mlp).train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         rng = np.random.default_rng([cfg.seed, 1])
-        start, history = 0, []
+        start, history, ema = 0, [], None
 
     def checkpoint(step: int) -> None:
-        meta = {"recipe": recipe, "step": step, "rng": rng.bit_generator.state, "history": history, "bos": BOS}
+        meta = {"recipe": recipe, "step": step, "rng": rng.bit_generator.state, "history": history, "loss_ema": ema,
+                "bos": BOS}
         save_model(model, out, meta=meta, extra=optim_tensors(opt))
 
-    bar = tqdm(total=cfg.steps, initial=start, desc="train LM", unit="step",
-               **({"disable": None, "delay": DELAY_S} if progress is None else {"disable": not progress}))
-    ema = history[-1][1] if history else None
-    with DeferredInterrupt() as stop:
-        for step in range(start, cfg.steps):
-            ids = data.sample(cfg.batch_size, rng)
-            logits = model(lm_inputs(model, ids))  # [B, T, V]
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, data.vocab), ids[:, 1:].reshape(-1))
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-            if (step + 1) % 50 == 0:
-                history.append([step + 1, ema])
-                bar.set_postfix(loss=f"{ema:.3f}")
-            bar.update(1)
-            if stop.requested:
-                checkpoint(step + 1)
-                bar.close()
-                raise KeyboardInterrupt
-            if (step + 1) % cfg.checkpoint_every == 0:
-                checkpoint(step + 1)
-    bar.close()
+    def loss_at(step: int) -> torch.Tensor:
+        ids = data.sample(cfg.batch_size, rng)
+        logits = model(lm_inputs(model, ids))  # [B, T, V]
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, data.vocab), ids[:, 1:].reshape(-1))
+
+    def after(step: int, loss: float) -> dict | None:
+        nonlocal ema
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+        if step % 50 == 0:
+            history.append([step, ema])
+            return {"loss": f"{ema:.3f}"}
+        return None
+
+    run_steps(model, opt, start=start, steps=cfg.steps, loss_at=loss_at,
+              lr_at=lambda step: cfg.lr * min(1.0, (step + 1) / cfg.warmup), grad_clip=cfg.grad_clip,
+              checkpoint=checkpoint, checkpoint_every=cfg.checkpoint_every, after=after, desc="train LM",
+              progress=progress, where=str(out))
     checkpoint(cfg.steps)
     return model.eval()
 

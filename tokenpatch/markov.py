@@ -23,14 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from ._progress import DELAY_S
 from .errors import FileFormatError, InputError
 from .interp.phases import PHASES, cross_entropy, kl_to, mixture_fit, phase_label, predictors
 from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
 from .tasks.markov import STREAMS, MarkovTask, encode
-from ._training import DeferredInterrupt, load_optim, optim_tensors
+from ._training import check_config, check_recipe, load_optim, optim_tensors, run_steps
 
 __all__ = ["MarkovModel", "MarkovTrain", "markov_model", "log_probs", "EvalSet", "eval_set", "evaluate",
            "train_markov", "load_run", "log_steps"]
@@ -65,14 +63,8 @@ class MarkovTrain:
     checkpoint_every: int = 500
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "warmup", "evals", "eval_sequences", "checkpoint_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"MarkovTrain.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise InputError(f"MarkovTrain.seed must be an integer >= 0, got {self.seed!r}")
-        if not (self.lr > 0 and self.weight_decay >= 0 and self.grad_clip > 0):
-            raise InputError(f"MarkovTrain needs lr > 0, weight_decay >= 0 and grad_clip > 0, got {self}")
+        check_config(self, counts=("steps", "batch_size", "warmup", "evals", "eval_sequences", "checkpoint_every"),
+                     positive=("lr", "grad_clip"), nonnegative=("weight_decay",))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -177,9 +169,7 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
     if resume and path.exists():
         model, doc, extra = read_checkpoint(path)
         meta = doc.get("meta", {})
-        if meta.get("recipe") != recipe:
-            raise FileFormatError(f"{path} was written by another recipe; choose another folder, or start afresh "
-                                  f"(resume=False; --no-resume) (saved {meta.get('recipe')}, asked {recipe})")
+        check_recipe(path, meta.get("recipe"), recipe)
         rng = np.random.default_rng()
         rng.bit_generator.state = meta["rng"]
         start, history = int(meta["step"]), meta["history"]
@@ -210,33 +200,21 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
 
     if start == 0 and not history:
         record(0)
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"train K={task.chains}", unit="step",
-               **({"disable": None, "delay": DELAY_S} if progress is None else {"disable": not progress}))
-    with DeferredInterrupt() as stop:
-        for step in range(start, cfg.steps):
-            batch = task.sample(cfg.batch_size, rng, "train", matrices=chains)
-            logits = model(model_inputs(model, task, batch.states))  # [B, N, C]
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, task.states),
-                                                     batch.states[:, 1:].reshape(-1))
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            bar.update(1)
-            if step + 1 in when:
-                record(step + 1)
-                h = history[-1]
-                bar.set_postfix(loss=f"{h['train']['loss']:.3f}", phase=h["train"]["label"])
-            if stop.requested:
-                checkpoint(step + 1)
-                bar.close()
-                log.warning("interrupted after step %d; saved %s (run again to resume)", step + 1, path)
-                raise KeyboardInterrupt
-            if (step + 1) % cfg.checkpoint_every == 0:
-                checkpoint(step + 1)
-    bar.close()
+    def loss_at(step: int) -> torch.Tensor:
+        batch = task.sample(cfg.batch_size, rng, "train", matrices=chains)
+        logits = model(model_inputs(model, task, batch.states))  # [B, N, C]
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, task.states), batch.states[:, 1:].reshape(-1))
+
+    def after(step: int, loss: float) -> dict | None:
+        if step not in when:
+            return None
+        record(step)
+        return {"loss": f"{history[-1]['train']['loss']:.3f}", "phase": history[-1]["train"]["label"]}
+
+    run_steps(model, opt, start=start, steps=cfg.steps, loss_at=loss_at,
+              lr_at=lambda step: cfg.lr * min(1.0, (step + 1) / cfg.warmup), grad_clip=cfg.grad_clip,
+              checkpoint=checkpoint, checkpoint_every=cfg.checkpoint_every, after=after,
+              desc=f"train K={task.chains}", progress=progress, where=str(path))
     checkpoint(cfg.steps)
     return model.eval(), history
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from . import _io, solve
 from ._progress import progress_bar
 from .arch import Sites, adapter_for, weight_layout
-from .arch.hf import scale_norm
+from .arch.families import scale_norm
 from .delta import INPUT_SUFFIX, Delta, LowRank, Patch
 from .errors import InputError, ZeroAnchorError
 from .plans import at_queries, make_plan, strip

@@ -40,18 +40,16 @@ import importlib
 import importlib.metadata
 import importlib.util
 import io
-import json
 import os
-import secrets
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ._cache import ensure, matches
 from .errors import FileFormatError, InputError, UnsupportedModelError
 from .models import as_device, as_dtype
 
@@ -64,15 +62,14 @@ __all__ = [
     "load_pretrained",
     "pretrained_names",
     "pretrained_cache_dir",
+    "is_cached",
     "check_requirements",
 ]
 
 CACHE_FORMAT = "tokenpatch.pretrained/1"
-MARKER = "tokenpatch-cache.json"
 HF_PACKAGES = ("transformers", "gguf", "accelerate")  # import names; the [hf] extra of setup.cfg
 HF_INSTALL = 'pip install "tokenpatch[hf]"'
 DTYPES = (torch.float32, torch.float64)  # float32 holds the dequantised weights exactly, float64 widens them exactly
-STALE_S = 3600.0  # a temporary sibling folder older than this belongs to a load that was killed
 PROBE_TEXT = "The capital of France is Paris. 12,345 naïve cafés, 東京!\n    indented code()  "
 GEMMA_NOTICE = "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms"
 
@@ -257,6 +254,15 @@ def pretrained_cache_dir(name: str | None = None, cache_dir: str | os.PathLike |
     return root if name is None else root / _spec(name).name
 
 
+def is_cached(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether ``load_pretrained(name)`` will read its cache (seconds) instead of converting the GGUF (a minute);
+    False when the model's package is missing."""
+    try:
+        return matches(pretrained_cache_dir(name, cache_dir), _expected_marker(_spec(name)))
+    except (OSError, InputError, UnsupportedModelError):
+        return False
+
+
 def _source_fingerprint(spec: PretrainedSpec) -> dict[str, Any]:
     """What the cache of ``spec`` is made from: cheap to compute (stat only), so it is checked on every load."""
     files = []
@@ -275,103 +281,6 @@ def _expected_marker(spec: PretrainedSpec) -> dict[str, Any]:
         "transformers": _dist_version("transformers"),
         "gguf": _dist_version("gguf"),
     }
-
-
-def _write_marker(folder: Path, expected: dict[str, Any]) -> None:
-    """Stamp ``folder`` with ``expected`` plus the size of every file in it (written last)."""
-    sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MARKER}
-    (folder / MARKER).write_text(json.dumps({**expected, "cached_files": sizes}, indent=1) + "\n")
-
-
-def _cache_matches(folder: Path, expected: dict[str, Any]) -> bool:
-    """True if ``folder`` holds a complete cache made from exactly what ``expected`` describes.
-
-    Missing, unreadable or mismatching marker, or a listed file missing or of another size: False,
-    and the caller rebuilds. The marker is written last into a folder that is renamed into place
-    only when complete, so a marker that matches means the folder is whole.
-    """
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(marker, dict) or {k: marker.get(k) for k in expected} != expected:
-        return False
-    sizes = marker.get("cached_files")
-    if not isinstance(sizes, dict) or not any(str(file).endswith(".safetensors") for file in sizes):
-        return False
-    for file, size in sizes.items():
-        try:
-            if (folder / file).stat().st_size != size:
-                return False
-        except OSError:
-            return False
-    return True
-
-
-def _remove_stale_siblings(folder: Path) -> None:
-    """Delete temporary siblings (``.<name>.tmp-*``, ``.<name>.old-*``) left by loads killed over an hour ago."""
-    now = time.time()
-    for prefix in (f".{folder.name}.tmp-", f".{folder.name}.old-"):
-        for path in folder.parent.glob(prefix + "*"):
-            with contextlib.suppress(OSError):
-                if now - path.stat().st_mtime > STALE_S:
-                    shutil.rmtree(path, ignore_errors=True)
-
-
-def _sibling(folder: Path, kind: str) -> Path:
-    return folder.with_name(f".{folder.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _ensure_cache(folder: Path, expected: dict[str, Any], build: Callable[[Path], None]) -> bool:
-    """Make ``folder`` a cache matching ``expected``; return True if it had to be built.
-
-    ``build(tmp)`` writes the cache files into the empty folder ``tmp``, a sibling of ``folder``.
-    The marker is then written and ``tmp`` renamed onto ``folder`` (an old, untrusted ``folder`` is
-    moved aside first and deleted after). If ``build`` fails or the process dies, ``folder`` is
-    unchanged and the next load starts over; if another process installed a valid cache meanwhile,
-    that one is kept.
-    """
-    if _cache_matches(folder, expected):
-        return False
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_siblings(folder)
-        tmp = _sibling(folder, "tmp")
-        tmp.mkdir()
-    except OSError as exc:
-        raise InputError(
-            f"cannot write the tokenpatch cache in {folder.parent} ({exc.strerror or exc}); "
-            "pass cache_dir= or set TOKENPATCH_CACHE to a writable folder"
-        ) from exc
-    try:
-        build(tmp)
-        _write_marker(tmp, expected)
-        _install(tmp, folder, expected)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return True
-
-
-def _install(tmp: Path, folder: Path, expected: dict[str, Any]) -> None:
-    """Rename the complete cache ``tmp`` onto ``folder``, replacing an untrusted old one."""
-    old = None
-    if folder.exists() or folder.is_symlink():
-        if _cache_matches(folder, expected):  # another process finished first: keep theirs
-            return
-        old = _sibling(folder, "old")
-        os.replace(folder, old)
-    try:
-        os.replace(tmp, folder)
-    except OSError:
-        if not _cache_matches(folder, expected):  # lost a race to a valid cache: fine; anything else: raise
-            raise
-    finally:
-        if old is not None:
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -507,7 +416,7 @@ def load_pretrained(
             )
         _convert(spec, tmp, progress)
 
-    built = _ensure_cache(folder, expected, build)
+    built = ensure(folder, expected, build)
     if progress and not built:
         _note(f"loading {name} from {folder}")
     model, tokenizer = _read_cache(spec, folder, dtype, progress)

@@ -64,16 +64,6 @@ def _install_commands(name: str, message: str) -> list[str]:
     return commands
 
 
-def _is_cached(name: str) -> bool:
-    """Whether ``load_pretrained(name)`` will read its cache (seconds) instead of converting the GGUF."""
-    from .pretrained import PRETRAINED, _cache_matches, _expected_marker, pretrained_cache_dir
-
-    try:
-        return _cache_matches(pretrained_cache_dir(name), _expected_marker(PRETRAINED[name]))
-    except Exception:  # noqa: BLE001 - only decides what the log says
-        return False
-
-
 def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = None,
                         progress: bool | None = None):
     """Token patches of every layer of each installed pretrained model (``names``: default all of
@@ -81,7 +71,7 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
 
     Returns the ``Section`` with key ``real_models``; with no model loadable here its body is one
     line saying what to install, and nothing is loaded."""
-    from .pretrained import PRETRAINED, check_requirements, load_pretrained, pretrained_cache_dir, pretrained_names
+    from .pretrained import PRETRAINED, check_requirements, is_cached, load_pretrained, pretrained_cache_dir, pretrained_names
     from .report import Section
 
     out = Path(out)
@@ -104,7 +94,7 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
     results = {}
     for name in progress_bar(available, progress, desc="real models"):
         spec = PRETRAINED[name]
-        if _is_cached(name):
+        if is_cached(name):
             log.info("real models: %s: loading the cached float32 copy", name)
         else:
             log.info("real models: %s: converting the GGUF file once (about %d s on 2 cores, %d MB cached in %s); "

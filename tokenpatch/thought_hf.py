@@ -37,7 +37,7 @@ from . import _io
 from ._progress import progress_bar
 from .delta import INPUT_SUFFIX, Delta, Patch
 from .errors import InputError, UnsupportedModelError
-from .arch.hf import _first, _hooks
+from .arch.hf import output_tensor, registered_hooks
 from .hooks import _hooked
 from .lstsq import _accumulate, _factor, _residual, _solve
 from .patching import param_layout
@@ -61,7 +61,7 @@ def _layer_calls(model: nn.Module, layers: nn.ModuleList, ids: Tensor) -> tuple[
         if len(calls) == len(layers):
             raise _Stop
 
-    with _hooks([(lambda h, m=m: m.register_forward_pre_hook(h, with_kwargs=True), grab) for m in layers]), \
+    with registered_hooks([(lambda h, m=m: m.register_forward_pre_hook(h, with_kwargs=True), grab) for m in layers]), \
             contextlib.suppress(_Stop):
         model.base_model(input_ids=ids, use_cache=False)
     if len(calls) != len(layers) or not first:
@@ -140,7 +140,7 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
                 with _hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
                     with adapter.recording(model, ats[b], every=not keep_bos) \
                             if record else contextlib.nullcontext([None] * (i + 1)) as rec:
-                        out = _first(layer(streams[b], *kw[i][0], **kw[i][1]))
+                        out = output_tensor(layer(streams[b], *kw[i][0], **kw[i][1]))
                 yield (cache[b][i], rec[i], v.to(device)) if record else out
 
         anchors = lambda current: run(current, True)  # noqa: E731
@@ -226,7 +226,7 @@ def _norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
     output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
     ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
     the norm's input that does). With ``_fit_scale`` after it, exact for one calibration position."""
-    from .arch.hf import scale_norm
+    from .arch.families import scale_norm
 
     unit, offset = scale_norm(norm)
     g = (offset + norm.weight).to(want.dtype)
@@ -239,7 +239,7 @@ def _fit_scale(norm: nn.Module, pairs_source, distributed: bool) -> Tensor:
     ``min sum_n ((g_c + dg_c) u_nc - y_nc)^2``, ``u = unit(p)`` under the patch so far and ``y =
     out_C - m_0``: ``g_c + dg_c = sum_n u_nc y_nc / sum_n u_nc^2`` (channels no row reaches keep
     ``g_c``). With the directions met, it restores the magnitudes: exact for one query."""
-    from .arch.hf import scale_norm
+    from .arch.families import scale_norm
 
     unit, offset = scale_norm(norm)
     g = (offset + norm.weight.detach()).double()

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from ._progress import DELAY_S
-from ._training import DeferredInterrupt, load_optim, optim_tensors
+from ._training import check_config, check_recipe, load_optim, optim_tensors, run_steps
 from .errors import FileFormatError
 from .models import ICLConfig, ICLTransformer, read_checkpoint, save_model
 from .tasks.linreg import DEFAULT_TASK, LinRegTask, evaluate
@@ -41,6 +39,10 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 250
     eval_tasks: int = 2048
+
+    def __post_init__(self) -> None:
+        check_config(self, counts=("steps", "batch_size", "warmup", "checkpoint_every", "eval_tasks"),
+                     positive=("lr", "grad_clip"), nonnegative=("min_lr_ratio",))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -84,12 +86,7 @@ def train(
                 f"{out} holds weights only (no optimizer or data-stream state), so training cannot resume "
                 "from it; pass another path, or resume=False to start afresh"
             )
-        saved = doc.get("meta", {}).get("recipe")
-        if saved != recipe:
-            raise FileFormatError(
-                f"{out} was written by another training recipe; pass another path or resume=False "
-                f"(saved {saved}, asked {recipe})"
-            )
+        check_recipe(out, doc.get("meta", {}).get("recipe"), recipe)
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         load_optim(opt, extra)
@@ -108,33 +105,22 @@ def train(
         tensors = {**optim_tensors(opt), "rng": gen.get_state()}
         save_model(model, out, meta=meta, extra=tensors)
 
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step",
-               **({"disable": None, "delay": DELAY_S} if progress is None else {"disable": not progress}))
+    def loss_at(step: int) -> torch.Tensor:
+        batch = task.sample(cfg.batch_size, gen)
+        pred = model(batch.tokens)[:, -1, 0]  # [B]
+        return torch.nn.functional.mse_loss(pred, batch.target)
+
+    def after(step: int, loss: float) -> dict:
+        nonlocal ema
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+        if step % 50 == 0:
+            history.append([step, ema])
+        return {"loss": f"{ema:.4f}"}
+
     t0 = time.perf_counter()
-    with DeferredInterrupt() as stop:
-        for step in range(start, cfg.steps):
-            batch = task.sample(cfg.batch_size, gen)
-            pred = model(batch.tokens)[:, -1, 0]  # [B]
-            loss = torch.nn.functional.mse_loss(pred, batch.target)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-            if (step + 1) % 50 == 0:
-                history.append([step + 1, ema])
-            bar.update(1)
-            bar.set_postfix(loss=f"{ema:.4f}")
-            if stop.requested:
-                checkpoint(step + 1)
-                bar.close()
-                log.warning("interrupted after step %d; saved %s (run again to resume)", step + 1, out)
-                raise KeyboardInterrupt
-            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                checkpoint(step + 1)
-    bar.close()
+    run_steps(model, opt, start=start, steps=cfg.steps, loss_at=loss_at, lr_at=lambda step: lr_at(step, cfg),
+              grad_clip=cfg.grad_clip, checkpoint=checkpoint, checkpoint_every=cfg.checkpoint_every, after=after,
+              desc="train", progress=progress, where=str(out))
     model.eval()
     result = evaluate(model, task, n_tasks=cfg.eval_tasks)
     seconds = time.perf_counter() - t0

@@ -10,7 +10,8 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .base import WEIGHT_LAYOUTS, Adapter, Sites, weight_layout
-from .hf import FAMILIES, HFAdapter
+from .families import FAMILIES
+from .hf import HFAdapter
 from .icl import ICLAdapter
 
 __all__ = ["Adapter", "ICLAdapter", "HFAdapter", "FAMILIES", "Sites", "ADAPTERS", "adapter_for", "register", "weight_layout", "WEIGHT_LAYOUTS"]

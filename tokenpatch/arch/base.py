@@ -21,7 +21,7 @@ output and every layer's output hidden state), ``strip`` (the inputs of the no-c
 An adapter with ``traced = True`` (Hugging Face models, ``hf.py``) runs both passes as the model's
 own forward instead, with hooks: ``trace`` records every layer's states at the queries in one
 with-context pass, ``anchors`` the no-context states; masks, positions, caches and routing stay
-the model's. Its block designs are data (``hf.FAMILIES``).
+the model's. Its block designs are data (``families.FAMILIES``).
 """
 
 from __future__ import annotations

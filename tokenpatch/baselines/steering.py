@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..arch import adapter_for
-from ..arch.hf import HFAdapter, _first, _hooks
+from ..arch.hf import HFAdapter, output_tensor, registered_hooks
 from ..errors import InputError, UnsupportedModelError
 
 SITES = ("residual", "attention")
@@ -108,7 +108,7 @@ def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = No
 
     def hook_for(vector: Tensor):
         def hook(module, args, out):
-            t = _first(out)
+            t = output_tensor(out)
             if vector.shape[-1] != t.shape[-1]:
                 raise InputError(f"a steering vector has {vector.shape[-1]} features, the stream {t.shape[-1]}")
             v = vector.to(t.device, t.dtype)
@@ -124,7 +124,7 @@ def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = No
             return new if isinstance(out, Tensor) else (new, *out[1:])
         return hook
 
-    with _hooks((modules[i].register_forward_hook, hook_for(v)) for i, v in steering.vectors.items()):
+    with registered_hooks((modules[i].register_forward_hook, hook_for(v)) for i, v in steering.vectors.items()):
         yield model
 
 
@@ -148,7 +148,7 @@ def heads_set(model: nn.Module, values: dict[tuple[int, int], Tensor]) -> Iterat
             return (z, *args[1:])
         return hook
 
-    with _hooks((o_projs[layer].register_forward_pre_hook, hook_for(e)) for layer, e in by_layer.items()):
+    with registered_hooks((o_projs[layer].register_forward_pre_hook, hook_for(e)) for layer, e in by_layer.items()):
         yield model
 
 
@@ -165,7 +165,7 @@ def recording_heads(model: nn.Module) -> Iterator[list[Tensor]]:
             rec[i] = z.reshape(z.shape[0], heads, -1).detach()
         return hook
 
-    with _hooks((m.register_forward_pre_hook, hook_for(i)) for i, m in enumerate(o_projs)):
+    with registered_hooks((m.register_forward_pre_hook, hook_for(i)) for i, m in enumerate(o_projs)):
         yield rec
 
 

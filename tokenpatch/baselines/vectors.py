@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import progress_bar
-from ..arch.hf import _first, _hooks
+from ..arch.hf import output_tensor, registered_hooks
 from ..errors import InputError
 from .steering import Steering, head_contribution, heads_set, n_heads, recording_heads, site_modules
 
@@ -63,11 +63,11 @@ def _states(model: nn.Module, batch: dict[str, Tensor], site: str, last: bool) -
 
     def hook_for(i):
         def hook(module, args, out):
-            t = _first(out).detach()
+            t = output_tensor(out).detach()
             rec[i] = t[:, -1] if last else t
         return hook
 
-    with _hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():
+    with registered_hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():
         model.base_model(**_on(model, batch), use_cache=False)
     return rec
 
@@ -154,7 +154,8 @@ def _norm_gain(model: nn.Module, layer: int, z: Tensor) -> Tensor | float:
     a / rms(a)``) multiplies a head's term by: ``g / rms(a)``, ``a`` the attention output of the
     prompted rows at the last position (its mean RMS). The heads' terms then add up to the norm's
     output, as they add up to ``o_proj``'s where no norm follows (gain 1)."""
-    from ..arch.hf import HFAdapter, scale_norm
+    from ..arch.families import scale_norm
+    from ..arch.hf import HFAdapter
     from .steering import o_proj_modules
 
     fam = HFAdapter.family(model)
@@ -193,13 +194,13 @@ def thought_vector(model: nn.Module, prompted: dict[str, Tensor], plain: dict[st
 
     def hook_for(i):
         def hook(module, args, out):
-            t = _first(out)
+            t = output_tensor(out)
             v = (targets[i][:, -width:] - t[:, -width:])[mask].mean(0).detach()
             vectors[i] = v
             new = torch.where(where[..., None], t + v, t)
             return new if isinstance(out, Tensor) else (new, *out[1:])
         return hook
 
-    with _hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():
+    with registered_hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():
         model.base_model(**_on(model, plain), use_cache=False)
     return Steering("residual", vectors, "add", "all", {"method": "thought vector"})
