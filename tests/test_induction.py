@@ -284,21 +284,24 @@ def test_cli_trains_a_small_lm_and_reports_on_it(tmp_path, capsys):
     assert result["heads"] == 4 and result["lag"]["lags"] == list(range(-3, 4)) and "per_prompt" not in result["lag"]
     dose = result["dose_lag_plus_one"]
     assert dose["n"] == [0, 1, 2] and all(set(c) == {"mean", "ci95"} for c in dose["top"])
-    assert dose["exact"] == [True, True, True] and len(dose["random_heads"][2]) == 3  # C(3, 2): every pair
+    assert dose["exact"] == [True, True, True] and len(dose["random_heads"][2]) == 1  # the one pair outside the top 2
+    top2 = {(r["layer"], r["head"]) for r in result["top_heads"][:2]}
+    assert not top2 & {tuple(h) for h in dose["random_heads"][2][0]}  # the control never shares a top head
     assert len(dose["random"][1]) == 3 and dose["top"][0] == dose["random"][0][0]  # nothing ablated: the same
     p = result["patches"]
     assert len(p["share"]) == 2 and len(p["share"][0]) == 2 and p["closure_max"] < 1e-5
-    assert len(p["patch_norm"]["random"]) == 3 and p["top"] == [[r["layer"], r["head"]] for r in result["top_heads"][:2]]
+    assert len(p["patch_norm"]["random"]) == 1 and p["top"] == [[r["layer"], r["head"]] for r in result["top_heads"][:2]]
     md = (tmp_path / "r" / "induction-lm.md").read_text()
     assert "| heads ablated | lag +1, top | lag +1, random |" in md and "top heads' share" in md
     assert (tmp_path / "r" / "induction-lm.png").stat().st_size > 10_000
     one = tmp_path / "one.safetensors"  # one head per layer: 2 heads, a pool of 1 outside the top 1
     assert main(["induction", "train", "--out", str(one), "--vocab", "12", "--length", "24", "--steps", "2",
                  "--d-model", "8", "--layers", "2", "--heads", "1", "--quiet"]) == 0
-    assert main(["induction", "report", "--model", str(one), "--out", str(tmp_path / "r1"), "--words", "7",
+    assert main(["induction", "report", "--model", str(one), "--out", str(tmp_path / "r1"), "--words", "3",
                  "--prompts", "4", "--quiet"]) == 0
     result = json.loads((tmp_path / "r1" / "induction-one.json").read_text())
     assert result["dose_lag_plus_one"]["n"] == [0, 1] and result["patches"]["n"] == 1
+    assert "| lag | -1 | 0 | +1 |" in (tmp_path / "r1" / "induction-one.md").read_text()  # 3 items: 3 lags
 
 
 def test_random_control_sets_and_pooled_intervals():
@@ -308,18 +311,90 @@ def test_random_control_sets_and_pooled_intervals():
     ranked = rank_heads({"diagonal": torch.tensor([[0.1], [0.9], [0.3], [0.2]])})  # 4 layers x 1 head
     assert outside_top(ranked, 1) == [(2, 0), (3, 0), (0, 0)]
     assert random_sets(ranked, 1, exclude_top=1, draws=3) == [[(2, 0)], [(3, 0)], [(0, 0)]]  # every subset once
-    assert sorted(map(sorted, random_sets(ranked, 2, exclude_top=1, draws=3))) == [[(0, 0), (2, 0)], [(0, 0), (3, 0)],
-                                                                                  [(2, 0), (3, 0)]]
+    assert random_sets(ranked, 2, exclude_top=1, draws=3) == [[(3, 0), (0, 0)]]  # outside the top 2, not the top 1
     drawn = random_sets(ranked, 1, exclude_top=1, draws=2, seed=5)  # more subsets than draws: seeded draws
     assert len(drawn) == 2 and drawn == random_sets(ranked, 1, exclude_top=1, draws=2, seed=5)
     assert random_sets(ranked, 0, exclude_top=1, draws=3) == [[]]
-    with pytest.raises(tp.InputError, match="only 3 lie outside the top 1"):
-        random_sets(ranked, 4, exclude_top=1)
+    with pytest.raises(tp.InputError, match="only 1 lie outside the top 3"):
+        random_sets(ranked, 3, exclude_top=1)
     big = rank_heads({"diagonal": torch.rand(6, 4, generator=torch.Generator().manual_seed(0))})
     sets = random_sets(big, 1, exclude_top=0, draws=12)  # 24 choices: drawn, and all distinct
     assert len(sets) == 12 and len({tuple(h) for h in sets}) == 12
-    assert mean_ci([1.0, 3.0]) == {"mean": 2.0, "ci95": pytest.approx(1.96 * 2 ** 0.5 / 2 ** 0.5)}
+    assert mean_ci([1.0, 3.0]) == {"mean": 2.0, "ci95": pytest.approx(12.7062047)}  # Student's t, 1 df: 12.71 sd/sqrt(2)
+    assert mean_ci([1.0, 2.0, 3.0])["ci95"] == pytest.approx(4.30265273 / 3 ** 0.5)  # 3 head sets: 4.30, not 1.96
     assert pooled([{"mean": 0.5, "ci95": 0.1}]) == {"mean": 0.5, "ci95": 0.1}
     assert pooled([{"mean": 1.0, "ci95": 0.1}, {"mean": 3.0, "ci95": 0.1}]) == mean_ci([1.0, 3.0])
     assert pooled([{"mean": 1.0, "ci95": 0.3}, {"mean": 3.0, "ci95": 0.4}], exact=True) == {"mean": 2.0,
                                                                                            "ci95": pytest.approx(0.35)}
+
+
+def test_head_lists_and_counts_are_checked():
+    ranked = rank_heads({"diagonal": torch.tensor([[0.1, 0.5], [0.9, 0.3]])})
+    model = tp.ICLTransformer(tp.ICLConfig(d_in=6, d_out=3, d_model=8, n_layers=2, n_heads=2)).double().eval()
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    with ablate_heads(model, ranked[:1]):  # rank_heads rows are accepted as they are
+        by_rows = model(x)
+    with ablate_heads(model, [(1, 0)]):
+        assert torch.equal(model(x), by_rows)
+    for bad in [(1, 0), [(1,)], [("1", 0)], [(1.0, 0)], "10"]:
+        with pytest.raises(tp.InputError, match=r"\(layer, head\) pairs"):
+            with ablate_heads(model, bad):
+                pass
+    with pytest.raises(tp.InputError, match="must be an integer >= 0, got -1"):
+        select_heads(ranked, -1)
+
+
+def test_resample_draws_one_reference_row_per_sequence_for_every_layer():
+    from tokenpatch.interp.ablation import head_sites
+
+    model = tp.ICLTransformer(tp.ICLConfig(d_in=6, d_out=3, d_model=8, n_layers=3, n_heads=2)).double().eval()
+    ref, x = torch.randn(16, 7, 6, dtype=torch.float64), torch.randn(4, 7, 6, dtype=torch.float64)
+    modules, _ = head_sites(model)
+    clean_ref: dict[int, torch.Tensor] = {}
+    hs = [modules[l].register_forward_pre_hook(lambda m, a, l=l: clean_ref.__setitem__(l, a[0])) for l in (0, 2)]
+    model(ref)
+    for h in hs:
+        h.remove()
+    for seed in range(3):
+        seen: dict[int, torch.Tensor] = {}
+        with ablate_heads(model, [(0, 1), (2, 0)], "resample", reference=ref, seed=seed):
+            hs = [modules[l].register_forward_pre_hook(lambda m, a, l=l: seen.__setitem__(l, a[0])) for l in (0, 2)]
+            model(x)  # registered after the ablation's hooks: they see the resampled input
+            for h in hs:
+                h.remove()
+        donors = []
+        for layer, head in ((0, 1), (2, 0)):
+            sl = slice(4 * head, 4 * head + 4)
+            match = (seen[layer][:, None, :, sl] == clean_ref[layer][None, :, :, sl]).all(-1).all(-1)  # [B, R]
+            assert match.sum(1).tolist() == [1, 1, 1, 1]  # each sequence reads exactly one reference sequence
+            donors.append(match.float().argmax(1))
+        assert torch.equal(donors[0], donors[1])  # the same one in every layer
+
+
+def test_resample_refuses_cached_decoding_and_head_patches():
+    pytest.importorskip("transformers", reason="the Hugging Face extra is not installed")
+    from test_hf import build
+
+    from tokenpatch.interp.head_patches import head_patches
+
+    model = build("llama")
+    ids = torch.randint(1, 50, (2, 6))
+    with ablate_heads(model, [(0, 0)], "resample", reference=torch.randint(1, 50, (4, 12))):
+        with pytest.raises(tp.InputError, match="cached decoding"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                             pad_token_id=0, use_cache=False)
+        assert out.shape == (2, 9)
+        with pytest.raises(tp.InputError, match="resample ablation"):
+            head_patches(model, ids, -1)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_detector_scores_a_head_resting_on_bos_zero():
+    tokens = repeated_tokens(10, L, 1, seed=0, bos=0)
+    assert 0 not in tokens[0, 1:].tolist()  # BOS is never drawn as a token
+    t = tokens.shape[1]
+    on_bos = torch.zeros(1, 1, t, t, dtype=torch.float64)
+    on_bos[..., 0] = 1
+    score = detector_score(on_bos, tokens, exclude_bos=True)
+    assert torch.equal(score, torch.zeros(1, dtype=torch.float64))

@@ -80,10 +80,10 @@ def _model(name: str, usage, quiet: bool):
     if name in pretrained_names():
         from .pretrained import load_pretrained
 
+        from .report_induction import bos_and_pool
+
         model, tok = load_pretrained(name, progress=False if quiet else None)
-        special = set(tok.all_special_ids)
-        bos = tok.bos_token_id if tok.bos_token_id is not None else next(iter(sorted(special)), None)
-        pool = [i for i in range(model.config.vocab_size) if i not in special]
+        bos, pool = bos_and_pool(model, tok)
         return model, None, pool, bos
     path = Path(name)
     if not path.exists():

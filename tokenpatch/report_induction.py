@@ -36,17 +36,30 @@ def _lag_and_dose(model, rows, ids, bos, inputs_of, ns, exclude_top, draws, seed
     return {"lag": lag, "dose_lag_plus_one": dose_response(model, rows, lag_one, ns, exclude_top, draws, seed, progress)}
 
 
+def bos_and_pool(model, tok) -> tuple[int | None, list[int]]:
+    """The id put before every scored sequence (the tokenizer's BOS, else its smallest special id) and
+    the ids random sequences are drawn from (every id but the special ones)."""
+    special = set(tok.all_special_ids)
+    bos = tok.bos_token_id if tok.bos_token_id is not None else min(special, default=None)
+    return bos, [i for i in range(model.config.vocab_size) if i not in special]
+
+
+def _has_control(heads: int, n: int, exclude_top: int) -> bool:
+    """Whether ``n`` random heads can be drawn outside the top ``max(exclude_top, n)`` of ``heads``."""
+    return n <= heads - max(exclude_top, n)
+
+
 def patch_study(model, rows, pool, bos, inputs_of=None, n: int = 2, length: int = 20, sequences: int = 4,
                 exclude_top: int = 50, draws: int = 3, seed: int = 0, progress=None) -> dict:
     """Each head's share of every layer's token patch where the model copies (the second copy of
     ``[BOS, r_1..r_L, r_1..r_L]``), and the patch norms with the top-``n`` induction heads of ``rows``
-    ablated against ``n`` random heads outside the top ``exclude_top`` (``interp.head_patches``); ``n``
-    is capped by that pool, and ``None`` comes back when it is empty."""
-    from .interp.ablation import ablate_heads, outside_top, random_sets, select_heads
-    from .interp.head_patches import head_patches, pooled_share
+    ablated against ``n`` random heads outside the top ``max(exclude_top, n)`` (``interp.head_patches``);
+    ``n`` is capped by that pool, and ``None`` comes back when it is empty."""
+    from .interp.ablation import ablate_heads, random_sets, select_heads
+    from .interp.head_patches import NODES, head_patches, pooled_share
     from .interp.induction import repeated_tokens
 
-    n = min(n, len(outside_top(rows, exclude_top)))  # the same number of top and random heads
+    n = max((k for k in range(n + 1) if _has_control(len(rows), k, exclude_top)), default=0)  # top and random alike
     if n == 0:
         return None  # no head outside the top: no control
     tokens = repeated_tokens(pool, length, sequences, seed + 1, bos)  # [S, 1 + 2L] (or [S, 2L] without BOS)
@@ -62,7 +75,7 @@ def patch_study(model, rows, pool, bos, inputs_of=None, n: int = 2, length: int 
         with ablate_heads(model, heads):
             randoms.append(head_patches(model, x, query, progress=progress).patch_norm.mean((1, 2)).tolist())
     moved = clean.patch_norm > 1e-6 * clean.patch_norm.max()  # the closure is relative to |ds|: skip ~0 patches
-    return {"length": length, "sequences": sequences, "n": n, "top": top, "random_heads": random_heads,
+    return {"length": length, "sequences": sequences, "n": n, "nodes": NODES, "top": top, "random_heads": random_heads,
             "share": pooled_share(clean).tolist(),  # [L][H]
             "patch_norm": {"clean": clean.patch_norm.mean((1, 2)).tolist(), "top": ablated.patch_norm.mean((1, 2)).tolist(),
                            "random": randoms},
@@ -84,15 +97,13 @@ def run_model(name: str, n_words: int = 100, prompts: int = 64, lists: int = 20,
 
     t0 = time.perf_counter()
     model, tok = load_pretrained(name, progress=progress)
-    special = set(tok.all_special_ids)
-    bos = tok.bos_token_id
-    pool = [i for i in range(model.config.vocab_size) if i not in special]
+    bos, pool = bos_and_pool(model, tok)
     rows = head_scores(model, length=score_length, sequences=score_sequences, seed=seed, bos=bos, pool=pool)
     words = single_token_words(tok)
     ids = lag_prompts([i for _, i in words], n_words, prompts, seed=seed)
     heads = len(rows)
     exclude_top = min(50, heads // 4) if exclude_top is None else exclude_top
-    ns = [n for n in ns if n <= heads - exclude_top]
+    ns = [n for n in ns if _has_control(heads, n, exclude_top)]
 
     def recall() -> dict:
         r = serial_recall(model, tok, [w for w, _ in words], length, shots, lists, seed)
@@ -134,7 +145,7 @@ def run_lm(path: str | Path, n_words: int = 21, prompts: int = 256, ns=(0, 1, 2,
     rows = head_scores(model, length=score_length, sequences=score_sequences, seed=seed, bos=BOS, pool=pool,
                        inputs_of=inputs_of)
     ids = lag_prompts(pool, n_words, prompts, seed=seed)
-    ns = [n for n in ns if n <= len(rows) - exclude_top]
+    ns = [n for n in ns if _has_control(len(rows), n, exclude_top)]
     return {
         "model": Path(path).stem, "describe": model.config.describe(), "heads": len(rows), "top_heads": rows[:16],
         "settings": {"n_words": n_words, "prompts": prompts, "draws": draws, "exclude_top": exclude_top,
@@ -165,15 +176,17 @@ def _dose_panel(ax, d, ylabel):
     xs = [max(n, 0.5) for n in d["n"]]
     top = [_summary(c) for c in d["top"]]
     rand = [_summary(_random(d, k)) for k in range(len(d["n"]))]
-    for vals, label, colour in ((top, "top induction heads", "#d94801"),
-                                (rand, f"random heads (outside the top {d['exclude_top']})", "#08519c")):
+    for vals, label, colour in ((top, "top induction heads (band: over items)", "#d94801"),
+                                (rand, f"random heads outside the top {d['exclude_top']} "
+                                       f"(band: {'over items' if all(d.get('exact', [False])) else 'over head sets'})",
+                                 "#08519c")):
         m, ci = np.array([v[0] for v in vals]), np.array([v[1] for v in vals])
         ax.plot(xs, m, "o-", color=colour, label=label)
         ax.fill_between(xs, m - ci, m + ci, color=colour, alpha=0.2, lw=0)
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks(xs, [str(n) for n in d["n"]])
-    ax.set_xlabel("heads ablated (zero); bands: 95% intervals")
+    ax.set_xlabel("heads ablated (zero); bands: 95% intervals (Student's t)")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
 
@@ -228,13 +241,14 @@ def _cell(c, fmt: str) -> str:
 def markdown(result: dict, figure_name: str) -> str:
     lag = result["lag"]
     i0 = lag["lags"].index(0)
+    near = [k for k in (-2, -1, 0, 1, 2) if k in lag["lags"]]  # a prompt of 3 or 4 items has fewer lags
     peak = lag["lags"][int(np.argmax(lag["mean"]))]
     s = result["settings"]
     what = f"{result['words']} single-token nouns" if "words" in result else f"{s['n_words']} token ids per prompt"
     lines = [f"## {result['model']}", "", f"{result['heads']} heads; {what}; {result['seconds'] / 60:.1f} min.", "",
              f"![{result['model']}]({figure_name})", "",
-             "| lag | -2 | -1 | 0 | +1 | +2 |", "|---|---|---|---|---|---|",
-             "| p | " + " | ".join(f"{lag['mean'][i0 + k]:.2e} ± {lag['ci95'][i0 + k]:.1e}" for k in (-2, -1, 0, 1, 2)) + " |",
+             "| lag | " + " | ".join(f"{k:+d}" if k else "0" for k in near) + " |", "|---" * (1 + len(near)) + "|",
+             "| p | " + " | ".join(f"{lag['mean'][i0 + k]:.2e} ± {lag['ci95'][i0 + k]:.1e}" for k in near) + " |",
              "", f"Peak at lag {peak:+d} (± 95% intervals over prompts)."]
     if "recall" in result:
         lines[-1] += (f" Serial recall ({s['lists']} lists of {s['length']}, {s['shots']} shots): accuracy "

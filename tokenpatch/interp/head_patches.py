@@ -49,10 +49,11 @@ from torch import Tensor, nn
 from .._progress import progress_bar
 from ..solve import block_values
 from ..arch import adapter_for
-from ..arch.hf import SCALE_NORMS, HFAdapter
+from ..arch.families import SCALE_NORMS
+from ..arch.hf import HFAdapter
 from ..errors import InputError, UnsupportedModelError
 from ..plans import make_plan
-from .ablation import head_sites
+from .ablation import active_modes, head_sites
 
 __all__ = ["HeadPatches", "head_patches", "split_by_heads", "pooled_share"]
 
@@ -206,8 +207,12 @@ def head_patches(model: nn.Module, inputs, query=-1, nodes: int = NODES, progres
     ``inputs``: as ``token_patch`` (our models' ``[B, T, d_in]``, token ids ``[B, T]`` or a dict for
     Hugging Face models); ``query``: an int, a list, a slice or ``"all"``. Inside ``ablate_heads`` the
     lone-query pass runs through the same hooks as the full pass: a zero- or mean-ablated head is
-    ablated in both, so it carries nothing; resampling, which works by position, gives a lone query
-    the donor's head output at the lone pass's own positions."""
+    ablated in both, so it carries nothing. Resampling works by position, which the lone pass does
+    not keep, so it is refused. Where a layer's patch is zero (``ds = 0``, e.g. the first position)
+    every share is 0."""
+    if "resample" in active_modes(model):
+        raise InputError("head_patches inside a resample ablation: the lone-query pass cannot be aligned with the "
+                         "reference by position; ablate with mode='zero' or 'mean'")
     adapter = adapter_for(model)
     inputs = adapter.check_inputs(model, inputs)
     plan = make_plan(adapter.seq_len(inputs), query)

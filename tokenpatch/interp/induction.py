@@ -31,8 +31,13 @@ KINDS = ("previous_token", "duplicate_token", "induction")
 
 def repeated_tokens(pool, length: int, sequences: int, seed: int = 0, bos: int | None = None) -> Tensor:
     """``[S, 2L]`` (``[S, 1 + 2L]`` with ``bos``): ``L`` tokens drawn uniformly from ``pool`` (a size or
-    a list of ids; ``L`` distinct ones when the pool allows), then the same ``L`` again."""
+    a list of ids; ``L`` distinct ones when the pool allows), then the same ``L`` again. ``bos`` is never
+    drawn as a token."""
     ids = np.arange(pool) if isinstance(pool, int) else np.asarray(list(pool))
+    if bos is not None:
+        ids = ids[ids != bos]
+    if len(ids) == 0:
+        raise InputError("the token pool is empty (BOS excluded)")
     if length < 2 or sequences < 1:
         raise InputError(f"need length >= 2 and sequences >= 1, got {length} and {sequences}")
     rng = np.random.default_rng(seed)
@@ -71,7 +76,10 @@ def _check(pattern: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
 
 def detector_score(pattern: Tensor, tokens: Tensor, kind: str = "induction", exclude_bos: bool = False,
                    exclude_current_token: bool = False) -> Tensor:
-    """``mean_seq sum(A * D) / sum(A)`` per head -> ``[H]`` (module docstring; ``A`` is not modified)."""
+    """``mean_seq sum(A * D) / sum(A)`` per head -> ``[H]`` (module docstring; ``A`` is not modified).
+
+    A sequence where the head has no attention left (all of it on BOS with ``exclude_bos``, or on
+    the token itself with ``exclude_current_token``) scores 0 there: it attends to no pattern."""
     pattern, tokens = _check(pattern, tokens)
     a = pattern.double().clone()
     if exclude_bos:
@@ -79,7 +87,8 @@ def detector_score(pattern: Tensor, tokens: Tensor, kind: str = "induction", exc
     if exclude_current_token:
         a.diagonal(0, -2, -1).zero_()
     masks = torch.stack([detection_pattern(t, kind) for t in tokens]).double()[:, None]  # [S, 1, T, T]
-    return ((a * masks).sum((-1, -2)) / a.sum((-1, -2))).mean(0)
+    num, den = (a * masks).sum((-1, -2)), a.sum((-1, -2))  # [S, H]
+    return torch.where(den > 0, num / den.clamp_min(1e-300), 0.0).mean(0)
 
 
 def diagonal_score(pattern: Tensor, length: int, bos: bool = True) -> Tensor:

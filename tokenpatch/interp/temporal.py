@@ -6,7 +6,7 @@ dose-response to head ablation (``docs/induction.md`` §3-4).
 * ``serial_recall``: few-shot recall of word lists by greedy decoding, scored per position, per
   list and by the lag-CRP of the recalled order.
 * ``dose_response``: a measurement with the top-n heads ablated and with n random heads outside the
-  top M ablated (several draws), for every n.
+  top max(M, n) ablated (several draws), for every n.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._stats import t95
 from ..tasks.recall import lag_crp, lag_probabilities, recall_lists, recall_prompt, score_recall
-from .ablation import ablate_heads, outside_top, random_sets, select_heads
+from .ablation import ablate_heads, control_pool, random_sets, select_heads
 
 __all__ = ["lag_curve", "serial_recall", "dose_response", "mean_ci", "pooled"]
 
@@ -40,14 +41,15 @@ def lag_curve(model, prompts: Tensor, bos: int | None = None, batch_size: int = 
 
 
 def mean_ci(values) -> dict:
-    """``{"mean", "ci95"}`` of per-item values (prompts, lists): ``1.96 sd / sqrt(n)``."""
+    """``{"mean", "ci95"}`` of per-item values (prompts, lists, head sets): ``t_{0.975, n-1} sd / sqrt(n)``
+    (Student's t: 4.30 for 3 items, 2.09 for 20)."""
     v = np.asarray(values, dtype=float)
-    return {"mean": float(v.mean()), "ci95": float(1.96 * v.std(ddof=1) / len(v) ** 0.5) if len(v) > 1 else 0.0}
+    return {"mean": float(v.mean()), "ci95": float(t95(len(v)) * v.std(ddof=1) / len(v) ** 0.5) if len(v) > 1 else 0.0}
 
 
 def pooled(runs: list[dict], exact: bool = False) -> dict:
     """``{"mean", "ci95"}`` over the random control's head sets, each ``{"mean", "ci95"}``: the mean of
-    the sets, and an interval. Drawn sets (``exact=False``): ``1.96 sd / sqrt(D)`` of the set means,
+    the sets, and an interval. Drawn sets (``exact=False``): ``t_{0.975, D-1} sd / sqrt(D)`` of the set means,
     the uncertainty from the choice of heads (the prompts are the same for every set, so their noise is
     common to all: the top curve's interval shows its size). Every subset measured (``exact=True``):
     the mean is the control's own and only the prompts' noise is left; the sets share the prompts, so
@@ -64,8 +66,9 @@ def serial_recall(model, tokenizer, words: list[str], length: int = 14, shots: i
                   seed: int = 0) -> dict:
     """Greedy few-shot serial recall of ``lists`` lists of ``length`` single-token words.
 
-    Returns ``{"per_position": [mean exact match at each position], "exact": share of lists
-    recalled perfectly, "exact_ci95", "crp": lag-CRP of the recalled serial positions}``."""
+    Returns ``{"per_position": [mean exact match at each position], "accuracy": their mean,
+    "accuracy_ci95": its 95% half-width over lists (``mean_ci``), "exact": share of lists recalled
+    perfectly, "crp": lag-CRP of the recalled serial positions}``."""
     pool = recall_lists(words, length, lists * (shots + 1), seed)
     scores = []
     for j in range(lists):
@@ -79,8 +82,8 @@ def serial_recall(model, tokenizer, words: list[str], length: int = 14, shots: i
         scores.append(score_recall(recalled, group[-1]))
     per = np.array([s["per_position"] for s in scores], dtype=float)  # [lists, length]
     exact = np.array([s["exact"] for s in scores], dtype=float)
-    return {"per_position": per.mean(0).tolist(), "accuracy": float(per.mean()),
-            "accuracy_ci95": float(1.96 * per.mean(1).std(ddof=1) / len(scores) ** 0.5) if len(scores) > 1 else 0.0,
+    acc = mean_ci(per.mean(1))
+    return {"per_position": per.mean(0).tolist(), "accuracy": acc["mean"], "accuracy_ci95": acc["ci95"],
             "exact": float(exact.mean()), "crp": lag_crp([s["positions"] for s in scores], length)}
 
 
@@ -88,7 +91,8 @@ def dose_response(model, ranked: list[dict], measure, ns=(0, 1, 2, 4, 8, 16), ex
                   seed: int = 0, progress=None) -> dict:
     """``{"n": [...], "top": [measure(...)], "random": [[measure(...) per draw]], "random_heads": ...}``:
     ``measure()`` (a callable returning a JSON-able result) with the top-``n`` heads of ``ranked``
-    ablated (zero), and with ``n`` random heads outside the top ``exclude_top``, ``draws`` times. When
+    ablated (zero), and with ``n`` random heads outside the top ``max(exclude_top, n)``
+    (``ablation.control_pool``), ``draws`` times. When
     the pool has at most ``draws`` subsets of ``n`` heads (a small model), every subset is measured
     once instead: the random control's exact average."""
     from .._progress import progress_bar
@@ -105,5 +109,5 @@ def dose_response(model, ranked: list[dict], measure, ns=(0, 1, 2, 4, 8, 16), ex
                 runs.append(measure())
         out["random"].append(runs)
         out["random_heads"].append(sets)
-        out["exact"].append(len(sets) == comb(len(outside_top(ranked, exclude_top)), n))  # every subset measured
+        out["exact"].append(len(sets) == comb(len(control_pool(ranked, n, exclude_top)), n))  # every subset measured
     return out

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._stats import t95
 from ..errors import InputError
 
 __all__ = ["nouns", "single_token_words", "lag_prompts", "lag_probabilities", "lag_crp", "recall_lists",
@@ -66,11 +67,11 @@ def lag_prompts(pool, n: int, prompts: int, seed: int = 0) -> Tensor:
 def lag_probabilities(probs: Tensor, prompts: Tensor) -> dict:
     """From the final-position next-token probabilities ``probs [P, V]`` of ``prompts [P, n + 1]``:
     ``{"lags", "mean", "ci95", "per_prompt"}`` with the probability of the token at each lag (``i - n // 2``):
-    its mean over prompts, the 95% half-width (``1.96 sd / sqrt(P)``) and every prompt's ``[P][n]``."""
+    its mean over prompts, the 95% half-width (``t_{0.975, P-1} sd / sqrt(P)``) and every prompt's ``[P][n]``."""
     n = prompts.shape[1] - 1
     at = probs.gather(1, prompts[:, :n]).double()  # [P, n]: p(token at index i)
     mean = at.mean(0)
-    ci = 1.96 * at.std(0) / at.shape[0] ** 0.5 if at.shape[0] > 1 else torch.zeros_like(mean)
+    ci = t95(at.shape[0]) * at.std(0) / at.shape[0] ** 0.5 if at.shape[0] > 1 else torch.zeros_like(mean)
     return {"lags": list(range(-(n // 2), n - n // 2)), "mean": mean.tolist(), "ci95": ci.tolist(),
             "per_prompt": at.tolist()}
 
