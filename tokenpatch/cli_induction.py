@@ -56,7 +56,7 @@ def add_parser(sub, fmt, common, count, number) -> None:
                         "repeated; token ids for a small LM), few-shot serial recall (real models), both measured "
                         "with the top-n induction heads ablated against n random heads outside the top M, and each "
                         "head's share of the token patches where the model copies. Writes induction-NAME.md/.json/.png "
-                        "to --out (about 15 minutes on 2 cores for SmolLM2, 25 for Gemma 3, seconds for a small LM).")
+                        "to --out (about 17 minutes on 2 cores for SmolLM2, 27 for Gemma 3, seconds for a small LM).")
     r.add_argument("--model", required=True, help="smollm2-135m, gemma3-270m, or the path of a small LM (required)")
     r.add_argument("--out", default="results-induction", help="output folder")
     r.add_argument("--words", type=count(3), default=None, help="items per lag prompt (n; default 100, 21 for a small LM)")

@@ -172,17 +172,23 @@ def _random(d: dict, k: int) -> dict:
     return pooled(d["random"][k], exact=bool(exact[k]))
 
 
+def _pool(d: dict) -> str:
+    """Where the random heads of dose-response ``d`` come from: outside the top max(M, n)."""
+    m = d["exclude_top"]
+    return str(m) if max(d["n"]) <= m else f"max({m}, n)"
+
+
 def _dose_panel(ax, d, ylabel):
     xs = [max(n, 0.5) for n in d["n"]]
     top = [_summary(c) for c in d["top"]]
     rand = [_summary(_random(d, k)) for k in range(len(d["n"]))]
     for vals, label, colour in ((top, "top induction heads (band: over items)", "#d94801"),
-                                (rand, f"random heads outside the top {d['exclude_top']} "
+                                (rand, f"random heads outside the top {_pool(d)} "
                                        f"(band: {'over items' if all(d.get('exact', [False])) else 'over head sets'})",
                                  "#08519c")):
         m, ci = np.array([v[0] for v in vals]), np.array([v[1] for v in vals])
         ax.plot(xs, m, "o-", color=colour, label=label)
-        ax.fill_between(xs, m - ci, m + ci, color=colour, alpha=0.2, lw=0)
+        ax.fill_between(xs, np.clip(m - ci, 0, 1), np.clip(m + ci, 0, 1), color=colour, alpha=0.2, lw=0)  # probabilities
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks(xs, [str(n) for n in d["n"]])
@@ -238,6 +244,17 @@ def _cell(c, fmt: str) -> str:
     return f"{m:{fmt}} ± {ci:.1e}" if ci else f"{m:{fmt}}"
 
 
+def _sets(sets: list) -> str:
+    """The random control's head sets, in words."""
+    if len(sets) == 1:
+        return f"the one set {[tuple(h) for h in sets[0]]}"
+    return f"mean over {len(sets)} sets" + (f" {[[tuple(h) for h in s] for s in sets]}" if len(sets) <= 3 else "")
+
+
+def _lag(k: int) -> str:
+    return f"{k:+d}" if k else "0"
+
+
 def markdown(result: dict, figure_name: str) -> str:
     lag = result["lag"]
     i0 = lag["lags"].index(0)
@@ -247,9 +264,9 @@ def markdown(result: dict, figure_name: str) -> str:
     what = f"{result['words']} single-token nouns" if "words" in result else f"{s['n_words']} token ids per prompt"
     lines = [f"## {result['model']}", "", f"{result['heads']} heads; {what}; {result['seconds'] / 60:.1f} min.", "",
              f"![{result['model']}]({figure_name})", "",
-             "| lag | " + " | ".join(f"{k:+d}" if k else "0" for k in near) + " |", "|---" * (1 + len(near)) + "|",
+             "| lag | " + " | ".join(_lag(k) for k in near) + " |", "|---" * (1 + len(near)) + "|",
              "| p | " + " | ".join(f"{lag['mean'][i0 + k]:.2e} ± {lag['ci95'][i0 + k]:.1e}" for k in near) + " |",
-             "", f"Peak at lag {peak:+d} (± 95% intervals over prompts)."]
+             "", f"Peak at lag {_lag(peak)} (± 95% intervals over prompts)."]
     if "recall" in result:
         lines[-1] += (f" Serial recall ({s['lists']} lists of {s['length']}, {s['shots']} shots): accuracy "
                       f"{result['recall']['accuracy']:.3f}, whole lists {result['recall']['exact']:.2f}.")
@@ -271,7 +288,7 @@ def markdown(result: dict, figure_name: str) -> str:
         top = {tuple(h) for h in p["top"]}
         lines += ["", f"Token patches at the {p['length']} second-copy positions of {p['sequences']} repeated "
                   f"sequences (`interp.head_patches`; exact split, closure at most {p['closure_max']:.1e}). Ablated: top "
-                  f"{p['n']} induction heads {sorted(top)}; random: mean over {len(p['random_heads'])} sets {p['random_heads'] if len(p['random_heads']) <= 3 else ''}.", "",
+                  f"{p['n']} induction heads {sorted(top)}; random: {_sets(p['random_heads'])}.", "",
                   "| layer | patch norm, clean | top ablated | random ablated | largest share (head) | "
                   "top heads' share | first-order miss |", "|---|---|---|---|---|---|---|"]
         rand = np.array(p["patch_norm"]["random"]).mean(0)
