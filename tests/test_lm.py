@@ -62,11 +62,12 @@ def test_training_resumes_bit_for_bit(tmp_path):
             train_lm(tmp_path / "c.safetensors", data, cfg, d_model=8, n_heads=2, progress=False)
     finally:
         lm.LMData.sample = real
+    from tokenpatch.models import read_checkpoint
+
+    assert read_checkpoint(tmp_path / "c.safetensors")[1]["meta"]["step"] == 4  # resumes, not restarts
     resumed = train_lm(tmp_path / "c.safetensors", data, cfg, d_model=8, n_heads=2, progress=False)
     assert all(torch.equal(p, q) for p, q in zip(full.state_dict().values(), resumed.state_dict().values()))
     assert torch.equal(load_lm(tmp_path / "a.safetensors").read_in.weight, full.read_in.weight)
-    from tokenpatch.models import read_checkpoint
-
     meta_a, meta_c = (read_checkpoint(tmp_path / f"{n}.safetensors")[1]["meta"] for n in "ac")
     assert meta_a["loss_ema"] is not None and meta_a["loss_ema"] == meta_c["loss_ema"]  # the loss average resumes too
     with pytest.raises(tp.FileFormatError, match="another training recipe"):

@@ -238,6 +238,9 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypatch)
     monkeypatch.setattr(mk.MarkovTask, "sample", failing)
     with pytest.raises(RuntimeError, match="power cut"):
         train_markov(tmp_path / "cut", task, shape, cfg, progress=False)
+    from tokenpatch.models import read_checkpoint
+
+    assert read_checkpoint(tmp_path / "cut" / "model.safetensors")[1]["meta"]["step"] == 4  # resumes, not restarts
     monkeypatch.setattr(mk.MarkovTask, "sample", real)
     resumed, hist2 = train_markov(tmp_path / "cut", task, shape, cfg, progress=False)  # from step 4: step 6 again
     assert all(torch.equal(p, q) for p, q in zip(full.state_dict().values(), resumed.state_dict().values()))
