@@ -44,9 +44,11 @@ def bos_and_pool(model, tok) -> tuple[int | None, list[int]]:
     return bos, [i for i in range(model.config.vocab_size) if i not in special]
 
 
-def _has_control(heads: int, n: int, exclude_top: int) -> bool:
-    """Whether ``n`` random heads can be drawn outside the top ``max(exclude_top, n)`` of ``heads``."""
-    return n <= heads - max(exclude_top, n)
+def _has_control(rows: list[dict], n: int, exclude_top: int) -> bool:
+    """Whether the random control of ``n`` heads has ``n`` heads to draw from (``ablation.control_pool``)."""
+    from .interp.ablation import control_pool
+
+    return n <= len(control_pool(rows, n, exclude_top))
 
 
 def patch_study(model, rows, pool, bos, inputs_of=None, n: int = 2, length: int = 20, sequences: int = 4,
@@ -59,7 +61,7 @@ def patch_study(model, rows, pool, bos, inputs_of=None, n: int = 2, length: int 
     from .interp.head_patches import NODES, head_patches, pooled_share
     from .interp.induction import repeated_tokens
 
-    n = max((k for k in range(n + 1) if _has_control(len(rows), k, exclude_top)), default=0)  # top and random alike
+    n = max((k for k in range(n + 1) if _has_control(rows, k, exclude_top)), default=0)  # top and random alike
     if n == 0:
         return None  # no head outside the top: no control
     tokens = repeated_tokens(pool, length, sequences, seed + 1, bos)  # [S, 1 + 2L] (or [S, 2L] without BOS)
@@ -103,7 +105,7 @@ def run_model(name: str, n_words: int = 100, prompts: int = 64, lists: int = 20,
     ids = lag_prompts([i for _, i in words], n_words, prompts, seed=seed)
     heads = len(rows)
     exclude_top = min(50, heads // 4) if exclude_top is None else exclude_top
-    ns = [n for n in ns if _has_control(heads, n, exclude_top)]
+    ns = [n for n in ns if _has_control(rows, n, exclude_top)]
 
     def recall() -> dict:
         r = serial_recall(model, tok, [w for w, _ in words], length, shots, lists, seed)
@@ -145,7 +147,7 @@ def run_lm(path: str | Path, n_words: int = 21, prompts: int = 256, ns=(0, 1, 2,
     rows = head_scores(model, length=score_length, sequences=score_sequences, seed=seed, bos=BOS, pool=pool,
                        inputs_of=inputs_of)
     ids = lag_prompts(pool, n_words, prompts, seed=seed)
-    ns = [n for n in ns if _has_control(len(rows), n, exclude_top)]
+    ns = [n for n in ns if _has_control(rows, n, exclude_top)]
     return {
         "model": Path(path).stem, "describe": model.config.describe(), "heads": len(rows), "top_heads": rows[:16],
         "settings": {"n_words": n_words, "prompts": prompts, "draws": draws, "exclude_top": exclude_top,
