@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import tokenpatch as tp
-from tokenpatch.hooks import _hooked
+from tokenpatch.run import _hooked
 from tokenpatch.tasks.linreg import task_of
 
 

@@ -8,7 +8,7 @@ ids, query="all")`` on a 512-token prompt <= 1.25x one with-context forward pass
 against one incremental step for ordinary greedy decoding with the KV cache.
 
 Setting: ``smollm2-135m`` (Llama, 30 layers) and ``gemma3-270m`` (Gemma 3, 18 layers, vocabulary
-262k) from ``tokenpatch.pretrained``, float32, ``--threads`` torch threads, batch 1, a 512-token
+262k) from ``tokenpatch.workbench.zoo.pretrained``, float32, ``--threads`` torch threads, batch 1, a 512-token
 prompt of random token ids from ``[100, 20000)`` (fixed seed; added/special tokens excluded).
 
 Per ``(model, what)``, in a fresh subprocess (this file with a hidden ``--worker`` argument, the
@@ -58,7 +58,7 @@ import torch
 
 import tokenpatch as tp
 from tokenpatch.errors import UnsupportedModelError
-from tokenpatch.pretrained import check_requirements, load_pretrained
+from tokenpatch.workbench.zoo.pretrained import check_requirements, load_pretrained
 
 sys.path.insert(0, str(Path(__file__).parent))
 from patch_cost import write_results  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 
 import tokenpatch as tp
 from tokenpatch import diagnostics as dg
-from tokenpatch.models import SHIPPED
+from tokenpatch.models.icl import SHIPPED
 from tokenpatch.tasks.linreg import evaluate, task_of
 
 

@@ -130,16 +130,16 @@ class LSTimer:
 
     def install(self) -> None:
         """Wrap the functions where ``thought.py`` looks them up (its module globals) and where
-        they are defined (``tokenpatch.lstsq`` when present, for calls made there); ``_Sums.add``
+        they are defined (``tokenpatch.thought.lstsq`` when present, for calls made there); ``_Sums.add``
         on the class itself."""
-        thought = importlib.import_module("tokenpatch.thought")
+        thought = importlib.import_module("tokenpatch.thought.front")
         try:
-            modules = [thought, importlib.import_module("tokenpatch.lstsq")]
+            modules = [thought, importlib.import_module("tokenpatch.thought.lstsq")]
         except ImportError:
             modules = [thought]
         for name in LS_FUNCTIONS:
             if not hasattr(thought, name):
-                raise RuntimeError(f"tokenpatch.thought has no {name}: update LS_FUNCTIONS in {__file__}")
+                raise RuntimeError(f"tokenpatch.thought.front has no {name}: update LS_FUNCTIONS in {__file__}")
             for mod in modules:
                 if hasattr(mod, name):
                     setattr(mod, name, self.wrap(name, getattr(mod, name)))
@@ -164,7 +164,7 @@ class LSTimer:
 
 def record_cache_decision() -> list:
     """Wrap ``_Source.__init__`` so the worker can report whether the fit kept the states."""
-    thought = importlib.import_module("tokenpatch.thought")
+    thought = importlib.import_module("tokenpatch.thought.front")
     seen: list = []
     source = getattr(thought, "_Source", None)
     if source is None:

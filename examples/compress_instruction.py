@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 import tokenpatch as tp
-from tokenpatch.compression import leading_tokens
-from tokenpatch.pretrained import load_pretrained
+from tokenpatch.workbench.compare import leading_tokens
+from tokenpatch.workbench.zoo.pretrained import load_pretrained
 
 torch.set_num_threads(2)
 model, tok = load_pretrained("smollm2-135m")

@@ -16,7 +16,7 @@ import tempfile
 import torch
 
 from tokenpatch.interp.circuits import phi_patching
-from tokenpatch.markov import MarkovTrain, train_markov
+from tokenpatch.workbench.train.markov import MarkovTrain, train_markov
 from tokenpatch.tasks.markov import MarkovTask
 
 torch.set_num_threads(2)

@@ -19,7 +19,7 @@ from tokenpatch.baselines import (Steering, attention_shift, function_vectors, h
                                   head_effects, heads_set, mean_heads, pad_left, recording_heads, site_modules, steer,
                                   task_vectors, thought_vector)
 from tokenpatch.baselines.vectors import _states  # noqa: E402
-from tokenpatch.compression import Method, compare, greedy, wilson  # noqa: E402
+from tokenpatch.workbench.compare import Method, compare, greedy, wilson
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPairs, is_correct, load_task, task_names  # noqa: E402
 
 float64_gemma_norms = _float64_gemma_norms  # test_hf's fixture, shared
@@ -248,7 +248,7 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
     assert set(res["patches"]) == {"thought_patch", "thought_patch_rank"}
     json.dumps({k: v for k, v in res.items() if k != "patches"}, allow_nan=False)  # valid JSON, no inf
     assert non_snake_keys({k: v for k, v in res.items() if k != "patches"}) == []
-    from tokenpatch.report_compress import figure, goal, markdown
+    from tokenpatch.workbench.report.compress import figure, goal, markdown
 
     tasks = {"rev": {k: v for k, v in res.items() if k != "patches"}}
     run = {"model": "tiny", "shots": 2, "seed": 0, "seconds": 1.0, "threads": 1, "tasks": tasks, "goal": goal(tasks)}

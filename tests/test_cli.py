@@ -14,7 +14,7 @@ import torch
 
 from conftest import non_snake_keys
 import tokenpatch as tp
-from tokenpatch.cli import main
+from tokenpatch.workbench.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,8 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch,
     tiny = {**report_markov.REDUCED, "chains": (2, 8), "steps": 40, "show": (2, 8)}
     monkeypatch.setattr(report, "markov_section", functools.partial(report_markov.markov_section, preset=tiny, workers=1))
     from tokenpatch import report_induction  # the small LM on a short run (its numbers: docs/induction.md)
-    from tokenpatch.lm import LMData, LMTrain
+    from tokenpatch.tasks.repeats import LMData
+    from tokenpatch.workbench.train.lm import LMTrain
 
     monkeypatch.setattr(report, "induction_section", functools.partial(
         report_induction.induction_section, data=LMData(vocab=12, length=24), cfg=LMTrain(steps=20),
@@ -135,7 +136,7 @@ def test_readme_first_example_runs_and_prints_what_it_shows(capsys):
 
 
 def test_readme_and_help_agree_on_the_main_job_time(capsys):
-    from tokenpatch.cli import REPRODUCE_TIME
+    from tokenpatch.workbench.cli.main import REPRODUCE_TIME
 
     with pytest.raises(SystemExit):
         main(["reproduce", "--help"])

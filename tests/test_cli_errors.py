@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 import tokenpatch as tp
-from tokenpatch.cli import main
+from tokenpatch.workbench.cli.main import main
 
 
 @pytest.fixture(scope="module")

@@ -175,7 +175,7 @@ def test_patch_arithmetic_errors(small_model, small_inputs):
 
 
 def test_resume_from_a_weights_only_file(tmp_path):
-    from tokenpatch.train import train
+    from tokenpatch.workbench.train.linreg import train
 
     tp.save_model(tp.load_model(), tmp_path / "w.safetensors")
     with pytest.raises(tp.FileFormatError, match="weights only"):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import tokenpatch as tp
 from tokenpatch import _io
-from tokenpatch.diagnostics import cosine
+from tokenpatch.dynamics.diagnostics import cosine
 from tokenpatch.errors import InputError
 from tokenpatch.tasks.linreg import fresh_queries, training_points
 from conftest import random_model, sweep

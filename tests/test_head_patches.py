@@ -10,7 +10,7 @@ import tokenpatch as tp
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.interp.ablation import ablate_heads
 from tokenpatch.interp.head_patches import head_patches, pooled_share, split_by_heads
-from tokenpatch.models import ICLConfig, ICLTransformer
+from tokenpatch.models.icl import ICLConfig, ICLTransformer
 
 
 def ours(norm: str, layer: str = "softmax") -> ICLTransformer:

@@ -206,8 +206,9 @@ def test_recall_prompt_and_scoring():
 def test_cli_scores_on_a_small_lm(tmp_path, capsys):
     import json
 
-    from tokenpatch.cli import main
-    from tokenpatch.lm import LMData, LMTrain, train_lm
+    from tokenpatch.workbench.cli.main import main
+    from tokenpatch.tasks.repeats import LMData
+    from tokenpatch.workbench.train.lm import LMTrain, train_lm
 
     path = tmp_path / "lm.safetensors"
     train_lm(path, LMData(vocab=20, length=16), LMTrain(steps=2, batch_size=2), d_model=8, n_layers=2, n_heads=2,
@@ -272,7 +273,7 @@ def test_lag_curve_and_serial_recall_on_a_tiny_hf_model():
 def test_cli_trains_a_small_lm_and_reports_on_it(tmp_path, capsys):
     import json
 
-    from tokenpatch.cli import main
+    from tokenpatch.workbench.cli.main import main
 
     path = tmp_path / "lm.safetensors"
     args = ["induction", "train", "--out", str(path), "--vocab", "12", "--length", "24", "--steps", "3",

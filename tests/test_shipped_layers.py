@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tokenpatch as tp
-from tokenpatch.models import SHIPPED
+from tokenpatch.models.icl import SHIPPED
 from tokenpatch.tasks.linreg import DEFAULT_TASK, task_of
-from tokenpatch.train import DEFAULT_MODEL, DEFAULT_TRAIN
+from tokenpatch.workbench.train.linreg import DEFAULT_MODEL, DEFAULT_TRAIN
 
 
 @pytest.mark.parametrize("layer", sorted(SHIPPED))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import tokenpatch as tp
 from tokenpatch.errors import InputError
-from tokenpatch.thought import ThoughtWarning
+from tokenpatch.thought.front import ThoughtWarning
 from conftest import random_model, sweep
 
 COMBOS = list(itertools.product(sorted(tp.LAYERS), ["none", "pre", "post"], [True, False]))
@@ -216,7 +216,7 @@ def test_deeper_anchors_come_from_the_patched_model_or_the_teacher(mode):
 
 
 def test_states_are_kept_only_within_the_memory_budget():
-    from tokenpatch.thought import _Source
+    from tokenpatch.thought.front import _Source
 
     model, prompt, q = _setup(m=10)
     batches = list(q.split(4))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import tokenpatch as tp
-from tokenpatch.models import read_checkpoint
+from tokenpatch.models.icl import read_checkpoint
 from tokenpatch.tasks.linreg import LinRegTask, least_squares, ridge
-from tokenpatch.train import TrainConfig, lr_at, train
+from tokenpatch.workbench.train.linreg import TrainConfig, lr_at, train
 
 TASK = LinRegTask(dim=2, n_context=4, noise=0.1)
 MODEL = tp.ICLConfig(d_in=3, d_model=8, n_layers=2, n_heads=2)
@@ -126,7 +126,7 @@ def test_task_and_baselines():
 def test_the_shipped_recipe_learns_in_context_quickly(tmp_path):
     """`tokenpatch train` with the shipped model and task, cut to 300 steps (~1 minute on 2 cores),
     already beats the 20%-of-zero-predictor bar: the checkpoint is retrainable here."""
-    from tokenpatch.train import DEFAULT_MODEL, DEFAULT_TASK, DEFAULT_TRAIN
+    from tokenpatch.workbench.train.linreg import DEFAULT_MODEL, DEFAULT_TASK, DEFAULT_TRAIN
 
     cfg = TrainConfig(**{**DEFAULT_TRAIN.to_dict(), "steps": 300, "checkpoint_every": 1000, "eval_tasks": 1024})
     model = train(tmp_path / "r.safetensors", DEFAULT_MODEL, DEFAULT_TASK, cfg, progress=False)

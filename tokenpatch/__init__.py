@@ -23,25 +23,25 @@ A new model family is one ``Adapter`` (``tp.register_adapter``); ``tp.Sites`` sa
 patch goes.
 """
 
-from .arch import Adapter, Sites, adapter_for
-from .arch import register as register_adapter
-from .delta import Patch, load_patch, save_patch
-from . import diagnostics
-from .dynamics import Trajectory, trajectory
-from .errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
-from .finetuning import FineTune, finetune, finetuned, simaou
-from .generate import Generation, generate
-from .hooks import apply, functional_call
-from .layers import LAYERS, make_layer
-from .lowrank import LowRank
-from .online_gd import Replay, replay
-from .models import Block, ICLConfig, ICLTransformer, load_model, save_model
-from .patching import strip_context, token_patch
-from .plans import Plan, make_plan
-from .tasks.linreg import LinRegTask
-from .distill import Distilled, distill
-from .thought import LayerFit, ThoughtPatch, ThoughtWarning, compress, evaluate_thought_patch, thought_patch
-from .verify import TOLERANCES, LayerError, SiteError, Verification, verify
+from tokenpatch.arch import Adapter, Sites, adapter_for
+from tokenpatch.arch import register as register_adapter
+from tokenpatch.patch import Patch, load_patch, save_patch
+from tokenpatch.dynamics import diagnostics
+from tokenpatch.dynamics.trajectories import Trajectory, trajectory
+from tokenpatch.errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
+from tokenpatch.dynamics.finetuning import FineTune, finetune, finetuned, simaou
+from tokenpatch.generate import Generation, generate
+from tokenpatch.run import apply, functional_call
+from tokenpatch.models.layers import LAYERS, make_layer
+from tokenpatch.lowrank import LowRank
+from tokenpatch.dynamics.online_gd import Replay, replay
+from tokenpatch.models.icl import Block, ICLConfig, ICLTransformer, load_model, save_model
+from tokenpatch.patching import strip_context, token_patch
+from tokenpatch.plans import Plan, make_plan
+from tokenpatch.tasks.linreg import LinRegTask
+from tokenpatch.thought.distillation import Distilled, distill
+from tokenpatch.thought.front import LayerFit, ThoughtPatch, ThoughtWarning, compress, evaluate_thought_patch, thought_patch
+from tokenpatch.verify import TOLERANCES, LayerError, SiteError, Verification, verify
 
 __version__ = "0.2.0"
 

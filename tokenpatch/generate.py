@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._progress import progress_bar
-from .arch import adapter_for
-from .delta import INPUT_SUFFIX, LowRank, Patch
-from .errors import InputError, UnsupportedModelError
-from .hooks import functional_call
-from .patching import _meta, traced_deltas
-from .plans import make_plan
+from tokenpatch.progress import progress_bar
+from tokenpatch.arch import adapter_for
+from tokenpatch.patch import INPUT_SUFFIX, LowRank, Patch
+from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.run import functional_call
+from tokenpatch.patching import _meta, traced_deltas
+from tokenpatch.plans import make_plan
 
 __all__ = ["Generation", "generate"]
 

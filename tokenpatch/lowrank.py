@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .errors import InputError
+from tokenpatch.errors import InputError
 
 __all__ = ["LowRank"]
 

@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _io, solve
-from ._progress import progress_bar
-from .arch import Sites, adapter_for, weight_layout
-from .arch.families import scale_norm
-from .delta import INPUT_SUFFIX, Delta, LowRank, Patch
-from .errors import InputError, ZeroAnchorError
-from .plans import at_queries, make_plan, strip
+from tokenpatch import files, solve
+from tokenpatch.progress import progress_bar
+from tokenpatch.arch import Sites, adapter_for, weight_layout
+from tokenpatch.arch.families import scale_norm
+from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
+from tokenpatch.errors import InputError, ZeroAnchorError
+from tokenpatch.plans import at_queries, make_plan, strip
 
 __all__ = ["token_patch", "strip_context", "layer_patch", "take"]
 
@@ -191,7 +191,7 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
             h0[:, list(plan.positions)] = out_c[:, q]
         h = out_c
     meta = {
-        "model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)},
+        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
         **plan.describe(),
         "batch": batch,
         "model_dtype": str(h.dtype).removeprefix("torch."),
@@ -200,7 +200,7 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
 
 
 def _meta(model: nn.Module, adapter, plan, batch: int, dtype: torch.dtype) -> dict:
-    meta = {"model": {**adapter.describe(model), "fingerprint": _io.fingerprint(model)}, **plan.describe(),
+    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, **plan.describe(),
             "batch": batch, "model_dtype": str(dtype).removeprefix("torch.")}
     readers = input_readers(model, adapter)
     return {**meta, "inputs": readers} if readers else meta

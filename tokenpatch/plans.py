@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .errors import InputError
+from tokenpatch.errors import InputError
 
 __all__ = ["Plan", "make_plan", "Mode"]
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .delta import LowRank
-from .errors import InputError, ZeroAnchorError
+from tokenpatch.patch import LowRank
+from tokenpatch.errors import InputError, ZeroAnchorError
 
 __all__ = [
     "work_dtype",

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .arch import adapter_for
-from .delta import Patch
-from .errors import InputError
-from .hooks import patched_run
-from .plans import Plan, at_queries, make_plan, strip
+from tokenpatch.arch import adapter_for
+from tokenpatch.patch import Patch
+from tokenpatch.errors import InputError
+from tokenpatch.run import patched_run
+from tokenpatch.plans import Plan, at_queries, make_plan, strip
 
 __all__ = ["SiteError", "LayerError", "Verification", "TOLERANCES", "tolerance", "verify"]
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import UnsupportedModelError
-from .base import WEIGHT_LAYOUTS, Adapter, Sites, weight_layout
-from .families import FAMILIES
-from .hf import HFAdapter
-from .icl import ICLAdapter
+from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.arch.base import WEIGHT_LAYOUTS, Adapter, Sites, weight_layout
+from tokenpatch.arch.families import FAMILIES
+from tokenpatch.arch.hf import HFAdapter
+from tokenpatch.arch.icl import ICLAdapter
 
 __all__ = ["Adapter", "ICLAdapter", "HFAdapter", "FAMILIES", "Sites", "ADAPTERS", "adapter_for", "register", "weight_layout", "WEIGHT_LAYOUTS"]
 

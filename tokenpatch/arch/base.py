@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..errors import UnsupportedModelError
+from tokenpatch.errors import UnsupportedModelError
 
 __all__ = ["Sites", "Adapter", "WEIGHT_LAYOUTS", "weight_layout"]
 

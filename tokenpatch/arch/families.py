@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..errors import UnsupportedModelError
+from tokenpatch.errors import UnsupportedModelError
 
 __all__ = ["Family", "FAMILIES", "SCALE_NORMS", "scale_norm"]
 

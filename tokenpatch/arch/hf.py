@@ -29,9 +29,9 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from ..errors import InputError
-from .base import Adapter, Sites
-from .families import FAMILIES, Family
+from tokenpatch.errors import InputError
+from tokenpatch.arch.base import Adapter, Sites
+from tokenpatch.arch.families import FAMILIES, Family
 
 __all__ = ["HFAdapter", "output_tensor", "registered_hooks"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..errors import UnsupportedModelError
-from ..models import Block, ICLTransformer, check_inputs
-from .base import Adapter, Sites
+from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.models.icl import Block, ICLTransformer, check_inputs
+from tokenpatch.arch.base import Adapter, Sites
 
 
 class ICLAdapter(Adapter):

@@ -24,9 +24,9 @@ from typing import Any, Iterator, Literal
 import torch
 from torch import Tensor, nn
 
-from ..arch import adapter_for
-from ..arch.hf import HFAdapter, output_tensor, registered_hooks
-from ..errors import InputError, UnsupportedModelError
+from tokenpatch.arch import adapter_for
+from tokenpatch.arch.hf import HFAdapter, output_tensor, registered_hooks
+from tokenpatch.errors import InputError, UnsupportedModelError
 
 SITES = ("residual", "attention")
 

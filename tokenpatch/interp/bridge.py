@@ -22,13 +22,13 @@ import copy
 import numpy as np
 import torch
 
-from .. import diagnostics
-from ..dynamics import trajectory
-from ..markov import model_inputs
-from ..models import ICLTransformer
-from ..tasks.markov import STREAMS, encode
-from ..thought import thought_patch
-from .circuits import phi
+from tokenpatch.dynamics import diagnostics
+from tokenpatch.dynamics.trajectories import trajectory
+from tokenpatch.models.markov import model_inputs
+from tokenpatch.models.icl import ICLTransformer
+from tokenpatch.tasks.markov import STREAMS, encode
+from tokenpatch.thought.front import thought_patch
+from tokenpatch.interp.circuits import phi
 
 __all__ = ["phase_bridge"]
 

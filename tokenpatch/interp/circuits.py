@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import InputError, UnsupportedModelError
-from ..markov import log_probs, model_inputs
-from ..models import ICLTransformer
-from ..tasks.markov import STREAMS, sample_sequences
-from .ablation import ablate_heads
+from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.models.markov import log_probs, model_inputs
+from tokenpatch.models.icl import ICLTransformer
+from tokenpatch.tasks.markov import STREAMS, sample_sequences
+from tokenpatch.interp.ablation import ablate_heads
 
 __all__ = ["attention_patterns", "mixer_outputs", "previous_token_score", "statistical_induction_score",
            "ablated", "replaced_mixer", "phi", "chain_probe", "phi_patching"]

@@ -46,14 +46,14 @@ import torch
 import torch.nn.functional as Fn
 from torch import Tensor, nn
 
-from .._progress import progress_bar
-from ..solve import block_values
-from ..arch import adapter_for
-from ..arch.families import SCALE_NORMS
-from ..arch.hf import HFAdapter
-from ..errors import InputError, UnsupportedModelError
-from ..plans import make_plan
-from .ablation import active_modes, head_sites
+from tokenpatch.progress import progress_bar
+from tokenpatch.solve import block_values
+from tokenpatch.arch import adapter_for
+from tokenpatch.arch.families import SCALE_NORMS
+from tokenpatch.arch.hf import HFAdapter
+from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.plans import make_plan
+from tokenpatch.interp.ablation import active_modes, head_sites
 
 __all__ = ["HeadPatches", "head_patches", "split_by_heads", "pooled_share"]
 

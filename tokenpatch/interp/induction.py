@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from tokenpatch.errors import InputError
 
 __all__ = ["repeated_tokens", "detection_pattern", "detector_score", "diagonal_score", "KINDS", "rank_heads",
            "attention_patterns", "kv_group", "head_scores"]
@@ -122,7 +122,7 @@ def attention_patterns(model, inputs: Tensor) -> list[Tensor]:
     with ``output_attentions=True`` under eager attention (fused kernels return no probabilities),
     the model's own implementation restored afterwards, errors included."""
     if hasattr(model, "blocks"):
-        from .circuits import attention_patterns as ours
+        from tokenpatch.interp.circuits import attention_patterns as ours
 
         return ours(model, inputs)
     config = getattr(model, "config", None)

@@ -26,8 +26,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..errors import InputError
-from ..tasks.markov import stationary
+from tokenpatch.errors import InputError
+from tokenpatch.tasks.markov import stationary
 
 __all__ = ["PREDICTORS", "PHASES", "LABELS", "predictors", "cross_entropy", "kl_to", "phase_label", "mixture_fit"]
 

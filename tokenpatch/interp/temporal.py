@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._stats import t95
-from ..tasks.recall import lag_crp, lag_probabilities, recall_lists, recall_prompt, score_recall
-from .ablation import ablate_heads, control_pool, random_sets, select_heads
+from tokenpatch.stats import t95
+from tokenpatch.tasks.recall import lag_crp, lag_probabilities, recall_lists, recall_prompt, score_recall
+from tokenpatch.interp.ablation import ablate_heads, control_pool, random_sets, select_heads
 
 __all__ = ["lag_curve", "serial_recall", "dose_response", "mean_ci", "pooled"]
 
@@ -95,7 +95,7 @@ def dose_response(model, ranked: list[dict], measure, ns=(0, 1, 2, 4, 8, 16), ex
     (``ablation.control_pool``), ``draws`` times. When
     the pool has at most ``draws`` subsets of ``n`` heads (a small model), every subset is measured
     once instead: the random control's exact average."""
-    from .._progress import progress_bar
+    from tokenpatch.progress import progress_bar
 
     out = {"n": list(ns), "top": [], "random": [], "random_heads": [], "exact": [], "exclude_top": exclude_top,
            "draws": draws}

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from tokenpatch.errors import InputError
 
 __all__ = ["LinRegTask", "LinRegBatch", "least_squares", "ridge", "evaluate", "task_of", "DEFAULT_TASK",
            "training_points", "fresh_queries"]
@@ -128,7 +128,7 @@ def evaluate(model, task: LinRegTask, n_tasks: int = 1024, seed: int = 1234, rid
     return out
 
 
-# The task of the shipped checkpoint (tokenpatch/data/linreg-pre10.safetensors).
+# The task of the shipped checkpoint (tokenpatch/models/data/linreg-pre10.safetensors).
 DEFAULT_TASK = LinRegTask(dim=4, n_context=16, noise=0.1)
 
 

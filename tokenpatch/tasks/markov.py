@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from tokenpatch.errors import InputError
 
 # One seed, independent streams: np.random.default_rng([seed, STREAMS[name]]).
 STREAMS = {"chains": 0, "train": 1, "eval": 2, "probe": 3, "patching": 4}

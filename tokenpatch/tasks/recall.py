@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._stats import t95
-from ..errors import InputError
+from tokenpatch.stats import t95
+from tokenpatch.errors import InputError
 
 __all__ = ["nouns", "single_token_words", "lag_prompts", "lag_probabilities", "lag_crp", "recall_lists",
            "recall_prompt", "score_recall"]

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from ..errors import InputError
+from tokenpatch.errors import InputError
 
 MAIN_TASKS = ("country_capital", "present_past", "singular_plural", "english_french", "antonym")
 RESERVE_TASKS = ("adjective_comparative", "present_gerund", "english_spanish", "english_german")

@@ -1,0 +1,217 @@
+"""Implicit learning dynamics: the token patches of every context prefix, in one pass.
+
+For a sequence whose query ``x`` (at position ``query``) follows context tokens ``c_1..c_N``,
+*prefix i* is the sequence ``[c_1..c_i, x]`` (``docs/dynamics.md``). Two updates per prefix:
+
+* ``traj.patch(i)``: the token patch of prefix ``i`` with all of its context removed (the fixed
+  anchor of *Learning without training*: the query alone). Equal to
+  ``tp.token_patch(model, inputs[:, [0..i-1] + [query]])``; ``i = 0`` is the zero patch.
+* ``traj.step(i)``, ``i >= 1``: the one-token-removal increment that takes prefix ``i - 1`` to
+  prefix ``i``, anchored at the prefix-``(i-1)`` state: ``tp.token_patch`` of prefix ``i`` with
+  the token ``c_i`` removed (``remove=[i - 1]``), acting at the query.
+
+One pass gives them all. By causality the context tokens' hidden states at every layer are those
+of the full pass whatever the prefix; only the query's state differs. So each layer runs the
+context once and ``N + 1`` *virtual query rows*, row ``i`` reading ``c_1..c_i`` and itself
+(``Adapter.mix_prefixes``): attention reuses the context's keys and values, a recurrent layer
+steps once from its state after ``c_i``. No per-prefix forward pass, no dense matrix.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tokenpatch import files
+from tokenpatch.progress import progress_bar
+from tokenpatch.arch import adapter_for
+from tokenpatch.patch import Delta, Patch
+from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.lowrank import LowRank
+from tokenpatch.patching import layer_patch
+
+__all__ = ["Trajectory", "trajectory"]
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """Patches of every context prefix of a batch of sequences.
+
+    ``patches``: every delta with leading dims ``[batch, N + 1]``, index ``i`` = prefix ``i``;
+    ``steps``: the same for the one-token-removal increments (``None`` unless asked; index 0 is
+    zero). ``query``: the query's position in the inputs (``N`` context tokens precede it).
+    """
+
+    patches: Patch
+    steps: Patch | None
+    query: int
+    meta: dict
+
+    @property
+    def n_context(self) -> int:
+        return self.query
+
+    def _prefix(self, i: Any) -> int:
+        i = operator.index(i)
+        if not 0 <= i <= self.query:
+            raise InputError(f"prefix {i} does not exist: the query follows {self.query} context tokens (0..{self.query})")
+        return i
+
+    def _record(self, i: int, removed: list[int] | None) -> dict:
+        return {**self.meta, "seq_len": i + 1, "query": [i], "removed": removed, "prefix": i}
+
+    def patch(self, i: int) -> Patch:
+        """The token patch of prefix ``i`` (all its context removed): a ``Patch`` ``[batch, 1]`` that
+        ``verify`` / ``apply`` / ``save_patch`` take like any other, for ``prefix_inputs(inputs, i)``."""
+        i = self._prefix(i)
+        return Patch({n: _at(d, i) for n, d in self.patches.items()}, None, self._record(i, None))
+
+    def step(self, i: int) -> Patch:
+        """The increment from prefix ``i - 1`` to prefix ``i``: the token patch of prefix ``i`` with
+        ``c_i`` removed, acting at the query (position ``i - 1`` of the shorter sequence)."""
+        if self.steps is None:
+            raise InputError("this trajectory has no increments; call tp.trajectory(..., steps=True)")
+        i = self._prefix(i)
+        if i == 0:
+            raise InputError("step(i) takes prefix i - 1 to prefix i: i starts at 1")
+        return Patch({n: _at(d, i) for n, d in self.steps.items()}, (i - 1,), self._record(i, [i - 1]))
+
+    def prefix_inputs(self, inputs: Tensor, i: int) -> Tensor:
+        """``inputs[:, [0..i-1] + [query]]``: the prefix-``i`` sequence ``patch(i)`` belongs to."""
+        i = self._prefix(i)
+        return inputs[:, list(range(i)) + [self.query]]
+
+
+def _at(d: Delta, i: int) -> Delta:
+    return d.index((slice(None), slice(i, i + 1))) if isinstance(d, LowRank) else d[:, i : i + 1]
+
+
+def _zero_first(deltas: dict[str, Delta]) -> dict[str, Delta]:
+    """Prefix 0 has no context: its patch is exactly zero (the out-side factor and dense deltas)."""
+    out = {}
+    for n, d in deltas.items():
+        if isinstance(d, LowRank):
+            u = d.u.clone()
+            u[:, 0] = 0
+            out[n] = LowRank(u, d.v)
+        else:
+            d = d.clone()
+            d[:, 0] = 0
+            out[n] = d
+    return out
+
+
+def _query_position(query: Any, seq_len: int) -> int:
+    try:
+        if isinstance(query, bool):
+            raise TypeError
+        q = operator.index(query)  # ints, numpy integers, integer 0-d tensors
+    except TypeError:
+        raise InputError(f"trajectory takes one query position (an int), got {query!r}") from None
+    if not -seq_len <= q < seq_len:
+        raise InputError(f"query position {q} is outside the sequence of length {seq_len}")
+    q %= seq_len
+    if q == 0:
+        raise InputError("the query is the first token: there is no context before it to follow")
+    return q
+
+
+@torch.no_grad()
+def trajectory(model: nn.Module, inputs: Any, query: int = -1, *, steps: bool = False,
+               progress: bool | None = None) -> Trajectory:
+    """Token patches of every context prefix at every layer, from one pass (module docstring).
+
+    ``inputs [batch, pos, d]``; ``query``: the position whose output the patches reproduce (the
+    context is every token before it; later tokens are ignored). ``steps=True`` also computes the
+    one-token-removal increments. Cost: one forward pass over the context plus, per layer, the
+    ``N + 1`` virtual query rows, whose anchors (each row alone) share their value vectors
+    (``benchmarks/trajectory.py``).
+    """
+    adapter = adapter_for(model)
+    inputs = adapter.check_inputs(model, inputs)
+    if adapter.traced:
+        return _traced_trajectory(model, adapter, inputs, query, steps, progress)
+    if adapter.position_dependent_embedding:
+        raise UnsupportedModelError(f"tp.trajectory needs position-free embeddings; the {adapter.name} adapter has "
+                                    "position-dependent ones")
+    q = _query_position(query, adapter.seq_len(inputs))
+    h = adapter.embed(model, inputs)  # [B, T, d]
+    batch, _, width = h.shape
+    ctx = h[:, :q]  # [B, N, d]  the context, layer by layer (full pass)
+    rows = h[:, q : q + 1].expand(batch, q + 1, width)  # [B, N+1, d]  the query after each prefix
+    lengths = torch.arange(q + 1)  # row i reads c_1..c_i
+    deltas: dict[str, Delta] = {}
+    increments: dict[str, Delta] = {}
+    labels = list(range(q + 1))
+    for i in progress_bar(range(adapter.n_layers(model)), progress, desc="trajectory", unit="layer"):
+        (m_c, s_c), anchor = adapter.mix_prefixes(model, i, ctx, rows, lengths, with_alone=True)  # [B, N+1, d]
+        hidden_c, out_rows = adapter.finish(model, i, m_c, s_c)
+        sites = adapter.sites(model, i)
+        deltas.update(layer_patch(model, sites, (m_c, s_c, hidden_c), anchor, i, labels))
+        if steps:  # anchor: the same row with c_i removed, i.e. read after c_1..c_{i-1}
+            m_1, s_1 = adapter.mix_prefixes(model, i, ctx, rows[:, 1:], lengths[1:] - 1)  # [B, N, d]
+            step = layer_patch(model, sites, (m_c[:, 1:], s_c[:, 1:], hidden_c[:, 1:]), (m_1, s_1), i, labels[1:])
+            increments.update({n: _pad_first(d) for n, d in step.items()})
+        if i + 1 < adapter.n_layers(model):
+            ctx = adapter.finish(model, i, *adapter.mix(model, i, ctx))[1]
+        rows = out_rows
+    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "batch": batch,
+            "model_dtype": str(h.dtype).removeprefix("torch.")}
+    record = {**meta, "trajectory": {"query": q, "n_context": q}}
+    return Trajectory(Patch(_zero_first(deltas), None, record),
+                      Patch(increments, None, record) if steps else None, q, meta)
+
+
+def _pad_first(d: Delta) -> Delta:
+    """Prepend an exact zero at index 0 of the prefix dim (no step reaches prefix 0)."""
+    if isinstance(d, LowRank):
+        return LowRank(torch.cat([torch.zeros_like(d.u[:, :1]), d.u], 1), torch.cat([torch.zeros_like(d.v[:, :1]), d.v], 1))
+    return torch.cat([torch.zeros_like(d[:, :1]), d], 1)
+
+
+def _traced_trajectory(model: nn.Module, adapter, inputs: dict, query: Any, steps: bool, progress,
+                       chunk: int = 64) -> Trajectory:
+    """``trajectory`` for a language model: prefix ``i`` is the sequence ``[c_1..c_i, x]`` with the query
+    at position ``i``, run by the model's own forward as one row of a left-padded batch (``N + 1`` rows
+    per sequence, ``chunk`` rows per forward pass), and patched by ``token_patch``. The increments
+    (``steps``) are ``token_patch`` of the same rows with ``c_i``, the token right before the query
+    in every row, removed."""
+    if inputs["attention_mask"] is not None:
+        raise InputError("tp.trajectory on a language model takes unpadded sequences (no attention mask)")
+    from tokenpatch.patching import token_patch
+
+    ids = inputs["input_ids"]  # [B, T]
+    q = _query_position(query, ids.shape[1])
+    batch, n = ids.shape[0], q + 1
+    rows = ids[:, q : q + 1, None].expand(batch, n, n).clone()  # [B, n, n]  padding: the query token, masked
+    mask = torch.zeros_like(rows)
+    for i in range(n):  # row i: c_1..c_i, then x, right-aligned
+        rows[:, i, n - 1 - i : n - 1] = ids[:, :i]
+        mask[:, i, n - 1 - i :] = 1
+    rows, mask = rows.reshape(batch * n, n), mask.reshape(batch * n, n)
+
+    def patches(remove) -> dict[str, Delta]:
+        """Every row's patch, leads ``[B, n]``."""
+        parts = [token_patch(model, {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]},
+                             remove=remove, progress=False)
+                 for a in progress_bar(range(0, batch * n, chunk), progress, desc="trajectory", unit="chunk")]
+        flat = Patch.stack(parts, "batch") if len(parts) > 1 else parts[0]  # [B * n, 1]
+        return {name: LowRank(d.u.reshape(batch, n, *d.u.shape[2:]), d.v.reshape(batch, n, *d.v.shape[2:]))
+                if isinstance(d, LowRank) else d.reshape(batch, n, *d.shape[2:]) for name, d in flat.items()}, flat
+
+    deltas, flat = patches(None)
+    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "batch": batch,
+            "model_dtype": str(flat.dtype).removeprefix("torch.")}
+    if "inputs" in flat.meta:
+        meta["inputs"] = flat.meta["inputs"]
+    record = {**meta, "trajectory": {"query": q, "n_context": q}}
+    increments = None
+    if steps:  # c_i sits right before the query in every row (row 0: a masked pad; its step is 0)
+        removed = torch.zeros(n, dtype=torch.bool)
+        removed[n - 2] = True
+        increments = Patch(_zero_first(patches(removed)[0]), None, record)
+    return Trajectory(Patch(_zero_first(deltas), None, record), increments, q, meta)

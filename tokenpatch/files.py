@@ -1,0 +1,209 @@
+"""Files and fingerprints: safetensors + JSON metadata + a checksum. Never pickle.
+
+Every file tokenpatch writes is a plain safetensors file whose header metadata holds one JSON
+document under the key ``"tokenpatch"``::
+
+    {"format": "<kind>/<version>", "sha256": "<digest of every tensor>", ...caller's fields}
+
+The checksum covers names, dtypes, shapes and bytes of all tensors and the rest of the metadata,
+so a truncated file fails to parse and an edited one fails the checksum; both raise ``FileFormatError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor, nn
+
+from tokenpatch.errors import FileFormatError
+
+__all__ = ["write_file", "read_file", "tensor_digest", "fingerprint"]
+
+_META_KEY = "tokenpatch"
+_HINTS = {  # (found, wanted) -> what the user probably meant
+    ("tokenpatch.patch/1", "tokenpatch.model/1"): " (a patch file: load it with tp.load_patch, pass a model checkpoint here)",
+    ("tokenpatch.model/1", "tokenpatch.patch/1"): " (a model checkpoint: load it with tp.load_model)",
+}
+
+
+def _raw_bytes(t: Tensor):
+    """The tensor's bytes as a buffer (no copy for a contiguous CPU tensor)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def tensor_digest(tensors: dict[str, Tensor], doc: dict | None = None) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, in sorted name order, then over
+    the canonical JSON of ``doc`` (the file's metadata without its checksum)."""
+    h = hashlib.sha256()
+    if doc is not None:
+        h.update(json.dumps(doc, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(_raw_bytes(t))
+    return h.hexdigest()
+
+
+def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, meta: dict) -> Path:
+    """Write ``tensors`` and ``meta`` atomically (temp file + rename): an interrupted write
+    never leaves a half-written file at ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    doc = {"format": kind, **meta}
+    doc["sha256"] = tensor_digest(tensors, doc)
+    data = st_save(tensors, metadata={_META_KEY: json.dumps(doc)})
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the usual mode: the OS applies the umask
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Read a file written by ``write_file`` with the same ``kind``; verify its checksum."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileFormatError(f"{path} is a directory; give the path of a {kind} file")
+    if not path.exists():
+        raise FileNotFoundError(f"no such file: {path}")
+    if not path.is_file():
+        raise FileFormatError(f"{path} is not a regular file")
+    data = path.read_bytes()
+    try:
+        if len(data) < 8:
+            raise ValueError(f"{len(data)} bytes, shorter than a safetensors header")
+        n = int.from_bytes(data[:8], "little")
+        if n > len(data) - 8:
+            raise ValueError(f"header claims {n} bytes but the file has {len(data) - 8} after it")
+        header = json.loads(data[8 : 8 + n])
+        tensors = st_load(data)
+    except Exception as exc:  # safetensors raises its own error type; json raises ValueError
+        raise FileFormatError(
+            f"{path} is not a readable safetensors file (truncated or corrupt?): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from exc
+    raw = (header.get("__metadata__") or {}).get(_META_KEY)
+    if raw is None:
+        raise FileFormatError(f"{path} is a safetensors file but not one written by tokenpatch")
+    try:
+        meta = json.loads(raw)
+    except ValueError as exc:
+        raise FileFormatError(f"{path}: tokenpatch metadata is not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != kind:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise FileFormatError(f"{path} holds a {found!r}, not a {kind!r}{_HINTS.get((found, kind), '')}")
+    unsigned = {k: v for k, v in meta.items() if k != "sha256"}
+    if meta.get("sha256") != tensor_digest(tensors, unsigned):
+        raise FileFormatError(
+            f"{path}: checksum mismatch, its tensors or metadata changed after it was written (edited or corrupt)"
+        )
+    return tensors, meta
+
+
+# --------------------------------------------------------------------------- model fingerprints
+#
+# A patch is exact only for the weights it was computed from, so patches record the model's
+# fingerprint and every use checks it. The digest hashes every weight once per model state; a
+# later check reads two integers per parameter (storage address, torch's version counter) of the
+# parameters it saw last time: no walk over the modules, no pass over the weights, no device sync.
+
+
+@dataclass
+class _State:
+    refs: list  # weak references to the parameters, in named_parameters order
+    ptrs: tuple  # storage address of each
+    versions: tuple  # torch version counter of each (bumped by in-place ops, optimizer steps, load_state_dict)
+    digest: str
+
+    def same_storage(self) -> list[Tensor] | None:
+        """The parameters, if all are alive and in the storage seen (a replaced module's are gone)."""
+        params = [r() for r in self.refs]
+        ok = all(p is not None for p in params) and tuple(p.data_ptr() for p in params) == self.ptrs
+        return params if ok else None
+
+    def current(self) -> bool:
+        params = self.same_storage()
+        return params is not None and tuple(_version(p) for p in params) == self.versions
+
+
+_FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
+_CHUNK = 1 << 22  # elements hashed per step: bounds the float32 copy of a half-precision weight
+
+
+def _version(p: Tensor) -> int:
+    try:
+        return p._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return -1
+
+
+def _digest(params: list[tuple[str, Tensor]]) -> str:
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in params:
+            h.update(f"{name}|{tuple(p.shape)}|".encode())
+            flat = p.detach().reshape(-1)
+            for start in range(0, flat.numel(), _CHUNK):  # float32 bytes, one bounded chunk at a time
+                h.update(_raw_bytes(flat[start : start + _CHUNK].to(torch.float32)))
+    return h.hexdigest()[:32]
+
+
+def _state(params: list[tuple[str, Tensor]], digest: str) -> _State:
+    ps = [p for _, p in params]
+    return _State([weakref.ref(p) for p in ps], tuple(p.data_ptr() for p in ps), tuple(_version(p) for p in ps), digest)
+
+
+def fingerprint(model: nn.Module, cached: bool = True) -> str:
+    """A digest (sha256) of the model's parameter names, shapes and values (as float32).
+
+    Casting to float32 makes ``model.double()`` keep the fingerprint of the float32 model it came
+    from. With ``cached=True`` the digest is reused while the parameters last seen keep their
+    storage and version counter and are still alive (``_State.current``), which catches in-place
+    edits, optimizer steps, ``load_state_dict``, ``.to()`` and replaced modules. Writes through
+    ``p.data`` bypass torch's version counter and escape it; ``cached=False`` (what
+    ``load_patch(path, model)`` uses) always re-hashes.
+    """
+    hit = _FINGERPRINTS.get(model)
+    if cached and hit is not None and hit.current():
+        return hit.digest
+    params = list(model.named_parameters())
+    digest = _digest(params)
+    _FINGERPRINTS[model] = _state(params, digest)
+    return digest
+
+
+def restored(model: nn.Module, before: "_State | None", touched: set[int]) -> None:
+    """After ``apply`` wrote and restored the parameters with ids ``touched`` bit for bit, keep the
+    cached digest: only their version counters moved. Anything else changed: re-hash next time."""
+    hit = _FINGERPRINTS.get(model)
+    if before is None or hit is not before:
+        return
+    params = hit.same_storage()
+    if params is None:
+        return
+    versions = tuple(_version(p) for p in params)
+    if all(v == w or id(p) in touched for p, v, w in zip(params, versions, hit.versions)):
+        hit.versions = versions
+
+
+def cached_state(model: nn.Module) -> "_State | None":
+    """The current cached fingerprint state of ``model`` (``None`` if stale or absent)."""
+    hit = _FINGERPRINTS.get(model)
+    return hit if hit is not None and hit.current() else None

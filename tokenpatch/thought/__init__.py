@@ -1,0 +1,14 @@
+"""Thought patches: one static weight update that stands in for a prompt (``docs/thought-patches.md``).
+
+* ``front``: ``thought_patch`` (the fit), ``evaluate_thought_patch``, and the fit for our own models;
+* ``hf``: the fit for Hugging Face language models;
+* ``lstsq``: streamed ridge least squares in float64;
+* ``distill``: context distillation, the gradient baseline.
+"""
+
+from tokenpatch.thought.distillation import Distilled, distill
+from tokenpatch.thought.front import LayerFit, ThoughtPatch, compress, evaluate_thought_patch, thought_patch
+from tokenpatch.thought.lstsq import ThoughtWarning
+
+__all__ = ["thought_patch", "ThoughtPatch", "LayerFit", "ThoughtWarning", "evaluate_thought_patch", "compress",
+           "distill", "Distilled"]

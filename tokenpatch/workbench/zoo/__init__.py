@@ -1,0 +1,1 @@
+"""Real pretrained language models from the package registry (``pretrained``), converted once into a cache (``cache``)."""
