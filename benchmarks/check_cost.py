@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import tokenpatch as tp
-from tokenpatch.run import _hooked
+from tokenpatch.run import hooked
 from tokenpatch.tasks.linreg import task_of
 
 
@@ -46,7 +46,7 @@ def main() -> None:
     x = batch.tokens[3:4, -1:]  # [1, 1, 5]: the query alone
 
     def unchecked():
-        with _hooked(model, patch, False, False):
+        with hooked(model, patch, False, False):
             return model(x)
 
     def ours():

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import tokenpatch as tp
-from tokenpatch import diagnostics as dg
+from tokenpatch.dynamics import diagnostics as dg
 from tokenpatch.models.icl import SHIPPED
 from tokenpatch.tasks.linreg import evaluate, task_of
 

@@ -21,7 +21,7 @@ the result passed back as JSON on stdout):
   the model, building the queries and the warm-up fit, i.e. what the fit itself adds. The
   queries tensor (``m x 1 x 5`` float64, ``O(m)`` by itself) is built before that baseline:
   it counts in ``peak`` but not in ``increase``;
-* ``LS ratio`` -- the time spent inside ``_Sums.add``, ``_solve``, ``_residual`` and ``_factor``
+* ``LS ratio`` -- the time spent inside ``Sums.add``, ``solve``, ``residual`` and ``factor``
   (wrapped with timers in the worker only; an inner call of one in another is not counted
   twice) over the rest of the fit (forward passes, patch hooks, bookkeeping).
 
@@ -69,7 +69,7 @@ from patch_cost import write_results  # noqa: E402
 
 MODES = {"cached": {}, "streaming": {"cache_bytes": 0},
          "cached, qr": {"solver": "qr"}, "streaming, qr": {"cache_bytes": 0, "solver": "qr"}}
-LS_FUNCTIONS = ("_solve", "_residual", "_factor")  # module-level functions; plus the method _Sums.add
+LS_FUNCTIONS = ("solve", "residual", "factor")  # module-level functions; plus the method Sums.add
 WARMUP = 64
 ENV_KEYS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
@@ -130,7 +130,7 @@ class LSTimer:
 
     def install(self) -> None:
         """Wrap the functions where ``thought.py`` looks them up (its module globals) and where
-        they are defined (``tokenpatch.thought.lstsq`` when present, for calls made there); ``_Sums.add``
+        they are defined (``tokenpatch.thought.lstsq`` when present, for calls made there); ``Sums.add``
         on the class itself."""
         thought = importlib.import_module("tokenpatch.thought.front")
         try:
@@ -144,15 +144,15 @@ class LSTimer:
                 if hasattr(mod, name):
                     setattr(mod, name, self.wrap(name, getattr(mod, name)))
                     self.targets.append(f"{mod.__name__}.{name}")
-        sums = next((getattr(mod, "_Sums") for mod in modules if hasattr(mod, "_Sums")), None)
+        sums = next((getattr(mod, "Sums") for mod in modules if hasattr(mod, "Sums")), None)
         if sums is None:
-            raise RuntimeError(f"no _Sums class in {[mod.__name__ for mod in modules]}")
-        sums.add = self.wrap("_Sums.add", sums.add)
-        self.targets.append(f"{sums.__module__}._Sums.add")
-        qr = next((getattr(mod, "_QR") for mod in modules if hasattr(mod, "_QR")), None)
+            raise RuntimeError(f"no Sums class in {[mod.__name__ for mod in modules]}")
+        sums.add = self.wrap("Sums.add", sums.add)
+        self.targets.append(f"{sums.__module__}.Sums.add")
+        qr = next((getattr(mod, "QR") for mod in modules if hasattr(mod, "QR")), None)
         if qr is not None:  # the streamed-QR accumulator (solver="qr")
-            qr.add = self.wrap("_QR.add", qr.add)
-            self.targets.append(f"{qr.__module__}._QR.add")
+            qr.add = self.wrap("QR.add", qr.add)
+            self.targets.append(f"{qr.__module__}.QR.add")
 
     def reset(self) -> None:
         self.seconds, self.calls = {}, {}
@@ -351,7 +351,7 @@ def main() -> None:
               f"m = {big['m']:,}): in peak, not in increase. Cached mode budgets 2 x m x d_model float64 states "
               f"({big['cached_states_mib']:.0f} MiB at m = {big['m']:,}) while they fit in cache_bytes (2**30).")
         worst = max(fits, key=lambda r: r["ls_ratio"])
-        print(f"LS ratio = time in _Sums.add/_solve/_residual/_factor over the rest of the fit; target <= 20%: "
+        print(f"LS ratio = time in Sums.add/solve/residual/factor over the rest of the fit; target <= 20%: "
               f"{'met' if worst['ls_ratio'] <= 0.2 else 'NOT met'} (worst {worst['ls_ratio']:.1%}, m = "
               f"{worst['m']:,} {worst['mode']})")
     for a in agreements:

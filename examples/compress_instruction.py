@@ -41,8 +41,8 @@ queries = [torch.tensor(v) for v in by_length.values()]  # batches of equal leng
 
 patch = tp.compress(model, prompt, queries, ridge=0.01, keep_bos=True, progress=False)
 path = Path(tempfile.mkdtemp()) / "french.safetensors"
-tp.save(patch, path)
-patch = tp.load(path, model)
+tp.save_patch(patch, path)
+patch = tp.load_patch(path, model)
 print(f"thought patch of a {len(prompt)}-token prompt: {path.stat().st_size / 1e6:.1f} MB")
 
 

@@ -11,7 +11,7 @@ examples (``tp.replay``), deeper layers drift from it. See docs/dynamics.md.
 import torch
 
 import tokenpatch as tp
-from tokenpatch import diagnostics as dg
+from tokenpatch.dynamics import diagnostics as dg
 
 model = tp.load_model(dtype="float64")  # float64: the identities hold to ~1e-15
 batch = tp.LinRegTask(dim=4, n_context=16, noise=0.1).sample(64, torch.Generator().manual_seed(0), dtype=torch.float64)

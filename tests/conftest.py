@@ -74,7 +74,7 @@ def pretrained_cache_dir(tmp_path_factory):
 
 def load_session_pretrained(name: str, cache_dir):
     """``(model, tokenizer)`` of ``name`` in float32, or a skip saying which package to install."""
-    from tokenpatch import pretrained
+    from tokenpatch.workbench.zoo import pretrained
 
     try:
         pretrained.check_requirements(name)
@@ -95,3 +95,69 @@ def smollm2(pretrained_cache_dir):
 def gemma3(pretrained_cache_dir):
     """Gemma 3 270M (Gemma Terms of Use): ``(Gemma3ForCausalLM, tokenizer)``, 18 layers, float32, eval mode."""
     return load_session_pretrained("gemma3-270m", pretrained_cache_dir)
+
+
+# Tiny random Hugging Face models, one per block design (tokenpatch/arch/families.py), float64, with every
+# norm weight and bias moved off its init. Without the Hugging Face extra, ``build`` skips the test.
+try:
+    import transformers as T
+    from transformers.models.gemma2 import modeling_gemma2
+    from transformers.models.gemma3 import modeling_gemma3
+except ImportError:  # pragma: no cover - the hf extra is part of the test install
+    T = None
+
+
+VOCAB = 101
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB)
+CONFIGS = {
+    "llama": lambda: T.LlamaConfig(**SMALL, num_key_value_heads=2),
+    "qwen2": lambda: T.Qwen2Config(**SMALL, num_key_value_heads=2),  # biases on q, k, v
+    "qwen3": lambda: T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16),  # q/k norms
+    "mistral": lambda: T.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5),
+    "gemma2": lambda: T.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, sliding_window=5),
+    "gemma3": lambda: T.Gemma3TextConfig(**SMALL, num_key_value_heads=1, head_dim=16, sliding_window=5,
+                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64),
+    "gpt_neox": lambda: T.GPTNeoXConfig(**SMALL, rotary_pct=0.5),  # parallel residual
+    "gpt_neox_sequential": lambda: T.GPTNeoXConfig(**SMALL, use_parallel_residual=False),
+    # mixture of experts with a shared expert; layer 1 a plain MLP
+    "qwen2_moe": lambda: T.Qwen2MoeConfig(**SMALL, num_key_value_heads=2, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                          decoder_sparse_step=1, mlp_only_layers=[1]),
+}
+GEMMAS = ("gemma2", "gemma3")
+
+
+def build(name: str, seed: int = 0, attn: str | None = None):
+    """A tiny random float64 model of ``CONFIGS[name]`` in eval mode (skips without transformers)."""
+    if T is None:
+        pytest.skip("the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
+    torch.manual_seed(seed)
+    attn = attn or ("eager" if name == "gemma2" else "sdpa")  # transformers has no sdpa path for Gemma 2
+    extra = {"experts_implementation": "eager"} if name == "qwen2_moe" else {}  # float64 experts on CPU
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=attn, **extra)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim == 1:  # norm weights and biases
+                p.add_(0.3 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None  # greedy for the full length
+    return model.double().eval()
+
+
+@pytest.fixture
+def float64_gemma_norms(monkeypatch):
+    """Gemma's RMSNorm computes in float32 whatever the model dtype; evaluate it in float64."""
+    def forward(self, x):
+        return self._norm(x) * (1.0 + self.weight)
+
+    monkeypatch.setattr(modeling_gemma3.Gemma3RMSNorm, "forward", forward)
+    monkeypatch.setattr(modeling_gemma2.Gemma2RMSNorm, "forward", forward)
+
+
+def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))  # 0 is padding
+
+
+def hooks_left(model) -> int:
+    """Forward hooks and pre-hooks still registered anywhere in ``model`` (0 after every run)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())

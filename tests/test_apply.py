@@ -67,7 +67,7 @@ def test_functional_call_matches_apply_and_mutates_nothing(small_model, small_in
                     ref = small_model(stripped[bi * q + qi : bi * q + qi + 1])
                 torch.testing.assert_close(out[bi * q + qi], ref[0], rtol=0, atol=1e-12)
             else:  # the queries' patches act together (a later query's anchor sees earlier ones patched)
-                ref = small_model(small_inputs)[bi, patch.meta["query"][qi]]
+                ref = small_model(small_inputs)[bi, patch.plan.query[qi]]
                 torch.testing.assert_close(out[bi, patch.positions[qi]], ref, rtol=0, atol=1e-12)
 
 

@@ -12,8 +12,8 @@ from conftest import non_snake_keys
 import tokenpatch as tp
 
 pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
-from test_hf import build  # noqa: E402
-from test_hf import float64_gemma_norms as _float64_gemma_norms  # noqa: E402
+from conftest import build, hooks_left  # noqa: E402
+from conftest import float64_gemma_norms as _float64_gemma_norms  # noqa: E402
 
 from tokenpatch.baselines import (Steering, attention_shift, function_vectors, head_contribution,  # noqa: E402
                                   head_effects, heads_set, mean_heads, pad_left, recording_heads, site_modules, steer,
@@ -45,10 +45,6 @@ def logits(model, batch):
 
 def fingerprint(model):
     return [p.detach().clone() for p in model.parameters()]
-
-
-def hooks_left(model) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -34,17 +34,17 @@ def test_verify_table_float64_all_positions(capsys):
 
 def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch, pretrained_cache_dir):
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))  # the real-model section shares the tests' cache
-    from tokenpatch import report, report_compress
+    from tokenpatch.workbench.report import compress as report_compress, reproduce as report
 
     # the compression section's own numbers are checked in test_real_models.py; here: that it runs
     # inside reproduce and writes a valid section, on fewer queries
     monkeypatch.setattr(report, "compression_section", functools.partial(report_compress.compression_section, test=8,
                                                                          calibration=12, dev=8, n_heads=4))
-    from tokenpatch import report_markov  # the Markov sweep on two small runs (its numbers: test_markov.py)
+    from tokenpatch.workbench.report import markov as report_markov  # the Markov sweep on two small runs (its numbers: test_markov.py)
 
     tiny = {**report_markov.REDUCED, "chains": (2, 8), "steps": 40, "show": (2, 8)}
     monkeypatch.setattr(report, "markov_section", functools.partial(report_markov.markov_section, preset=tiny, workers=1))
-    from tokenpatch import report_induction  # the small LM on a short run (its numbers: docs/induction.md)
+    from tokenpatch.workbench.report import induction as report_induction  # the small LM on a short run (its numbers: docs/induction.md)
     from tokenpatch.tasks.repeats import LMData
     from tokenpatch.workbench.train.lm import LMTrain
 
@@ -164,7 +164,7 @@ def test_compress_writes_a_patch_that_runs_without_the_prompt(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "% of the prompt's effect kept" in text and "layer | input residual" in text
     patch = tp.load_patch(out)
-    assert patch.meta["static"] and len(patch.meta["thought"]["fits"]) == 10
+    assert patch.static and len(patch.meta["thought"]["fits"]) == 10
     model = tp.load_model(dtype="float64")
     q = torch.cat([torch.randn(7, 1, 4, dtype=torch.float64), torch.zeros(7, 1, 1, dtype=torch.float64)], -1)
     assert tp.functional_call(model, patch, q).shape == (7, 1, 1)

@@ -61,8 +61,8 @@ def test_patch_rejects_inconsistent_deltas():
 
 def test_save_load_round_trip_is_bitwise(patch, tmp_path, small_model):
     path = tmp_path / "p.safetensors"
-    tp.save(patch, path)
-    back = tp.load(path, model=small_model)
+    tp.save_patch(patch, path)
+    back = tp.load_patch(path, model=small_model)
     assert list(back) == list(patch) and back.positions == patch.positions and back.lead == patch.lead
     for name in patch:
         a, b = patch[name], back[name]
@@ -71,69 +71,69 @@ def test_save_load_round_trip_is_bitwise(patch, tmp_path, small_model):
         else:
             assert torch.equal(a, b)
     assert back.meta == json.loads(json.dumps(patch.meta))
-    assert back.meta["query"] == list(range(7)) and back.meta["model_dtype"] == "float64"
+    assert back.plan.query == tuple(range(7)) and back.meta["model_dtype"] == "float64"
 
 
 def test_chunk_patch_round_trip_keeps_positions(small_model, small_inputs, tmp_path):
     patch = tp.token_patch(small_model, small_inputs, query=[4, 6], remove=slice(1, 3))
-    tp.save(patch, tmp_path / "c.safetensors")
-    back = tp.load(tmp_path / "c.safetensors")
+    tp.save_patch(patch, tmp_path / "c.safetensors")
+    back = tp.load_patch(tmp_path / "c.safetensors")
     assert back.positions == (2, 4)
     assert tp.verify(small_model, small_inputs, back).max_abs <= 1e-10
 
 
 def test_truncated_file_raises(patch, tmp_path):
     path = tmp_path / "p.safetensors"
-    tp.save(patch, path)
+    tp.save_patch(patch, path)
     data = path.read_bytes()
     for cut in (4, 100, len(data) - 10):
         (tmp_path / "t.safetensors").write_bytes(data[:cut])
         with pytest.raises(tp.FileFormatError, match="truncated or corrupt"):
-            tp.load(tmp_path / "t.safetensors")
+            tp.load_patch(tmp_path / "t.safetensors")
 
 
 def test_edited_tensor_bytes_fail_the_checksum(patch, tmp_path):
     path = tmp_path / "p.safetensors"
-    tp.save(patch, path)
+    tp.save_patch(patch, path)
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01  # flip one bit of the last tensor's data
     path.write_bytes(bytes(data))
     with pytest.raises(tp.FileFormatError, match="checksum mismatch"):
-        tp.load(path)
+        tp.load_patch(path)
 
 
 def test_edited_metadata_raises(patch, tmp_path):
     path = tmp_path / "p.safetensors"
-    tp.save(patch, path)
+    tp.save_patch(patch, path)
     data = path.read_bytes()
     edited = data.replace(b'\\"lowrank\\"', b'\\"sparse!\\"', 1)
     assert edited != data and len(edited) == len(data)
     path.write_bytes(edited)
     with pytest.raises(tp.FileFormatError, match="checksum mismatch"):
-        tp.load(path)
+        tp.load_patch(path)
 
 
 def test_foreign_files_raise(tmp_path, small_model):
     save_file({"x": torch.zeros(3)}, tmp_path / "plain.safetensors")
     with pytest.raises(tp.FileFormatError, match="not one written by tokenpatch"):
-        tp.load(tmp_path / "plain.safetensors")
+        tp.load_patch(tmp_path / "plain.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(tp.FileFormatError):
-        tp.load(tmp_path / "junk.safetensors")
+        tp.load_patch(tmp_path / "junk.safetensors")
     tp.save_model(small_model, tmp_path / "model.safetensors")
     with pytest.raises(tp.FileFormatError, match="tokenpatch.model/1"):
-        tp.load(tmp_path / "model.safetensors")
+        tp.load_patch(tmp_path / "model.safetensors")
     with pytest.raises(FileNotFoundError):
-        tp.load(tmp_path / "missing.safetensors")
+        tp.load_patch(tmp_path / "missing.safetensors")
 
 
 def test_patch_of_another_model_is_refused(patch, tmp_path, small_model, small_inputs):
-    tp.save(patch, tmp_path / "p.safetensors")
+    tp.save_patch(patch, tmp_path / "p.safetensors")
     other = random_model(small_model.config, seed=99)  # same architecture, other weights
     with pytest.raises(tp.FileFormatError, match="another model"):
-        tp.load(tmp_path / "p.safetensors", model=other)
+        tp.load_patch(tmp_path / "p.safetensors", model=other)
     with pytest.raises(tp.InputError, match="another model"):
         tp.functional_call(other, patch[0, 0], small_inputs[:1, :1])
     wider = random_model(tp.ICLConfig(d_in=5, d_model=10, n_layers=3, n_heads=2), seed=1)
     with pytest.raises(tp.FileFormatError, match="shape"):
-        tp.load(tmp_path / "p.safetensors", model=wider)
+        tp.load_patch(tmp_path / "p.safetensors", model=wider)

@@ -53,7 +53,7 @@ def _check(model, inputs, query, remove):
     assert result.max_abs <= 1e-10, result.table()
     if remove is not None:  # the model on C \ Y as the test builds it, patched, gives the with-context outputs
         kept, queries = _kept_and_queries(inputs.shape[1], query, remove)
-        assert list(patch.meta["query"]) == queries and patch.positions == tuple(kept.index(q) for q in queries)
+        assert list(patch.plan.query) == queries and patch.positions == tuple(kept.index(q) for q in queries)
         with torch.no_grad():
             out = tp.functional_call(model, patch, inputs[:, kept])  # [B, len(kept), d_out]
             ref = model(inputs)[:, queries]  # [B, len(queries), d_out]

@@ -133,7 +133,7 @@ def test_chunk_patches_of_several_queries_act_together(small_model, small_inputs
     with pytest.raises(tp.InputError, match="act together"):
         joint[:, 0]  # query 6 without query 4
     first = joint[:, 1]  # query 4: nothing before it
-    assert first.meta["query"] == [4] and tp.verify(small_model, small_inputs, first).max_abs <= 1e-10
+    assert first.plan.query == (4,) and tp.verify(small_model, small_inputs, first).max_abs <= 1e-10
     alone = tp.token_patch(small_model, small_inputs, query=6, remove=slice(1, 3))
     assert tp.verify(small_model, small_inputs, alone).max_abs <= 1e-10
     with pytest.raises(tp.InputError, match="cannot be stacked along query"):

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tokenpatch as tp
-from tokenpatch import _io
+from tokenpatch import files
 from tokenpatch.dynamics.diagnostics import cosine
 from tokenpatch.errors import InputError
 from tokenpatch.tasks.linreg import fresh_queries, training_points
@@ -110,7 +110,7 @@ def test_the_model_is_never_touched():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
     assert ft.losses[:, -1].lt(ft.losses[:, 0]).all()
-    assert _io.fingerprint(model) == _io.fingerprint(tp.load_model(dtype="float64"))
+    assert files.fingerprint(model) == files.fingerprint(tp.load_model(dtype="float64"))
 
 
 def test_training_points_and_fresh_queries():

@@ -95,7 +95,7 @@ def test_write_through_data_needs_full_rehash(setup, tmp_path):
     ``check_model(cached=False)`` and ``load(path, model)`` re-hash and refuse the patch. (Whether
     the cached path sees it is deliberately not tested: it may rely on the sum alone.)"""
     model, x, patch = setup
-    tp.save(patch, tmp_path / "p.safetensors")
+    tp.save_patch(patch, tmp_path / "p.safetensors")
     p = model.get_parameter(NAME)
     version, ptr = p._version, p.data_ptr()
     p.data.mul_(2)
@@ -103,7 +103,7 @@ def test_write_through_data_needs_full_rehash(setup, tmp_path):
     with pytest.raises(tp.InputError, match="another model"):
         patch.check_model(model, cached=False)
     with pytest.raises(tp.FileFormatError, match="another model"):
-        tp.load(tmp_path / "p.safetensors", model=model)
+        tp.load_patch(tmp_path / "p.safetensors", model=model)
     p.data.div_(2)  # back to the patch's weights: accepted again
     patch.check_model(model, cached=False)
-    tp.load(tmp_path / "p.safetensors", model=model)
+    tp.load_patch(tmp_path / "p.safetensors", model=model)

@@ -17,56 +17,7 @@ import torch
 import tokenpatch as tp
 
 T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
-from transformers.models.gemma2 import modeling_gemma2  # noqa: E402
-from transformers.models.gemma3 import modeling_gemma3  # noqa: E402
-
-VOCAB = 101
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB)
-CONFIGS = {
-    "llama": lambda: T.LlamaConfig(**SMALL, num_key_value_heads=2),
-    "qwen2": lambda: T.Qwen2Config(**SMALL, num_key_value_heads=2),  # biases on q, k, v
-    "qwen3": lambda: T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16),  # q/k norms
-    "mistral": lambda: T.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5),
-    "gemma2": lambda: T.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, sliding_window=5),
-    "gemma3": lambda: T.Gemma3TextConfig(**SMALL, num_key_value_heads=1, head_dim=16, sliding_window=5,
-                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
-    "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64),
-    "gpt_neox": lambda: T.GPTNeoXConfig(**SMALL, rotary_pct=0.5),  # parallel residual
-    "gpt_neox_sequential": lambda: T.GPTNeoXConfig(**SMALL, use_parallel_residual=False),
-    # mixture of experts with a shared expert; layer 1 a plain MLP
-    "qwen2_moe": lambda: T.Qwen2MoeConfig(**SMALL, num_key_value_heads=2, moe_intermediate_size=32,
-                                          shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                                          decoder_sparse_step=1, mlp_only_layers=[1]),
-}
-GEMMAS = ("gemma2", "gemma3")
-
-
-def build(name: str, seed: int = 0, attn: str | None = None):
-    torch.manual_seed(seed)
-    attn = attn or ("eager" if name == "gemma2" else "sdpa")  # transformers has no sdpa path for Gemma 2
-    extra = {"experts_implementation": "eager"} if name == "qwen2_moe" else {}  # float64 experts on CPU
-    model = T.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=attn, **extra)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.ndim == 1:  # norm weights and biases
-                p.add_(0.3 * torch.randn_like(p))
-    model.generation_config.eos_token_id = None  # greedy for the full length
-    return model.double().eval()
-
-
-@pytest.fixture
-def float64_gemma_norms(monkeypatch):
-    """Gemma's RMSNorm computes in float32 whatever the model dtype; evaluate it in float64."""
-    def forward(self, x):
-        return self._norm(x) * (1.0 + self.weight)
-
-    monkeypatch.setattr(modeling_gemma3.Gemma3RMSNorm, "forward", forward)
-    monkeypatch.setattr(modeling_gemma2.Gemma2RMSNorm, "forward", forward)
-
-
-def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))  # 0 is padding
-
+from conftest import CONFIGS, GEMMAS, VOCAB, build, ids  # noqa: E402
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_layer_and_the_logits(name, float64_gemma_norms):
@@ -173,15 +124,15 @@ def test_functional_call_apply_and_save_round_trip(name, tmp_path, float64_gemma
     stacked experts (apply writes W + W D into each); GPT-2: Conv1D weights stored [in, out]."""
     model, x = build(name), ids(1, 10)
     patch = tp.token_patch(model, x)
-    readers = patch.meta["inputs"]["model.layers.0.mlp:input" if name != "gpt2" else "transformer.h.0.mlp:input"]
+    readers = patch.readers["model.layers.0.mlp:input" if name != "gpt2" else "transformer.h.0.mlp:input"]
     assert len(readers) == {"gemma3": 2, "qwen2_moe": 5, "gpt2": 1}[name]
     want = model(x).logits[:, -1]
     stripped = tp.strip_context(model, x)
     hooked = tp.functional_call(model, patch, **stripped).logits[:, -1]
     with tp.apply(model, patch):
         written = model(**stripped).logits[:, -1]
-    tp.save(patch, tmp_path / "p.safetensors")
-    back = tp.load(tmp_path / "p.safetensors", model)
+    tp.save_patch(patch, tmp_path / "p.safetensors")
+    back = tp.load_patch(tmp_path / "p.safetensors", model)
     reloaded = tp.functional_call(model, back, **stripped).logits[:, -1]
     for got in (hooked, written, reloaded):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -256,7 +207,7 @@ def test_thought_patch_of_one_query_is_exact_there(name, float64_gemma_norms):
     prompt, query = ids(1, 12, seed=4)[0], ids(1, 1, seed=5)
     with pytest.warns(tp.ThoughtWarning, match="rank-deficient"):  # one position: the minimum-norm interpolant
         fit = tp.thought_patch(model, prompt, query)
-    assert fit.patch.meta["static"] and any(k.endswith(":input") for k in fit.patch)
+    assert fit.patch.static and any(k.endswith(":input") for k in fit.patch)
     want = model(torch.cat([prompt[None], query], 1)).logits[:, -1]
     got = tp.functional_call(model, fit.patch, query).logits[:, -1]
     assert float((got - want).abs().max()) <= 1e-10 < float((model(query).logits[:, -1] - want).abs().max())
@@ -272,8 +223,8 @@ def test_thought_patch_generalises_and_round_trips(tmp_path):
     err = lambda p: float(((tp.functional_call(model, p, test).logits - want) ** 2).mean())  # noqa: E731
     base = float(((model(test).logits - want) ** 2).mean())
     assert err(patch) < 0.1 * base  # held-out queries: most of the prompt's effect is kept
-    tp.save(patch, tmp_path / "t.safetensors")
-    assert err(tp.load(tmp_path / "t.safetensors", model)) == pytest.approx(err(patch), rel=1e-9)
+    tp.save_patch(patch, tmp_path / "t.safetensors")
+    assert err(tp.load_patch(tmp_path / "t.safetensors", model)) == pytest.approx(err(patch), rel=1e-9)
     hooked = err(patch)
     with tp.apply(model, patch):  # W + W D written into every matrix reading the MLP input
         assert float(((model(test).logits - want) ** 2).mean()) == pytest.approx(hooked, rel=1e-9)

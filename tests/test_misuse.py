@@ -132,7 +132,12 @@ def test_one_tolerance_rule_by_dtype():
     f64 = tp.Verification([tp.SiteError("output", 5e-11, 1.0, 1.0)], "float64")
     assert f64.ok() and f64.target == "max abs <= 1e-10"
     assert not tp.Verification([tp.SiteError("output", 2e-10, 0.0, 0.0)], "float64").ok()
-    assert tp.LayerError is tp.SiteError  # the old name of the record
+    with pytest.warns(DeprecationWarning, match="use tokenpatch.SiteError"):
+        assert tp.LayerError is tp.SiteError  # the old name of the record
+    with pytest.warns(DeprecationWarning, match="use tokenpatch.save_patch"):
+        assert tp.save is tp.save_patch
+    with pytest.warns(DeprecationWarning, match="use tokenpatch.load_patch"):
+        assert tp.load is tp.load_patch
 
 
 def test_progress_bars_only_where_they_help(small_model, small_inputs, capsys):

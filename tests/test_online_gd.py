@@ -8,7 +8,7 @@ import torch
 
 import tokenpatch as tp
 from conftest import random_block, random_model
-from tokenpatch import diagnostics as dg
+from tokenpatch.dynamics import diagnostics as dg
 from tokenpatch.dynamics.online_gd import replay
 
 

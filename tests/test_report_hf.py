@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import tokenpatch as tp
-from tokenpatch import pretrained, report
+from tokenpatch.workbench.report import reproduce as report
+from tokenpatch.workbench.zoo import pretrained
 from conftest import non_snake_keys
-from tokenpatch.workbench.report.reproduce import Section
+from tokenpatch.workbench.report.section import Section
 from tokenpatch.workbench.report.real_models import LAYER_TOL, N_QUERIES, NEW_TOKENS, PROMPT, real_models_section
 
 FIGURE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")

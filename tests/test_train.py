@@ -93,7 +93,7 @@ def test_checkpoint_round_trip_and_corruption(tmp_path, small_model):
     with pytest.raises(tp.FileFormatError, match="truncated or corrupt"):
         tp.load_model(path)
     patch = tp.token_patch(small_model, torch.randn(1, 3, 5, dtype=torch.float64))
-    tp.save(patch, tmp_path / "p.safetensors")
+    tp.save_patch(patch, tmp_path / "p.safetensors")
     with pytest.raises(tp.FileFormatError, match="holds a 'tokenpatch.patch/1', not a 'tokenpatch.model/1'"):
         tp.load_model(tmp_path / "p.safetensors")
 

@@ -23,9 +23,12 @@ A new model family is one ``Adapter`` (``tp.register_adapter``); ``tp.Sites`` sa
 patch goes.
 """
 
+import warnings
+
 from tokenpatch.arch import Adapter, Sites, adapter_for
 from tokenpatch.arch import register as register_adapter
-from tokenpatch.patch import Patch, load_patch, save_patch
+from tokenpatch.patch import Patch
+from tokenpatch.patch_files import load_patch, save_patch
 from tokenpatch.dynamics import diagnostics
 from tokenpatch.dynamics.trajectories import Trajectory, trajectory
 from tokenpatch.errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
@@ -41,13 +44,20 @@ from tokenpatch.plans import Plan, make_plan
 from tokenpatch.tasks.linreg import LinRegTask
 from tokenpatch.thought.distillation import Distilled, distill
 from tokenpatch.thought.front import LayerFit, ThoughtPatch, ThoughtWarning, compress, evaluate_thought_patch, thought_patch
-from tokenpatch.verify import TOLERANCES, LayerError, SiteError, Verification, verify
+from tokenpatch.verify import TOLERANCES, SiteError, Verification, verify
 
 __version__ = "0.2.0"
 
-# Short names kept from 0.1: tp.save / tp.load are the patch functions.
-save = save_patch
-load = load_patch
+# Old names, kept for one release; each warns with the new spelling.
+_DEPRECATED = {"save": ("save_patch", save_patch), "load": ("load_patch", load_patch), "LayerError": ("SiteError", SiteError)}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        new, value = _DEPRECATED[name]
+        warnings.warn(f"tokenpatch.{name} is deprecated; use tokenpatch.{new}", DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module 'tokenpatch' has no attribute {name!r}")
 
 __all__ = [
     "token_patch",
@@ -76,15 +86,12 @@ __all__ = [
     "strip_context",
     "save_patch",
     "load_patch",
-    "save",
-    "load",
     "Patch",
     "LowRank",
     "Plan",
     "make_plan",
     "Verification",
     "SiteError",
-    "LayerError",
     "TOLERANCES",
     "ICLConfig",
     "ICLTransformer",

@@ -27,7 +27,7 @@ from tokenpatch.arch import adapter_for
 from tokenpatch.patch import INPUT_SUFFIX, LowRank, Patch
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.run import functional_call
-from tokenpatch.patching import _meta, traced_deltas
+from tokenpatch.patching import assemble, traced_deltas
 from tokenpatch.plans import make_plan
 
 __all__ = ["Generation", "generate"]
@@ -52,15 +52,22 @@ class Generation:
     meta: dict = field(default_factory=dict)
 
     def text(self, tokenizer) -> list[str]:
-        """The generated tokens decoded, one string per row."""
+        """The generated tokens decoded, one string per row: ``tp.generate(...).text(tokenizer)``."""
         return tokenizer.batch_decode(self.tokens, skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        rows, steps = self.tokens.shape
+        agree = float(self.agree.double().mean()) if self.agree.numel() else float("nan")
+        err = float(self.logit_error.max()) if self.logit_error.numel() else float("nan")
+        return (f"Generation({rows} row{'s' * (rows != 1)} x {steps} tokens, {agree:.0%} agree with the prompted "
+                f"model, max logit error {err:.2e}; .tokens, .text(tokenizer), .update_norms [B, n, L])")
 
 
 def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
     """``[B, L]``: per layer, the Frobenius norm of its whole weight update, ``sqrt(sum |dW|_F^2)``.
     An input change ``D = d v^T`` counts as ``W D`` on every matrix reading it: ``|W d| |v|``."""
     params = dict(model.named_parameters())
-    readers = patch.meta.get("inputs", {})
+    readers = patch.readers
     per_layer = []
     for i in range(adapter.n_layers(model)):
         sites = adapter.sites(model, i)
@@ -113,8 +120,8 @@ def generate(model: nn.Module, prompt: Any, max_new_tokens: int = 20, *, eos_tok
         cache, ref = out.cache, out.logits[:, -1]  # [B, vocab]
         lone = {"input_ids": step_ids[:, -1:], "position_ids": step_pos[:, -1:], "attention_mask": None}
         anchors = adapter.anchors(model, lone, [0], rec)
-        patch = Patch(traced_deltas(model, adapter, rec, anchors, [0]), None,
-                      _meta(model, adapter, plan, batch, rec[0]["out"].dtype))
+        patch = assemble(model, adapter, traced_deltas(model, adapter, rec, anchors, [0]), plan, batch,
+                         rec[0]["out"].dtype)
         got = functional_call(model, patch, input_ids=lone["input_ids"], position_ids=lone["position_ids"],
                               logits_to_keep=1).logits[:, -1]  # [B, vocab]
         nxt = got.argmax(-1)  # [B]

@@ -1,31 +1,34 @@
-"""``Patch``: the mapping ``parameter name -> delta`` and its files.
+"""``Patch``: the mapping ``parameter name -> delta``, and what the patch is for, as fields.
 
 A ``Patch`` holds one delta per patched parameter of a model, keyed by the name that
 ``model.named_parameters()`` gives it, or per patched module input, keyed ``"<module>:input"``
 (a rank-1 change ``s -> s + D s`` of what the module reads: the input side of a Hugging Face
-model's MLP, equal to ``W + W D`` on every matrix reading it, ``meta["inputs"]``). Every delta is batched over the same two leading dims
-``[batch, query]`` -- one patch per (sequence, query position) -- and is either a ``LowRank``
-(``lowrank.py``) for a matrix, or a dense tensor ``[batch, query, *param.shape]`` for a vector
-(a bias or a norm scale).
+model's MLP, equal to ``W + W D`` on every matrix reading it). Every delta is batched over the same
+two leading dims ``[batch, query]`` -- one patch per (sequence, query position) -- and is either a
+``LowRank`` (``lowrank.py``) for a matrix, or a dense tensor ``[batch, query, *param.shape]`` for a
+vector (a bias or a norm scale).
 
-Where a patch acts in the no-context pass is explicit, ``patch.acts``:
+How the patch runs is its type, never its metadata. Fields, all carried by ``+``, ``.sum``,
+``Patch.stack``, indexing, ``.map`` and the patch files:
 
-* ``"everywhere"``: each (batch, query) patch belongs to its own no-context sequence and acts
-  on all of it (all context removed; also a static patch summed over queries);
-* ``"at_positions"``: patch ``[b, q]`` acts at position ``patch.positions[q]`` of sequence ``b``
-  only (a chunk removed from the middle).
+* ``positions``: empty for a patch acting **everywhere** (each ``[b, q]`` patch on its own
+  no-context sequence; also a static patch), else one no-context position per query: patch
+  ``[b, q]`` acts **at position** ``positions[q]`` of sequence ``b`` only (a chunk removed);
+* ``plan``: the ``Plan`` (queries, removed context, sequence length) it was computed for, or
+  ``None``; ``functional_call`` checks the no-context length against it, ``verify`` defaults to it;
+* ``static``: one update for any input (a thought patch): it runs on any no-context inputs;
+* ``readers``: for each ``"<module>:input"`` delta, the matrices that read that input, with their
+  layouts (``apply`` writes ``W + W D`` into each);
+* ``rows``: the rows of the batch it was computed from, or ``None``.
 
-``meta`` is a flat JSON-able record of how the patch was made (model fingerprint, query, removed
-chunk, dtype); combining patches keeps it flat (``terms`` counts the token patches summed).
-
-Files: ``save_patch`` / ``load_patch`` write safetensors (``name.u``, ``name.v`` or ``name``) with
-``meta``, ``positions`` and a checksum as JSON metadata. No pickle.
+``meta`` is provenance only (model record and fingerprint, dtype, fit diagnostics); combining
+patches keeps the entries they agree on. Files: ``patch_files.py``.
 """
 
 from __future__ import annotations
 
 import operator
-import os
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Union
@@ -34,53 +37,103 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import files
-from tokenpatch.errors import FileFormatError, InputError
+from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank
+from tokenpatch.plans import Plan
 
-__all__ = ["Patch", "Delta", "save_patch", "load_patch", "PATCH_FORMAT"]
+__all__ = ["Patch", "Delta", "Readers", "INPUT_SUFFIX", "BEHAVIOUR_KEYS", "split_behaviour"]
 
-PATCH_FORMAT = "tokenpatch.patch/1"
 # A key ``"<module>:input"`` holds a change of that module's input, ``s -> s + D s`` with ``D`` a
-# ``LowRank`` [d, d]: the same as ``W + W D`` on every matrix that reads it (listed in
-# ``meta["inputs"]``), without forming ``W D`` (``arch.Sites.input_site``).
+# ``LowRank`` [d, d]: the same as ``W + W D`` on every matrix that reads it (``Patch.readers``),
+# without forming ``W D`` (``arch.Sites.input_site``).
 INPUT_SUFFIX = ":input"
 
 Delta = Union[LowRank, Tensor]
+# "<module>:input" -> ((parameter name, layout), ...): the matrices that read that input
+Readers = Mapping[str, tuple[tuple[str, str], ...]]
+# Metadata keys that carried behaviour in tokenpatch 0.2 (now fields; read from old records once)
+BEHAVIOUR_KEYS = ("seq_len", "query", "removed", "static", "inputs", "batch_index")
 
 
-def _common_meta(patches: list["Patch"], keys: tuple[str, ...]) -> dict[str, Any]:
-    """The metadata ``keys`` all ``patches`` agree on; patches of different models raise."""
-    models = [p.meta.get("model") for p in patches]
-    if any(m != models[0] for m in models):
-        raise InputError("cannot combine patches computed for different models (or with and without a model record)")
-    return {k: patches[0].meta[k] for k in keys if k in patches[0].meta and all(p.meta.get(k) == patches[0].meta[k] for p in patches)}
+def split_behaviour(meta: dict) -> tuple[dict, dict]:
+    """A 0.2-style ``meta`` -> ``(provenance, fields)``: the behaviour keys become ``Patch`` fields
+    (``plan``, ``static``, ``readers``, ``rows``), the rest stays provenance."""
+    meta = dict(meta)
+    fields: dict[str, Any] = {}
+    if "query" in meta and "seq_len" in meta:
+        fields["plan"] = Plan.from_meta(meta)
+    for key in ("seq_len", "query", "removed"):
+        meta.pop(key, None)
+    if meta.pop("static", False):
+        fields["static"] = True
+    if "inputs" in meta:
+        fields["readers"] = meta.pop("inputs")
+    if "batch_index" in meta:
+        fields["rows"] = meta.pop("batch_index")
+    return meta, fields
 
 
 def _lead(delta: Delta) -> tuple[int, ...]:
-    if isinstance(delta, LowRank):
-        return delta.lead
-    return tuple(delta.shape[:2])
+    return delta.lead if isinstance(delta, LowRank) else tuple(delta.shape[:2])
+
+
+def _readers(readers: Readers | None) -> dict[str, tuple[tuple[str, str], ...]]:
+    out = {}
+    for key, pairs in (readers or {}).items():
+        pairs = tuple((str(name), str(layout)) for name, layout in pairs)
+        if not key.endswith(INPUT_SUFFIX) or any(layout not in ("out_in", "in_out") for _, layout in pairs):
+            raise InputError(f"readers maps '<module>{INPUT_SUFFIX}' keys to (parameter, 'out_in' | 'in_out') pairs; "
+                             f"got {key!r}: {pairs}")
+        out[key] = pairs
+    return out
+
+
+def _merged_readers(patches: list["Patch"]) -> dict[str, tuple[tuple[str, str], ...]]:
+    out: dict[str, tuple[tuple[str, str], ...]] = {}
+    for p in patches:
+        for key, pairs in p.readers.items():
+            if out.setdefault(key, pairs) != pairs:
+                raise InputError(f"cannot combine patches whose input change {key} is read by different matrices: "
+                                 f"{out[key]} vs {pairs}")
+    return out
+
+
+def _same(values: list):
+    """The common value of ``values``, or ``None`` where they differ."""
+    return values[0] if all(v == values[0] for v in values) else None
+
+
+def _common_meta(patches: list["Patch"]) -> dict[str, Any]:
+    """The provenance every one of ``patches`` agrees on; patches of different models raise."""
+    models = [p.meta.get("model") for p in patches]
+    if any(m != models[0] for m in models):
+        raise InputError("cannot combine patches computed for different models (or with and without a model record)")
+    first = patches[0].meta
+    return {k: v for k, v in first.items() if all(k in p.meta and p.meta[k] == v for p in patches)}
 
 
 class Patch(Mapping):
-    """``parameter name -> delta``, all deltas batched over ``[batch, query]``.
+    """``parameter name -> delta``, all deltas batched over ``[batch, query]``, with the fields that
+    say how it runs (module docstring).
 
     ``patch["blocks.0.mlp.fc_in.weight"]`` is one delta; ``patch[b, q]`` (ints or slices) is the
     sub-patch of those batch and query indices, leading dims kept. ``a + b`` sums two patches
-    (low-rank terms stack), ``patch.sum("query")`` sums over queries into one static patch,
-    ``Patch.stack`` concatenates along a leading dim, ``.dense()`` materialises.
+    (low-rank terms stack), ``patch.sum("query")`` sums over queries into one patch acting
+    everywhere, ``Patch.stack`` concatenates along a leading dim, ``.dense()`` materialises.
     """
 
-    def __init__(self, deltas: Mapping[str, Delta], positions=None, meta: dict | None = None):
+    def __init__(self, deltas: Mapping[str, Delta], positions=None, meta: dict | None = None, *,
+                 plan: Plan | None = None, static: bool = False, readers: Readers | None = None,
+                 rows=None):
         """``positions``: ``None`` (or empty) for a patch acting everywhere, else one no-context
-        position per query (the patch acts at positions)."""
+        position per query (the patch acts at positions). A ``meta`` holding 0.2's behaviour keys
+        (``static``, ``inputs``, ``query``, ...) still works, with a ``DeprecationWarning``."""
         self._deltas: dict[str, Delta] = dict(deltas)
         if not self._deltas:
             raise InputError("a Patch needs at least one delta")
         leads = {name: _lead(d) for name, d in self._deltas.items()}
         lead = next(iter(leads.values()))
-        bad = {n: l for n, l in leads.items() if l != lead or len(l) != 2}
-        if bad:
+        if any(l != lead or len(l) != 2 for l in leads.values()):
             raise InputError(f"every delta must lead with the same [batch, query] dims; got {leads}")
         dtypes = {d.dtype for d in self._deltas.values()}
         if len(dtypes) != 1:
@@ -90,7 +143,33 @@ class Patch(Mapping):
         if positions and (len(positions) != lead[1] or len(set(positions)) != len(positions) or min(positions) < 0):
             raise InputError(f"positions {positions} must be {lead[1]} distinct non-negative ints")
         self.positions: tuple[int, ...] = positions  # empty when the patch acts everywhere
-        self.meta: dict[str, Any] = dict(meta or {})
+        meta = dict(meta or {})
+        if any(k in meta for k in BEHAVIOUR_KEYS):
+            warnings.warn(f"Patch(meta=...) with {sorted(k for k in BEHAVIOUR_KEYS if k in meta)} is deprecated: "
+                          "pass plan=, static=, readers=, rows= (meta is provenance only)", DeprecationWarning,
+                          stacklevel=2)
+            meta, old = split_behaviour(meta)
+            plan, static = plan or old.get("plan"), static or old.get("static", False)
+            readers, rows = readers or old.get("readers"), rows if rows is not None else old.get("rows")
+        if plan is not None:
+            if len(plan.query) != lead[1]:
+                raise InputError(f"plan {plan.describe()} has {len(plan.query)} queries, the patch {lead[1]}")
+            if positions != (plan.positions if plan.mode == "chunk" else ()):
+                raise InputError(f"plan {plan.describe()} does not act at positions {list(positions)}")
+        self.plan: Plan | None = plan
+        self.static: bool = bool(static)
+        inputs = {n for n in self._deltas if n.endswith(INPUT_SUFFIX)}
+        self.readers: dict[str, tuple[tuple[str, str], ...]] = {k: v for k, v in _readers(readers).items()
+                                                                 if k in inputs}
+        if rows is not None:
+            rows = tuple(int(r) for r in rows)
+            if len(rows) != lead[0]:
+                raise InputError(f"rows {list(rows)} must name one source row per batch row ({lead[0]})")
+        self.rows: tuple[int, ...] | None = rows
+        self.meta: dict[str, Any] = meta
+
+    def _fields(self) -> dict[str, Any]:  # what a derived patch carries over
+        return {"plan": self.plan, "static": self.static, "readers": self.readers, "rows": self.rows}
 
     @property
     def acts(self) -> Literal["everywhere", "at_positions"]:
@@ -118,11 +197,18 @@ class Patch(Mapping):
         for name, d in self._deltas.items():
             desc = f"LowRank(rank={d.rank}, {d.shape[0]}x{d.shape[1]})" if isinstance(d, LowRank) else f"dense{tuple(d.shape[2:])}"
             parts.append(f"  {name}: {desc}")
-        return f"Patch(batch={self.lead[0]}, query={self.lead[1]}, dtype={self.dtype}, acts {self.where()},\n" + "\n".join(parts) + "\n)"
+        kind = ", static" if self.static else (f", made for query {list(self.plan.query)}" if self.plan else "")
+        return (f"Patch(batch={self.lead[0]}, query={self.lead[1]}, dtype={self.dtype}, acts {self.where()}{kind},\n"
+                + "\n".join(parts) + "\n)")
 
     @property
     def dtype(self) -> torch.dtype:
         return next(iter(self._deltas.values())).dtype
+
+    @property
+    def terms(self) -> int:
+        """How many token patches were summed into this one (1 for a token patch)."""
+        return int(self.meta.get("terms", 1))
 
     # ----------------------------------------------------------------- derived patches
     def _index(self, key) -> "Patch":
@@ -154,21 +240,29 @@ class Patch(Mapping):
                     f"patch[name].u[:, q], or compute it alone with token_patch(..., query=q)"
                 )
         deltas = {n: d.index(key) if isinstance(d, LowRank) else d[key] for n, d in self._deltas.items()}
-        positions = self.positions[key[1]]
-        meta = dict(self.meta)  # keep the record true to the sub-patch
-        meta["batch_index"] = meta.get("batch_index", list(range(self.lead[0])))[key[0]]
-        meta["batch"] = len(meta["batch_index"])
-        if "query" in meta:
-            meta["query"] = meta["query"][key[1]]
-        return Patch(deltas, positions, meta)
+        plan = self.plan
+        if plan is not None:
+            plan = Plan(plan.seq_len, plan.query[key[1]], plan.mode, plan.kept)
+        rows = (self.rows or tuple(range(self.lead[0])))[key[0]]
+        return Patch(deltas, self.positions[key[1]], self.meta, **{**self._fields(), "plan": plan, "rows": rows})
 
     def map(self, fn) -> "Patch":
         """Apply ``fn`` to every factor / dense tensor (e.g. ``lambda t: t.double()``)."""
         deltas = {n: LowRank(fn(d.u), fn(d.v)) if isinstance(d, LowRank) else fn(d) for n, d in self._deltas.items()}
-        return Patch(deltas, self.positions, self.meta)
+        fields = self._fields()
+        lead = _lead(next(iter(deltas.values())))
+        if lead != self.lead:  # ``fn`` reshaped the leading dims: keep only the fields that still fit
+            fields["plan"] = self.plan if self.plan is not None and len(self.plan.query) == lead[1] else None
+            fields["rows"] = self.rows if self.rows is not None and len(self.rows) == lead[0] else None
+        return Patch(deltas, self.positions, self.meta, **fields)
 
     def to(self, *args, **kwargs) -> "Patch":
         return self.map(lambda t: t.to(*args, **kwargs))
+
+    def replace(self, deltas: Mapping[str, Delta] | None = None, meta: dict | None = None) -> "Patch":
+        """The same patch (positions and fields) with other ``deltas`` or ``meta``."""
+        return Patch(self._deltas if deltas is None else deltas, self.positions, self.meta if meta is None else meta,
+                     **self._fields())
 
     def dense(self) -> dict[str, Tensor]:
         """Materialise every delta: ``{name: [batch, query, *param.shape]}``."""
@@ -181,51 +275,51 @@ class Patch(Mapping):
     def __add__(self, other: "Patch") -> "Patch":
         """Sum of two patches of the same model acting at the same place (low-rank terms stack;
         a key missing on one side counts as 0). The sum is a patch, not the token patch of any
-        context; ``verify`` measures how far it is from one."""
+        context; ``verify`` measures how far it is from one. It is static only if both are; it keeps
+        the plan and rows the two share, and every input change with the matrices that read it."""
         if not isinstance(other, Patch):
             return NotImplemented
         if self.positions != other.positions:
             raise InputError(f"cannot add patches acting at different positions: {self.positions} vs {other.positions}")
         if self.dtype != other.dtype:
             raise InputError(f"cannot add a {self.dtype} patch to a {other.dtype} one; convert one with .to(dtype)")
-        meta = _common_meta([self, other], ("model", "seq_len", "query", "removed", "batch", "batch_index"))
+        try:
+            torch.broadcast_shapes(self.lead, other.lead)
+        except RuntimeError:
+            raise InputError(f"cannot add patches of [batch, query] = {list(self.lead)} and {list(other.lead)}") from None
+        both = [self, other]
+        meta = {**_common_meta(both), "terms": self.terms + other.terms}
         deltas = dict(self._deltas)
         for n, d in other._deltas.items():
             deltas[n] = deltas[n] + d if n in deltas else d
-        return Patch(deltas, self.positions, {**meta, "terms": self.terms + other.terms})
-
-    @property
-    def terms(self) -> int:
-        """How many token patches were summed into this one (1 for a token patch)."""
-        return int(self.meta.get("terms", 1))
+        return Patch(deltas, self.positions, meta, plan=_same([self.plan, other.plan]),
+                     static=self.static and other.static, readers=_merged_readers(both),
+                     rows=_same([self.rows, other.rows]))
 
     def sum(self, dim: str = "query") -> "Patch":
         """Sum over ``"query"`` or ``"batch"`` (the dim is kept with size 1). Summing over
-        queries gives a static patch that acts everywhere."""
+        queries gives a patch that acts everywhere."""
         if dim not in ("batch", "query"):
             raise InputError(f"sum over 'batch' or 'query', not {dim!r}")
-        i = 0 if dim == "batch" else 1
+        i = ("batch", "query").index(dim)
         deltas = {n: d.sum(i) if isinstance(d, LowRank) else d.sum(i, keepdim=True) for n, d in self._deltas.items()}
         positions = () if dim == "query" else self.positions
-        drop = ("query", "removed") if dim == "query" else ("batch", "batch_index")
-        meta = {k: v for k, v in self.meta.items() if k not in drop}
-        terms = self.terms * self.lead[0 if dim == "batch" else 1]
-        return Patch(deltas, positions, {**meta, "summed_over": dim, "terms": terms})
+        terms = self.terms * self.lead[i]
+        fields = {**self._fields(), "plan": None} if dim == "query" else {**self._fields(), "rows": None}
+        if dim == "batch" and self.plan is not None:
+            fields["plan"] = self.plan
+        return Patch(deltas, positions, {**self.meta, "summed_over": dim, "terms": terms}, **fields)
 
     @staticmethod
     def stack(patches: list["Patch"], dim: str = "batch") -> "Patch":
         """Concatenate patches of one model with the same keys along ``"batch"`` (same queries,
         same positions) or ``"query"`` (same batch; only patches acting everywhere: patches acting
         at positions act together and come whole from one ``token_patch`` call)."""
-        if not patches:
-            raise InputError("Patch.stack needs at least one patch")
-        if dim not in ("batch", "query"):
-            raise InputError(f"stack along 'batch' or 'query', not {dim!r}")
+        if not patches or dim not in ("batch", "query"):
+            raise InputError(f"Patch.stack needs at least one patch and dim 'batch' or 'query', got {dim!r}")
         first = patches[0]
-        if any(list(p) != list(first) for p in patches):
-            raise InputError("Patch.stack needs patches with the same parameter names")
-        if len({p.dtype for p in patches}) > 1:
-            raise InputError("Patch.stack needs patches of one dtype")
+        if any(list(p) != list(first) or p.dtype != first.dtype for p in patches):
+            raise InputError("Patch.stack needs patches with the same parameter names and dtype")
         other = 1 if dim == "batch" else 0
         if len({p.lead[other] for p in patches}) > 1:
             raise InputError(f"Patch.stack along {dim} needs the same {('batch', 'query')[other]} size, got "
@@ -234,6 +328,8 @@ class Patch(Mapping):
             shapes = {(d.rank, d.shape) if isinstance(d, LowRank) else tuple(d.shape[2:]) for d in (p[n] for p in patches)}
             if len(shapes) > 1:
                 raise InputError(f"Patch.stack: {n} has different (rank, shape) across patches: {shapes}")
+        plans = [p.plan for p in patches]
+        fields = {"static": all(p.static for p in patches), "readers": _merged_readers(patches)}
         if dim == "query":
             if any(p.acts == "at_positions" for p in patches):
                 raise InputError(
@@ -241,15 +337,18 @@ class Patch(Mapping):
                     "along query; compute all the queries in one token_patch call"
                 )
             positions = ()
-            meta = _common_meta(patches, ("model", "seq_len", "removed", "batch", "batch_index"))
-            if all("query" in p.meta for p in patches):
-                meta["query"] = sum((list(p.meta["query"]) for p in patches), [])
+            fields["rows"] = _same([p.rows for p in patches])
+            query = sum((list(p.query) for p in plans), []) if None not in plans else []
+            if None not in plans and len({(p.seq_len, p.mode) for p in plans}) == 1 and plans[0].mode == "alone" \
+                    and len(set(query)) == len(query):
+                fields["plan"] = Plan(plans[0].seq_len, tuple(query))
         else:
             positions = first.positions
             if any(p.positions != positions for p in patches):
                 raise InputError("Patch.stack along batch needs patches acting at the same positions")
-            meta = _common_meta(patches, ("model", "seq_len", "query", "removed"))
-            meta["batch"] = sum(p.lead[0] for p in patches)
+            fields["plan"] = _same(plans)
+            rows = [p.rows for p in patches]
+            fields["rows"] = sum(rows, ()) if None not in rows else None
         i = 0 if dim == "batch" else 1
         deltas = {}
         for n in first:
@@ -258,19 +357,18 @@ class Patch(Mapping):
                 deltas[n] = LowRank(torch.cat([d.u for d in ds], i), torch.cat([d.v for d in ds], i))
             else:
                 deltas[n] = torch.cat(ds, i)
-        return Patch(deltas, positions, meta)
+        return Patch(deltas, positions, _common_meta(patches), **fields)
 
     def check_model(self, model: nn.Module, cached: bool = True) -> None:
         """Raise unless every key names a parameter of ``model`` of the right shape, and (when the
         patch records one) the model's weights are the ones the patch was computed from
-        (``tokenpatch._io.fingerprint``; ``cached=False`` re-hashes every weight). Once a model
+        (``tokenpatch.files.fingerprint``; ``cached=False`` re-hashes every weight). Once a model
         passes, later checks against the same unchanged model cost a few integer reads per parameter."""
         digest = files.fingerprint(model, cached)
         seen = self.__dict__.get("_checked")
         if cached and seen is not None and seen[0]() is model and seen[1] == digest:
             return
         params = dict(model.named_parameters())
-        readers = self.meta.get("inputs", {})
         for name, d in self._deltas.items():
             if name.endswith(INPUT_SUFFIX):  # a change of a module's input: the module exists, its readers fit
                 module = name[: -len(INPUT_SUFFIX)]
@@ -279,7 +377,9 @@ class Patch(Mapping):
                 except AttributeError:
                     raise InputError(f"patch names the input of {module!r}, which is not a module of "
                                      f"{type(model).__name__}") from None
-                for reader, layout in readers.get(name, []):
+                if name not in self.readers:
+                    raise InputError(f"patch input change {name} names no matrices that read it (Patch.readers)")
+                for reader, layout in self.readers[name]:
                     width = None if reader not in params else params[reader].shape[-1 if layout == "out_in" else 0]
                     if width is None or not isinstance(d, LowRank) or d.shape != (width, width):
                         raise InputError(f"patch input change {name} ({d.shape if isinstance(d, LowRank) else 'dense'}) "
@@ -298,54 +398,3 @@ class Patch(Mapping):
                 f"{digest}); a token patch is exact only for the weights it came from"
             )
         self._checked = (weakref.ref(model), digest)
-
-
-# --------------------------------------------------------------------------------- files
-
-
-def save_patch(patch: Patch, path: str | os.PathLike) -> None:
-    """Write ``patch`` to ``path``: safetensors, ``name.u``/``name.v`` or ``name``, JSON meta."""
-    tensors: dict[str, Tensor] = {}
-    for name, d in patch.items():
-        if isinstance(d, LowRank):
-            tensors[f"{name}.u"], tensors[f"{name}.v"] = d.u, d.v
-        else:
-            tensors[name] = d
-    kinds = {n: "lowrank" if isinstance(d, LowRank) else "dense" for n, d in patch.items()}
-    doc = {"kinds": kinds, "positions": list(patch.positions) or None, "meta": patch.meta}
-    files.write_file(path, tensors, PATCH_FORMAT, doc)
-
-
-def load_patch(path: str | os.PathLike, model: nn.Module | None = None) -> Patch:
-    """Read a patch written by ``save``. With ``model``, also check it belongs to that model."""
-    tensors, doc = files.read_file(path, PATCH_FORMAT)
-    kinds = doc.get("kinds")
-    if not isinstance(kinds, dict):
-        raise FileFormatError(f"{path}: patch metadata has no 'kinds' table")
-    deltas: dict[str, Delta] = {}
-    expected = set()
-    for name, kind in kinds.items():
-        if kind == "lowrank":
-            keys = (f"{name}.u", f"{name}.v")
-        elif kind == "dense":
-            keys = (name,)
-        else:
-            raise FileFormatError(f"{path}: unknown delta kind {kind!r} for {name}")
-        missing = [k for k in keys if k not in tensors]
-        if missing:
-            raise FileFormatError(f"{path}: tensors {missing} are missing")
-        expected.update(keys)
-        deltas[name] = LowRank(tensors[keys[0]], tensors[keys[1]]) if kind == "lowrank" else tensors[keys[0]]
-    extra = set(tensors) - expected
-    if extra:
-        raise FileFormatError(f"{path}: unexpected tensors {sorted(extra)}")
-    try:
-        patch = Patch(deltas, doc.get("positions"), doc.get("meta"))
-    except InputError as exc:
-        raise FileFormatError(f"{path}: inconsistent patch: {exc}") from exc
-    if model is not None:
-        try:
-            patch.check_model(model, cached=False)
-        except InputError as exc:
-            raise FileFormatError(f"{path}: {exc}") from exc
-    return patch

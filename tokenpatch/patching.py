@@ -35,7 +35,7 @@ from tokenpatch.arch import Sites, adapter_for, weight_layout
 from tokenpatch.arch.families import scale_norm
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 from tokenpatch.errors import InputError, ZeroAnchorError
-from tokenpatch.plans import at_queries, make_plan, strip
+from tokenpatch.plans import Plan, at_queries, make_plan, strip
 
 __all__ = ["token_patch", "strip_context", "layer_patch", "take"]
 
@@ -190,20 +190,21 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
             h0 = adapter.finish(model, i, m_0, s_0)[1].clone()
             h0[:, list(plan.positions)] = out_c[:, q]
         h = out_c
-    meta = {
-        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
-        **plan.describe(),
-        "batch": batch,
-        "model_dtype": str(h.dtype).removeprefix("torch."),
-    }
-    return Patch(deltas, plan.positions if plan.mode == "chunk" else None, meta)
+    return assemble(model, adapter, deltas, plan, batch, h.dtype)
 
 
-def _meta(model: nn.Module, adapter, plan, batch: int, dtype: torch.dtype) -> dict:
-    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, **plan.describe(),
-            "batch": batch, "model_dtype": str(dtype).removeprefix("torch.")}
-    readers = input_readers(model, adapter)
-    return {**meta, "inputs": readers} if readers else meta
+def provenance(model: nn.Module, adapter, batch: int, dtype: torch.dtype) -> dict:
+    """How a patch of ``model`` was made, for its ``meta``: the model record and fingerprint, the batch
+    size, the dtype of the states it came from."""
+    return {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "batch": batch,
+            "model_dtype": str(dtype).removeprefix("torch.")}
+
+
+def assemble(model: nn.Module, adapter, deltas: dict[str, Delta], plan: Plan, batch: int, dtype: torch.dtype) -> Patch:
+    """The token patch of ``plan`` from its deltas: where it acts, its plan, the matrices reading each
+    input change (``Patch.readers``) and its provenance."""
+    return Patch(deltas, plan.positions if plan.mode == "chunk" else None, provenance(model, adapter, batch, dtype),
+                 plan=plan, readers=input_readers(model, adapter))
 
 
 def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Patch:
@@ -215,7 +216,7 @@ def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress)
     kept = list(plan.kept) if plan.mode == "chunk" else None
     anchors = adapter.anchors(model, inputs, q, rec, kept)  # per layer (m_0, s_0)  [B, Q, .]
     deltas = traced_deltas(model, adapter, rec, anchors, plan.query, progress)
-    return Patch(deltas, plan.positions if kept is not None else None, _meta(model, adapter, plan, batch, rec[0]["out"].dtype))
+    return assemble(model, adapter, deltas, plan, batch, rec[0]["out"].dtype)
 
 
 def traced_deltas(model: nn.Module, adapter, rec: list[dict], anchors: list, labels, progress=False) -> dict[str, Delta]:
@@ -229,8 +230,8 @@ def traced_deltas(model: nn.Module, adapter, rec: list[dict], anchors: list, lab
 
 
 def input_readers(model: nn.Module, adapter) -> dict[str, list[list[str]]]:
-    """``{"<module>:input": [[parameter, layout], ...]}``: what each input-site delta changes, for the
-    patch's metadata (``apply`` writes ``W + W D`` into each of them)."""
+    """``{"<module>:input": [[parameter, layout], ...]}``: what each input-site delta changes
+    (``Patch.readers``; ``apply`` writes ``W + W D`` into each of them)."""
     out = {}
     for i in range(adapter.n_layers(model)):
         sites = adapter.sites(model, i)

@@ -5,7 +5,7 @@
 no-context inputs the patch was made for (``tp.strip_context`` gives them); anything else is an
 ``InputError`` unless the call opts in: ``broadcast=True`` to run one row of patches over more
 sequences, ``any_length=True`` to run sequences of another length (e.g. tokens after the query). A static
-patch (``patch.meta["static"]``, e.g. a thought patch: one update for any input) runs on any
+patch (``patch.static``, e.g. a thought patch: one update for any input) runs on any
 no-context inputs as it is.
 """
 
@@ -22,7 +22,6 @@ from tokenpatch.arch import weight_layout
 from tokenpatch.arch.families import scale_norm
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 from tokenpatch.errors import InputError, UnsupportedModelError
-from tokenpatch.plans import Plan
 
 __all__ = ["apply", "functional_call", "patched_run"]
 
@@ -58,10 +57,9 @@ class _Hook:
         if isinstance(w, Tensor):
             self.unit, self.b, w = unit, w, None
         self.w_in, self.w_out = (None, None) if w is None else ((w.v, w.u) if layout == "out_in" else (w.u, w.v))
-        static = bool(patch.meta.get("static"))  # one update for any input (a thought patch): runs on all of them
+        static = patch.static  # one update for any input (a thought patch): runs on all of them
         self.broadcast, self.any_length = broadcast or static, any_length or static
-        meta = patch.meta
-        self.length = Plan.from_meta(meta).stripped_len if "query" in meta and "seq_len" in meta else None
+        self.length = None if patch.plan is None else patch.plan.stripped_len
 
     def _check(self, x: Tensor) -> None:
         if x.ndim != 3:
@@ -156,7 +154,7 @@ class _InputHook(_Hook):
 
 
 @contextlib.contextmanager
-def _hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) -> Iterator[None]:
+def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) -> Iterator[None]:
     """Register the patch's hooks for the duration of the block; removed on exit, errors included."""
     by_module: dict[str, dict[str, Delta]] = {}
     inputs: dict[str, LowRank] = {}
@@ -197,7 +195,7 @@ def patched_run(run, model: nn.Module, patch: Patch, *args, broadcast: bool = Fa
                 **kwargs):
     """``run(*args, **kwargs)`` with ``patch``'s hooks on ``model`` (checked against it first)."""
     patch.check_model(model)
-    with _hooked(model, patch, broadcast, any_length):
+    with hooked(model, patch, broadcast, any_length):
         return run(*args, **kwargs)
 
 
@@ -251,7 +249,7 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
             for name, delta in patch.items():
                 if name.endswith(INPUT_SUFFIX):  # W + W D on every matrix reading that input
                     d = delta.dense()[0, 0]  # [d, d]
-                    for reader, layout in patch.meta.get("inputs", {}).get(name, []):
+                    for reader, layout in patch.readers[name]:
                         p = params[reader]
                         saved.setdefault(reader, p.detach().clone())
                         dd = d.to(device=p.device, dtype=torch.promote_types(p.dtype, torch.float32))

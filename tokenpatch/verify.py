@@ -17,7 +17,7 @@ from tokenpatch.errors import InputError
 from tokenpatch.run import patched_run
 from tokenpatch.plans import Plan, at_queries, make_plan, strip
 
-__all__ = ["SiteError", "LayerError", "Verification", "TOLERANCES", "tolerance", "verify"]
+__all__ = ["SiteError", "Verification", "TOLERANCES", "tolerance", "verify"]
 
 # The one tolerance rule, by model dtype: (metric, bound). Equivalence is algebra, so float64
 # errors are rounding (~1e-15) and an absolute bound is meaningful; in lower precision the error
@@ -58,7 +58,6 @@ class SiteError:
     max_rel_unfloored: float
 
 
-LayerError = SiteError  # the name before 0.2; a record, not an exception
 
 
 @dataclass(frozen=True)
@@ -125,15 +124,14 @@ def site_error(name: str, got: Tensor, ref: Tensor) -> SiteError:
 
 def _plan_for(patch: Patch, seq_len: int, query: Any, remove: Any) -> Plan:
     """The plan ``verify`` checks: the patch's own record, or the one asked (which must agree)."""
-    if query is None and remove is None and "query" in patch.meta:
-        plan = Plan.from_meta(patch.meta)
+    if query is None and remove is None and patch.plan is not None:
+        plan = patch.plan
         if plan.seq_len != seq_len:
             raise InputError(f"the patch was made for sequences of length {plan.seq_len}, inputs have {seq_len}")
         return plan
     plan = make_plan(seq_len, -1 if query is None else query, remove)
-    made = {k: patch.meta[k] for k in ("seq_len", "query", "removed") if k in patch.meta}
-    if made and made != {k: plan.describe()[k] for k in made}:
-        raise InputError(f"the patch was made for {made}, not for {plan.describe()}")
+    if patch.plan is not None and patch.plan != plan:
+        raise InputError(f"the patch was made for {patch.plan.describe()}, not for {plan.describe()}")
     return plan
 
 
@@ -152,7 +150,7 @@ def verify(model: nn.Module, inputs: Any, patch: Patch, query: Any = None, remov
     seq_len, batch = adapter.seq_len(inputs), adapter.batch_size(inputs)
     plan = _plan_for(patch, seq_len, query, remove)
     if patch.lead != (batch, len(plan.query)):  # each row's patch is checked against that row
-        rows = patch.meta.get("batch_index")
+        rows = None if patch.rows is None else list(patch.rows)
         hint = f" (it holds the patches of rows {rows} of the batch it was made from)" if rows is not None else ""
         raise InputError(f"patch holds [batch, query] = {list(patch.lead)} patches{hint}; inputs and query give "
                          f"[{batch}, {len(plan.query)}]")

@@ -32,6 +32,9 @@ from tokenpatch.progress import progress_bar
 from tokenpatch.arch.hf import output_tensor, registered_hooks
 from tokenpatch.errors import InputError
 from tokenpatch.baselines.steering import Steering, head_contribution, heads_set, n_heads, recording_heads, site_modules
+from tokenpatch.arch.families import scale_norm
+from tokenpatch.arch.hf import HFAdapter
+from tokenpatch.baselines.steering import o_proj_modules
 
 
 def pad_left(rows: Iterable[list[int]], pad_id: int) -> dict[str, Tensor]:
@@ -154,10 +157,6 @@ def _norm_gain(model: nn.Module, layer: int, z: Tensor) -> Tensor | float:
     a / rms(a)``) multiplies a head's term by: ``g / rms(a)``, ``a`` the attention output of the
     prompted rows at the last position (its mean RMS). The heads' terms then add up to the norm's
     output, as they add up to ``o_proj``'s where no norm follows (gain 1)."""
-    from tokenpatch.arch.families import scale_norm
-    from tokenpatch.arch.hf import HFAdapter
-    from tokenpatch.baselines.steering import o_proj_modules
-
     fam = HFAdapter.family(model)
     if fam.attn_out is None:
         return 1.0

@@ -47,6 +47,11 @@ class Replay:
         """``W_i - W`` after ``i`` steps, rank ``i`` (``LowRank`` with leading dim ``[B]``)."""
         return LowRank(self.e[:, :i], self.v[:, :i])
 
+    def __repr__(self) -> str:
+        batch, steps = self.e.shape[:2]
+        return (f"Replay({batch} sequence{'s' * (batch != 1)} x {steps} steps, max deviation from the trajectory "
+                f"{float(self.deviation.max()):.2e}; .patch(i), .e, .v, .deviation)")
+
 
 def replay(traj: Trajectory, name: str) -> Replay:
     """Replay the trajectory of matrix ``name`` (a key of ``traj.patches``, as the math ``[rows, cols]``

@@ -32,7 +32,8 @@ from tokenpatch.arch import adapter_for
 from tokenpatch.patch import Delta, Patch
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.lowrank import LowRank
-from tokenpatch.patching import layer_patch
+from tokenpatch.patching import layer_patch, token_patch
+from tokenpatch.plans import Plan
 
 __all__ = ["Trajectory", "trajectory"]
 
@@ -61,14 +62,17 @@ class Trajectory:
             raise InputError(f"prefix {i} does not exist: the query follows {self.query} context tokens (0..{self.query})")
         return i
 
-    def _record(self, i: int, removed: list[int] | None) -> dict:
-        return {**self.meta, "seq_len": i + 1, "query": [i], "removed": removed, "prefix": i}
+    def _prefix_patch(self, deltas: Patch, i: int, removed: list[int] | None) -> Patch:
+        """Index ``i`` of ``deltas``, as the token patch of prefix ``i`` (``removed``: the chunk removed)."""
+        plan = Plan.from_meta({"seq_len": i + 1, "query": [i], "removed": removed})
+        return Patch({n: _at(d, i) for n, d in deltas.items()}, plan.positions if removed else None,
+                     {**self.meta, "prefix": i}, plan=plan, readers=deltas.readers)
 
     def patch(self, i: int) -> Patch:
         """The token patch of prefix ``i`` (all its context removed): a ``Patch`` ``[batch, 1]`` that
         ``verify`` / ``apply`` / ``save_patch`` take like any other, for ``prefix_inputs(inputs, i)``."""
         i = self._prefix(i)
-        return Patch({n: _at(d, i) for n, d in self.patches.items()}, None, self._record(i, None))
+        return self._prefix_patch(self.patches, i, None)
 
     def step(self, i: int) -> Patch:
         """The increment from prefix ``i - 1`` to prefix ``i``: the token patch of prefix ``i`` with
@@ -78,7 +82,7 @@ class Trajectory:
         i = self._prefix(i)
         if i == 0:
             raise InputError("step(i) takes prefix i - 1 to prefix i: i starts at 1")
-        return Patch({n: _at(d, i) for n, d in self.steps.items()}, (i - 1,), self._record(i, [i - 1]))
+        return self._prefix_patch(self.steps, i, [i - 1])
 
     def prefix_inputs(self, inputs: Tensor, i: int) -> Tensor:
         """``inputs[:, [0..i-1] + [query]]``: the prefix-``i`` sequence ``patch(i)`` belongs to."""
@@ -182,8 +186,6 @@ def _traced_trajectory(model: nn.Module, adapter, inputs: dict, query: Any, step
     in every row, removed."""
     if inputs["attention_mask"] is not None:
         raise InputError("tp.trajectory on a language model takes unpadded sequences (no attention mask)")
-    from tokenpatch.patching import token_patch
-
     ids = inputs["input_ids"]  # [B, T]
     q = _query_position(query, ids.shape[1])
     batch, n = ids.shape[0], q + 1
@@ -206,12 +208,10 @@ def _traced_trajectory(model: nn.Module, adapter, inputs: dict, query: Any, step
     deltas, flat = patches(None)
     meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "batch": batch,
             "model_dtype": str(flat.dtype).removeprefix("torch.")}
-    if "inputs" in flat.meta:
-        meta["inputs"] = flat.meta["inputs"]
     record = {**meta, "trajectory": {"query": q, "n_context": q}}
     increments = None
     if steps:  # c_i sits right before the query in every row (row 0: a masked pad; its step is 0)
         removed = torch.zeros(n, dtype=torch.bool)
         removed[n - 2] = True
-        increments = Patch(_zero_first(patches(removed)[0]), None, record)
-    return Trajectory(Patch(_zero_first(deltas), None, record), increments, q, meta)
+        increments = Patch(_zero_first(patches(removed)[0]), None, record, readers=flat.readers)
+    return Trajectory(Patch(_zero_first(deltas), None, record, readers=flat.readers), increments, q, meta)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.errors import InputError
+from tokenpatch.baselines.steering import n_heads, o_proj_modules
 
 __all__ = ["head_sites", "select_heads", "outside_top", "control_pool", "random_sets", "ablate_heads", "active_modes", "MODES"]
 
@@ -68,7 +69,6 @@ def head_sites(model: nn.Module) -> tuple[list[nn.Module], int]:
     blocks = getattr(model, "blocks", None)
     if blocks is not None and all(hasattr(b, "mixer") and hasattr(b.mixer, "out") for b in blocks):
         return [b.mixer.out for b in blocks], blocks[0].mixer.n_heads
-    from tokenpatch.baselines.steering import n_heads, o_proj_modules
 
     return o_proj_modules(model), n_heads(model)
 

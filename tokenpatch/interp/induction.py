@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from tokenpatch.errors import InputError
+from tokenpatch.interp.circuits import attention_patterns as ours
 
 __all__ = ["repeated_tokens", "detection_pattern", "detector_score", "diagonal_score", "KINDS", "rank_heads",
            "attention_patterns", "kv_group", "head_scores"]
@@ -122,8 +123,6 @@ def attention_patterns(model, inputs: Tensor) -> list[Tensor]:
     with ``output_attentions=True`` under eager attention (fused kernels return no probabilities),
     the model's own implementation restored afterwards, errors included."""
     if hasattr(model, "blocks"):
-        from tokenpatch.interp.circuits import attention_patterns as ours
-
         return ours(model, inputs)
     config = getattr(model, "config", None)
     before = getattr(config, "_attn_implementation", None)

@@ -20,6 +20,7 @@ from torch import Tensor
 from tokenpatch.stats import t95
 from tokenpatch.tasks.recall import lag_crp, lag_probabilities, recall_lists, recall_prompt, score_recall
 from tokenpatch.interp.ablation import ablate_heads, control_pool, random_sets, select_heads
+from tokenpatch.progress import progress_bar
 
 __all__ = ["lag_curve", "serial_recall", "dose_response", "mean_ci", "pooled"]
 
@@ -27,7 +28,7 @@ __all__ = ["lag_curve", "serial_recall", "dose_response", "mean_ci", "pooled"]
 def lag_curve(model, prompts: Tensor, bos: int | None = None, batch_size: int = 32, inputs_of=None) -> dict:
     """``{"lags", "mean", "ci95", "per_prompt"}`` for ``prompts [P, n + 1]`` (``bos`` is put in front of
     every prompt when given). A Hugging Face causal LM reads the ids; ``inputs_of`` maps them to the
-    inputs of our models (``tokenpatch.lm.lm_inputs``)."""
+    inputs of our models (``tokenpatch.models.lm.lm_inputs``)."""
     rows = []
     with torch.no_grad():
         for i in range(0, prompts.shape[0], batch_size):
@@ -95,8 +96,6 @@ def dose_response(model, ranked: list[dict], measure, ns=(0, 1, 2, 4, 8, 16), ex
     (``ablation.control_pool``), ``draws`` times. When
     the pool has at most ``draws`` subsets of ``n`` heads (a small model), every subset is measured
     once instead: the random control's exact average."""
-    from tokenpatch.progress import progress_bar
-
     out = {"n": list(ns), "top": [], "random": [], "random_heads": [], "exact": [], "exclude_top": exclude_top,
            "draws": draws}
     for n in progress_bar(ns, progress, desc="dose-response", unit="n"):

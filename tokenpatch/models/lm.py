@@ -16,7 +16,7 @@ after it, which is what an induction head does (a previous-token head in layer 0
 matching the current token against it). With one head per layer this is the circuit that forms
 (``docs/induction.md`` §5 has the trials: with more heads in layer 0 the model also builds a
 *shifted* circuit, two layer-0 heads at offsets k and k + 1, which the standard scores miss).
-Resumable training with a progress bar, as ``tokenpatch.markov``.
+Resumable training with a progress bar, as ``tokenpatch.workbench.train.markov``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tokenpatch.arch import adapter_for
 from tokenpatch.patch import LowRank, Patch
 from tokenpatch.errors import InputError
 from tokenpatch.dynamics.finetuning import finetuned
-from tokenpatch.thought.lstsq import _factor
+from tokenpatch.thought.lstsq import factor
 from tokenpatch.thought.front import ThoughtPatch
 
 __all__ = ["Distilled", "distill"]
@@ -87,10 +87,10 @@ def distill(model: nn.Module, prompt: Tensor, queries: Tensor, names: list[str],
             t.grad = grad
         opt.step()
     with torch.no_grad():
-        patch = Patch({n: _factor(d[0].double()).to(params[n].dtype) if d.ndim == 3 else d[None]
+        patch = Patch({n: factor(d[0].double()).to(params[n].dtype) if d.ndim == 3 else d[None]
                        for n, d in deltas().items()}, None,
-                      {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "static": True,
-                       "distill": {"steps": steps, "lr": lr, "rank": rank}})
+                      {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+                       "distill": {"steps": steps, "lr": lr, "rank": rank}}, static=True)
     return Distilled(patch, torch.stack(losses), time.perf_counter() - t0)
 
 

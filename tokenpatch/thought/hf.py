@@ -1,6 +1,6 @@
 """Thought patches of Hugging Face language models (``tp.thought_patch`` dispatches here).
 
-The same least squares as ``thought.py`` (``docs/thought-patches.md``), layer by layer in
+The same least squares as ``icl.py`` (``front.py`` has the math, ``docs/thought-patches.md``), layer by layer in
 sequential mode, with both passes the model's own forward:
 
 * **targets**: the calibration query tokens read after the prompt, ``[prompt; q]`` (positions
@@ -38,9 +38,11 @@ from tokenpatch.progress import progress_bar
 from tokenpatch.patch import INPUT_SUFFIX, Delta, Patch
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.arch.hf import output_tensor, registered_hooks
-from tokenpatch.run import _hooked
-from tokenpatch.thought.lstsq import _accumulate, _factor, _residual, _solve
+from tokenpatch.run import hooked
+from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 from tokenpatch.patching import param_layout
+from tokenpatch.arch.families import scale_norm
+from tokenpatch.thought.fit import LayerFit, ThoughtPatch, cut_rank, solve_output, static_patch
 
 
 class _Stop(Exception):
@@ -76,16 +78,13 @@ def _ids(x: Any, what: str) -> Tensor:
                      f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
 
 
-def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *, ridge: float, mode: str,
-                     inputs: bool, output: str | None, rank: int | None, solver: str, distributed: bool,
-                     progress, fit_types, keep_bos: bool = False, layers: Any = None) -> Any:
+def fit_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *, ridge: float, mode: str,
+           inputs: bool, output: str | None, rank: int | None, solver: str, distributed: bool,
+           progress, keep_bos: bool = False, layers: Any = None) -> ThoughtPatch:
     """``thought_patch`` for a language model: ``prompt`` token ids ``[P]`` or ``[1, P]``, ``batches`` of
     calibration query ids ``[b, T_q]`` (the same length in a batch). ``keep_bos``: the prompt's first
     token stays in front of the queries in the no-prompt pass. ``layers``: the layers fitted (default
     all). Returns a ``ThoughtPatch``."""
-    from tokenpatch.thought.front import _cut
-
-    ThoughtPatch, LayerFit = fit_types
     if mode != "sequential":
         raise UnsupportedModelError("on a language model only mode='sequential' is supported")
     prompt = _ids(prompt, "prompt")
@@ -134,10 +133,10 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
         def run(current: dict[str, Delta], record: bool):
             """Per batch, layer ``i`` on its stream under the patch ``current``: its recorded states
             (``record``), or its output."""
-            patch = Patch(current, None, {"static": True, "inputs": readers}) if current else None
+            patch = static_patch(current, {}, readers) if current else None
             for b, (v, kw) in enumerate(zip(valid, calls)):
                 # the patch's hooks first: a recording hook on a patched module then sees the patched output
-                with _hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
+                with hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
                     with adapter.recording(model, ats[b], every=not keep_bos) \
                             if record else contextlib.nullcontext([None] * (i + 1)) as rec:
                         out = output_tensor(layer(streams[b], *kw[i][0], **kw[i][1]))
@@ -149,17 +148,17 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
             fit: dict[str, Any] = {"layer": i, "ridge": float(ridge)}
             if inputs and sites.input_site is not None:
                 key = f"{sites.input_site}{INPUT_SUFFIX}"
-                acc = _accumulate(((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(deltas)),
+                acc = accumulate(((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(deltas)),
                                   distributed, solver)
-                d, solved_rank, cond = _solve(acc, ridge, False, f"layer {i} input side")
-                fit.update(n=acc.n, input_residual=_residual(acc, d), input_rank=solved_rank, input_condition=cond)
+                d, solved_rank, cond = solve(acc, ridge, False, f"layer {i} input side")
+                fit.update(n=acc.n, input_residual=residual(acc, d), input_rank=solved_rank, input_condition=cond)
                 readers[key] = [[name, param_layout(model, name)] for name in sites.inputs]
-                deltas.update(_cut({key: _factor(d).to(_dtype(model))}, rank))
+                deltas.update(cut_rank({key: factor(d).to(_dtype(model))}, rank))
             if output is not None and sites.output is not None:
                 kind = sites.output[0]
                 fit.update(_fit_output(model, i, sites.output, anchors(deltas), deltas, output, ridge, distributed,
                                        solver))
-                deltas.update(_cut(deltas, rank))
+                deltas.update(cut_rank(deltas, rank))
                 if kind == "matrix+scale":  # then the norm's scale, per channel, on the new directions
                     deltas[sites.output[2]] = _fit_scale(model.get_submodule(sites.output[2].rpartition(".")[0]),
                                                          anchors(deltas), distributed)
@@ -168,17 +167,15 @@ def thought_patch_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *
             streams = list(run(deltas, False))  # the next layer's input, this layer patched
     if not deltas:
         raise InputError("nothing was fitted")
-    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "static": True,
-            "inputs": readers, "thought": {"mode": mode, "ridge": float(ridge), "inputs": inputs, "output": output,
+    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+            "thought": {"mode": mode, "ridge": float(ridge), "inputs": inputs, "output": output,
                                            "rank": rank, "solver": solver, "prompt_len": p, "positions": fits[0].n,
                                            "keep_bos": bool(keep_bos), "layers": fitted}}
-    return ThoughtPatch(Patch(deltas, None, meta), fits)
+    return ThoughtPatch(static_patch(deltas, meta, readers), fits)
 
 
 def _fit_output(model: nn.Module, i: int, sites_out: tuple, pairs_source, deltas: dict, output: str, ridge: float,
                 distributed: bool, solver: str) -> dict:
-    from tokenpatch.thought.front import _solve_output
-
     """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``."""
     kind, name = sites_out[:2]
     module = model.get_submodule(name.rpartition(".")[0])
@@ -198,7 +195,7 @@ def _fit_output(model: nn.Module, i: int, sites_out: tuple, pairs_source, deltas
             x = r0["hidden"][v] if output == "affine" else t.new_zeros(t.shape[0], 0)
             yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
 
-    return _solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
+    return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
 
 
 def _right_padded(batches: list[Tensor], rows: int) -> tuple[list[Tensor], list[Tensor]]:
@@ -226,8 +223,6 @@ def _norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
     output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
     ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
     the norm's input that does). With ``_fit_scale`` after it, exact for one calibration position."""
-    from tokenpatch.arch.families import scale_norm
-
     unit, offset = scale_norm(norm)
     g = (offset + norm.weight).to(want.dtype)
     z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to _fit_scale
@@ -239,8 +234,6 @@ def _fit_scale(norm: nn.Module, pairs_source, distributed: bool) -> Tensor:
     ``min sum_n ((g_c + dg_c) u_nc - y_nc)^2``, ``u = unit(p)`` under the patch so far and ``y =
     out_C - m_0``: ``g_c + dg_c = sum_n u_nc y_nc / sum_n u_nc^2`` (channels no row reaches keep
     ``g_c``). With the directions met, it restores the magnitudes: exact for one query."""
-    from tokenpatch.arch.families import scale_norm
-
     unit, offset = scale_norm(norm)
     g = (offset + norm.weight.detach()).double()
     uy, uu = torch.zeros_like(g), torch.zeros_like(g)

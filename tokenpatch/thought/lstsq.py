@@ -1,8 +1,8 @@
-"""Streamed ridge least squares in float64, for the thought-patch fits (``thought.py``).
+"""Streamed ridge least squares in float64, for the thought-patch fits (``icl.py``, ``hf.py``).
 
-A problem ``A x_j ~ y_j`` keeps only its sums ``sum x x^T``, ``sum y x^T``, ``sum y y^T`` and the count
-(``_Sums``), so memory does not depend on the number of samples, and sums from several processes
-add up (``_accumulate(..., distributed=True)``: one all-reduce). ``_solve`` returns the ridge
+A problem ``A x_j ~ y_j`` keeps only its sums ``sum x x^T``, ``sum y x^T``, the scalar ``sum |y|^2`` and the count
+(``Sums``), so memory does not depend on the number of samples, and sums from several processes
+add up (``accumulate(..., distributed=True)``: one all-reduce). ``solve`` returns the ridge
 solution by Cholesky, or, for a rank-deficient or ill-conditioned system, the minimum-norm one
 from an eigendecomposition with a ``ThoughtWarning`` naming the condition number; never NaN.
 """
@@ -28,7 +28,7 @@ class ThoughtWarning(UserWarning):
     """A calibration system was rank-deficient or ill-conditioned."""
 
 
-class _Sums:
+class Sums:
     """Streaming sums of a least-squares problem ``A x_j ~ y_j``: ``xx = sum x x^T``, ``yx = sum y x^T``,
     ``yy = sum |y|^2`` (a scalar: only the residual needs it), ``n``, in float64."""
 
@@ -45,7 +45,7 @@ class _Sums:
         self.n += x.shape[0]
 
 
-class _QR:
+class QR:
     """Streaming triangular factor of the data (TSQR): ``[X | Y] = Q R`` with ``R`` upper triangular,
     ``[p + q, p + q]``, updated per batch by the QR of ``[R; [x | y]]``. Its solve works on ``R_xx``,
     whose condition number is the square root of that of ``X^T X``: rounding is amplified that much
@@ -78,10 +78,10 @@ def _warn(where: str, rank: int, p: int, cond: float) -> None:
                   stacklevel=_caller())
 
 
-def _solve_qr(acc: _QR, lam: float, free_last: bool, where: str) -> tuple[Tensor, int, float]:
+def _solve_qr(acc: QR, lam: float, free_last: bool, where: str) -> tuple[Tensor, int, float]:
     """``min |R_xx A^T - R_xy|^2 + n lam |P^(1/2) A^T|^2`` by SVD of ``[R_xx; sqrt(n lam) P^(1/2)]``: the
-    same problem as ``_solve``, minimum-norm where rank-deficient. The condition number reported is
-    that of the normal equations (the square of the SVD's), as ``_solve`` reports it."""
+    same problem as ``solve``, minimum-norm where rank-deficient. The condition number reported is
+    that of the normal equations (the square of the SVD's), as ``solve`` reports it."""
     r_xx, r_xy, _ = acc.blocks()
     p = acc.p
     pen = torch.ones(p, dtype=torch.float64, device=r_xx.device)
@@ -104,11 +104,11 @@ def _solve_qr(acc: _QR, lam: float, free_last: bool, where: str) -> tuple[Tensor
     return ((vh.T * inv) @ (u.T @ b)).T, rank, cond  # [q, p]
 
 
-def _solve(sums: _Sums | _QR, lam: float, free_last: bool, where: str) -> tuple[Tensor, int, float]:
+def solve(sums: Sums | QR, lam: float, free_last: bool, where: str) -> tuple[Tensor, int, float]:
     """``A = (yx/n) (xx/n + lam P)^-1`` (``P = I``, its last diagonal entry 0 with ``free_last``):
     Cholesky when well conditioned, else the minimum-norm solution from ``eigh`` with a warning.
-    Returns ``(A [q, p], rank, condition number)``. A ``_QR`` accumulator solves by ``_solve_qr``."""
-    if isinstance(sums, _QR):
+    Returns ``(A [q, p], rank, condition number)``. A ``QR`` accumulator solves by ``_solve_qr``."""
+    if isinstance(sums, QR):
         return _solve_qr(sums, lam, free_last, where)
     p = sums.xx.shape[0]
     pen = torch.ones(p, dtype=torch.float64, device=sums.xx.device)
@@ -143,10 +143,10 @@ def _caller() -> int:
     return level
 
 
-def _residual(sums: _Sums | _QR, a: Tensor) -> float:
+def residual(sums: Sums | QR, a: Tensor) -> float:
     """``|A X - Y|_F / |Y|_F``: from the sums ``tr(A xx A^T) - 2 tr(A yx^T) + sum |y|^2`` (cancels: see
-    ``LayerFit``), or exactly from a ``_QR`` factor."""
-    if isinstance(sums, _QR):
+    ``LayerFit``), or exactly from a ``QR`` factor."""
+    if isinstance(sums, QR):
         r_xx, r_xy, r_yy = sums.blocks()
         num = (r_xx @ a.T - r_xy).square().sum() + r_yy.square().sum()
         den = r_xy.square().sum() + r_yy.square().sum()
@@ -156,23 +156,23 @@ def _residual(sums: _Sums | _QR, a: Tensor) -> float:
     return float(num.clamp_min(0).sqrt() / den.sqrt()) if float(den) > 0 else 0.0
 
 
-def _factor(dense: Tensor) -> LowRank:
+def factor(dense: Tensor) -> LowRank:
     """``[rows, cols]`` -> ``LowRank`` lead ``[1, 1]`` in SVD order, exact zero directions dropped."""
     u, s, vh = torch.linalg.svd(dense, full_matrices=False)
     keep = max(1, int((s > s[0] * max(dense.shape) * torch.finfo(dense.dtype).eps).sum())) if s.numel() else 1
     return LowRank((u[:, :keep] * s[:keep]).T[None, None], vh[:keep][None, None])
 
 
-def _accumulate(pairs, distributed: bool = False, solver: str = "normal") -> _Sums | _QR:
+def accumulate(pairs, distributed: bool = False, solver: str = "normal") -> Sums | QR:
     """The sums (``solver="normal"``) or the triangular factor (``"qr"``) of every ``(x [N, p], y [N, q])``
     pair; with ``distributed``, of every process's pairs."""
     acc = None
     for x, y in pairs:
-        acc = acc or (_QR if solver == "qr" else _Sums)(x.shape[1], y.shape[1], x.device)
+        acc = acc or (QR if solver == "qr" else Sums)(x.shape[1], y.shape[1], x.device)
         acc.add(x, y)
     if acc is None:
         raise InputError("queries hold no calibration batches")
-    if distributed and isinstance(acc, _QR):  # stack every process's R, factor again
+    if distributed and isinstance(acc, QR):  # stack every process's R, factor again
         n = torch.tensor([float(acc.n)], dtype=torch.float64, device=acc.r.device)
         torch.distributed.all_reduce(n)
         r = torch.cat(acc.blocks()[:2], 1)  # [p, p + q]: the rows of R that carry x, then R_yy's rows

@@ -32,6 +32,7 @@ from tokenpatch.patch import Patch
 from tokenpatch.errors import InputError
 from tokenpatch.run import apply
 from tokenpatch.tasks.wordpairs import Format, WordPairs, is_correct
+from tokenpatch.thought.front import compress
 
 # key (snake_case, as in the results) -> the name shown
 METHODS = {"zero_shot": "zero-shot", "icl": "ICL", "thought_patch": "thought patch",
@@ -190,8 +191,6 @@ def extract(model: nn.Module, enc: Encoded, *, rank: int = 4, ridge: float = 0.0
             progress: bool | None = None) -> dict[str, Method]:
     """Every method of ``METHODS`` (or those named in ``methods``), extracted from the calibration
     split and, for the task and function vectors, placed on the dev split."""
-    from tokenpatch.thought.front import compress
-
     want = lambda name: methods is None or name in methods  # noqa: E731
     out = {"zero_shot": Method("zero-shot"), "icl": Method("ICL", prompted=True)}
     prompted, plain = enc.batch("calibration", True, answers=True), enc.batch("calibration", False, answers=True)

@@ -1,7 +1,7 @@
 """``tokenpatch induction``: induction-head measurements on the command line (``docs/induction.md``).
 
     tokenpatch induction scores --model smollm2-135m --length 50 --sequences 20 --seed 0 --json
-    tokenpatch induction scores --model runs/lm.safetensors      # a small LM of tokenpatch.lm
+    tokenpatch induction scores --model runs/lm.safetensors      # a small LM of tokenpatch.models.lm
     tokenpatch induction train --out runs/lm.safetensors          # train it (resumable)
     tokenpatch induction report --model smollm2-135m --out results-induction
 """
@@ -28,7 +28,7 @@ def add_parser(sub, fmt, common, count, number) -> None:
                         "(TransformerLens' induction ratio, BOS excluded), previous-token and duplicate-token; "
                         "sorted by diagonal, descending.")
     s.add_argument("--model", required=True, help="smollm2-135m, gemma3-270m, or the path of a small LM written by "
-                   "tokenpatch.lm.train_lm (required)")
+                   "tokenpatch.models.lm.train_lm (required)")
     s.add_argument("--length", type=count(2), default=50, help="L, tokens per copy")
     s.add_argument("--sequences", type=count(1), default=20, help="random sequences S")
     s.add_argument("--seed", type=count(0), default=0, help="seed of the random tokens")
@@ -36,7 +36,7 @@ def add_parser(sub, fmt, common, count, number) -> None:
     s.add_argument("--json", action="store_true", help="print every head as a JSON list of objects")
     common(s)
     t = isub.add_parser("train", formatter_class=fmt, help="train the small LM in which induction heads form",
-                        description="Train (or resume) the small LM of tokenpatch.lm: random tokens where a recurring "
+                        description="Train (or resume) the small LM of tokenpatch.models.lm: random tokens where a recurring "
                         "token is followed, with probability --follow, by what followed it last time. Writes the "
                         "checkpoint (with optimizer and sampler state) to --out; rerunning resumes bit for bit.")
     t.add_argument("--out", required=True, help="checkpoint path, .safetensors (required)")

@@ -1,5 +1,5 @@
 """The command line's language-model commands: ``tokenpatch verify --model`` and ``tokenpatch generate``
-(real pretrained models from ``tokenpatch.pretrained``; ``cli.py`` parses the arguments)."""
+(real pretrained models from ``tokenpatch.workbench.zoo.pretrained``; ``main.py`` parses the arguments)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 
 import torch
 
-from tokenpatch.workbench.cli.main import _check_out_file, _usage
+from tokenpatch.workbench.cli.args import check_out_file, usage
 
 
 def _check_model_name(name: str) -> None:
     from tokenpatch.workbench.zoo.pretrained import pretrained_names
 
     if name not in pretrained_names():
-        raise _usage(f"--model {name!r} is not a known model; choose one of {list(pretrained_names())}")
+        raise usage(f"--model {name!r} is not a known model; choose one of {list(pretrained_names())}")
 
 
 def _pretrained(args):
@@ -32,14 +32,14 @@ def verify_lm(args) -> int:
 
     _check_model_name(args.model)
     if args.checkpoint is not None:
-        raise _usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
+        raise usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
     if not args.prompt or not args.query:
-        raise _usage("--model needs --prompt TEXT (the context) and --query TEXT (read after it)")
+        raise usage("--model needs --prompt TEXT (the context) and --query TEXT (read after it)")
     model, tokenizer = _pretrained(args)
     context = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     full = tokenizer(args.prompt + args.query, return_tensors="pt")["input_ids"]
     if full.shape[1] <= context.shape[1] or not torch.equal(full[0, : context.shape[1]], context[0]):
-        raise _usage("the prompt's tokens change when the query is appended (a word split across them?); start "
+        raise usage("the prompt's tokens change when the query is appended (a word split across them?); start "
                      "--query with a space or a new word")
     queries = list(range(context.shape[1], full.shape[1]))
     patch = token_patch(model, full, query=queries, progress=not args.quiet)
@@ -84,7 +84,7 @@ def generate_lm(args) -> int:
         return generate_with_patch(args)
 
     if args.plot:
-        _check_out_file(args.plot, "--plot", may_exist=False)
+        check_out_file(args.plot, "--plot", may_exist=False)
     model, tokenizer = _pretrained(args)
     ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     gen = generate(model, ids, args.max_new_tokens, progress=not args.quiet)
@@ -131,14 +131,14 @@ def compress_lm(args) -> int:
 
     _check_model_name(args.model)
     if args.checkpoint is not None:
-        raise _usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
+        raise usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
     if (args.task is None) == (args.prompt is None):
-        raise _usage("--model needs either --task TASK (the comparison on word-pair tasks) or --prompt TEXT with "
+        raise usage("--model needs either --task TASK (the comparison on word-pair tasks) or --prompt TEXT with "
                      "--queries FILE (compress your own prompt)")
     if args.task is not None:
         return _compare_tasks(args, Path(args.out))
     if not args.queries:
-        raise _usage("--prompt TEXT needs --queries FILE: a text file with one calibration query per line, queries "
+        raise usage("--prompt TEXT needs --queries FILE: a text file with one calibration query per line, queries "
                      "like the ones the patch will answer")
     return _compress_prompt(args)
 
@@ -148,26 +148,26 @@ def _compare_tasks(args, out) -> int:
     from tokenpatch.tasks.wordpairs import MAIN_TASKS, task_names
 
     if out.exists() and not out.is_dir():
-        raise _usage(f"--out {out} is a file; with --task give a folder (it is created if missing)")
+        raise usage(f"--out {out} is a file; with --task give a folder (it is created if missing)")
     if args.task in ("all", "main"):
         tasks = None if args.task == "all" else list(MAIN_TASKS)
     else:
         tasks = [t.strip() for t in args.task.split(",") if t.strip()]
         unknown = [t for t in tasks if t not in task_names()]
         if unknown or not tasks:
-            raise _usage(f"--task {args.task!r}: unknown task {unknown[:1] or ['(none)']}; choose from "
+            raise usage(f"--task {args.task!r}: unknown task {unknown[:1] or ['(none)']}; choose from "
                          f"{task_names()}, 'main' or 'all'")
     slug = args.model.replace("-", "_").replace(".", "_")
     paths = {k: out / f"compress-{slug}.{k}" for k in ("json", "md", "png")}
     for p in paths.values():
-        _check_out_file(str(p), "--out", may_exist=False)
+        check_out_file(str(p), "--out", may_exist=False)
     out.mkdir(parents=True, exist_ok=True)
     if args.output_side != "affine":
-        raise _usage("--output-side: the comparison fits the thought patch with its affine output side; for the "
+        raise usage("--output-side: the comparison fits the thought patch with its affine output side; for the "
                      "thought vector alone it reports the 'thought vector' row")
     taken = sorted(out.glob(f"{slug}-*-thought-*.safetensors")) if out.is_dir() else []
     if taken:
-        raise _usage(f"--out {out} already holds thought patches of this model ({taken[0].name}); nothing is "
+        raise usage(f"--out {out} already holds thought patches of this model ({taken[0].name}); nothing is "
                      "overwritten: give a new folder")
     run = run_model(args.model, tasks, shots=args.shots, test=100 if args.test is None else args.test, seed=args.seed,
                     ridge=RIDGES if args.ridge is None else args.ridge, rank=args.rank or 4, out=out,
@@ -185,13 +185,13 @@ def _compress_prompt(args) -> int:
     from pathlib import Path
 
     from tokenpatch.workbench.compare import leading_tokens
-    from tokenpatch.patch import save_patch
+    from tokenpatch.patch_files import save_patch
     from tokenpatch.thought.front import compress
 
-    _check_out_file(args.out, "--out", may_exist=False)
+    check_out_file(args.out, "--out", may_exist=False)
     lines = [ln for ln in Path(args.queries).read_text(encoding="utf-8").splitlines() if ln.strip()]
     if not lines:
-        raise _usage(f"--queries {args.queries} has no non-empty line; write one calibration query per line")
+        raise usage(f"--queries {args.queries} has no non-empty line; write one calibration query per line")
     model, tokenizer = _pretrained(args)
     lead = leading_tokens(tokenizer)
     prompt = torch.tensor(lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
@@ -215,7 +215,7 @@ def generate_with_patch(args) -> int:
     """``generate --patch``: greedy decoding of ``--prompt`` (a query, no context) with the thought patch
     in place, beside the same decoding without it."""
     from tokenpatch.workbench.compare import leading_tokens
-    from tokenpatch.patch import load_patch
+    from tokenpatch.patch_files import load_patch
     from tokenpatch.run import apply
 
     patch = load_patch(args.patch)

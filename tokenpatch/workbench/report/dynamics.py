@@ -14,6 +14,7 @@ from tokenpatch.dynamics.trajectories import trajectory
 from tokenpatch.models.icl import SHIPPED, load_model
 from tokenpatch.dynamics.online_gd import replay
 from tokenpatch.tasks.linreg import task_of
+from tokenpatch.workbench.report.section import Section
 
 __all__ = ["dynamics_section"]
 
@@ -28,8 +29,6 @@ def dynamics_section(out: Path, n_tasks: int = 64, seed: int = 11, progress: boo
     """Step norms against context length for every shipped layer kind (fitted log-log exponents
     and their spread over tasks), the softmax model's layer alignment, and how far each of its
     layers is from online gradient descent (NLMS replay deviation)."""
-    from tokenpatch.workbench.report.reproduce import Section
-
     rows, curves, data = [], {"layer 0 (fc_in)": {}, "last layer (fc_in)": {}}, {"n_tasks": n_tasks, "seed": seed,
                                                                                    "models": {}}
     alignment = deviation = None

@@ -20,6 +20,7 @@ from tokenpatch.lowrank import LowRank
 from tokenpatch.models.icl import ICLTransformer, load_model
 from tokenpatch.patching import token_patch
 from tokenpatch.tasks.linreg import fresh_queries, least_squares, task_of, training_points
+from tokenpatch.workbench.report.section import Section
 
 __all__ = ["finetune_section", "compare"]
 
@@ -133,8 +134,6 @@ def _band(rows: list[dict]) -> tuple[list[float], list[float], list[float]]:
 
 def finetune_section(out: Path, n_tasks: int = 32, seed: int = 13, progress: bool | None = None):
     """ICL against explicit fine-tuning on the shipped softmax model, beside an untrained control."""
-    from tokenpatch.workbench.report.reproduce import Section
-
     trained = load_model(layer="softmax", dtype="float64")
     with torch.random.fork_rng():  # the control: the same architecture at its initialisation
         torch.manual_seed(seed)

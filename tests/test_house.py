@@ -1,0 +1,151 @@
+"""The house rules, read from the package's own imports (``docs/architecture.md``).
+
+Every import of a tokenpatch module, at module level or inside a function, is an arrow. The test fails
+on an import circle, on an import placed inside a function (the way circles used to be dodged), on an
+import of another module's private name (``from tokenpatch.x import _y``, or ``x._y`` on an imported
+module), on the library importing the workbench, and on a library file past 400 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tokenpatch"
+WORKBENCH = "tokenpatch.workbench"
+MAX_LINES = 400
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    imports: list[tuple[int, str, bool]] = field(default_factory=list)  # (line, target module, inside a function)
+    private: list[tuple[int, str]] = field(default_factory=list)  # (line, "module._name")
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Module]:
+    names = {_name(p): p for p in PACKAGE.rglob("*.py")}
+    mods = {}
+    for name, path in names.items():
+        mod = Module(name, path)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        bound: dict[str, str] = {}  # local name -> tokenpatch module it is bound to
+
+        def visit(node: ast.AST, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:
+                        up = package.split(".")[: len(package.split(".")) - child.level + 1]
+                        base = ".".join(up + ([child.module] if child.module else []))
+                    if base.split(".")[0] == "tokenpatch":
+                        for alias in child.names:
+                            full = f"{base}.{alias.name}"
+                            if full in names:  # a module imported by name
+                                mod.imports.append((child.lineno, full, inner))
+                                bound[alias.asname or alias.name] = full
+                            else:
+                                mod.imports.append((child.lineno, base, inner))
+                                if alias.name.startswith("_") and not alias.name.startswith("__") and base != name:
+                                    mod.private.append((child.lineno, f"{base}.{alias.name}"))
+                elif isinstance(child, ast.Import):
+                    for alias in child.names:
+                        if alias.name.split(".")[0] == "tokenpatch":
+                            mod.imports.append((child.lineno, alias.name, inner))
+                            if alias.asname:
+                                bound[alias.asname] = alias.name
+                visit(child, inner)
+
+        visit(tree, False)
+        for node in ast.walk(tree):  # files._x on a module bound above
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in bound):
+                mod.private.append((node.lineno, f"{bound[node.value.id]}.{node.attr}"))
+        mods[name] = mod
+    return mods
+
+
+MODULES = _modules()
+
+
+def _cycles(mods: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), or a module importing itself."""
+    graph = {m: sorted({t for _, t, _ in mod.imports if t in mods and t != m}) for m, mod in mods.items()}
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_reader_sees_every_module():
+    assert {"tokenpatch.patch", "tokenpatch.run", "tokenpatch.workbench.cli.main", "tokenpatch.arch.base"} <= set(MODULES)
+    assert any(t == "tokenpatch.patch" for _, t, _ in MODULES["tokenpatch.run"].imports)
+
+
+def test_no_import_circles():
+    assert _cycles(MODULES) == []
+
+
+def test_cycle_finder_finds_one():  # the finder itself, on a made-up circle
+    a, b = Module("a", PACKAGE, [(1, "b", False)]), Module("b", PACKAGE, [(1, "a", True)])
+    assert _cycles({"a": a, "b": b}) == [["a", "b"]]
+
+
+def test_no_imports_inside_functions():
+    """In the library. The command line defers its imports on purpose (it checks its arguments before
+    torch loads); the circle test above holds it to the same graph."""
+    inside = [f"{m.name}:{line} imports {t}" for m in MODULES.values() for line, t, fn in m.imports
+              if fn and not m.name.startswith(f"{WORKBENCH}.cli")]
+    assert inside == []
+
+
+def test_no_private_names_across_modules():
+    used = [f"{m.name}:{line} uses {what}" for m in MODULES.values() for line, what in m.private]
+    assert used == []
+
+
+def test_library_never_imports_the_workbench():
+    wrong = [f"{m.name}:{line} imports {t}" for m in MODULES.values() for line, t, _ in m.imports
+             if t.startswith(WORKBENCH) and not (m.name.startswith(WORKBENCH) or m.name == "tokenpatch.__main__")]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if not m.startswith(WORKBENCH)))
+def test_library_files_are_short(name):
+    lines = MODULES[name].path.read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_LINES, f"{MODULES[name].path} has {lines} lines"

@@ -1,0 +1,81 @@
+"""Patch files: ``save_patch`` / ``load_patch``.
+
+safetensors (``name.u``, ``name.v`` or ``name``) with a JSON document: the delta kinds, the
+``Patch`` fields (``positions``, ``plan``, ``static``, ``readers``, ``rows``), ``meta`` and a
+checksum (``files.write_file``). No pickle. Files written by tokenpatch 0.2, whose behaviour sat in
+``meta``, load with it read into the fields.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor, nn
+
+from tokenpatch import files
+from tokenpatch.errors import FileFormatError, InputError
+from tokenpatch.lowrank import LowRank
+from tokenpatch.patch import Delta, Patch, split_behaviour
+from tokenpatch.plans import Plan
+
+__all__ = ["save_patch", "load_patch", "PATCH_FORMAT"]
+
+PATCH_FORMAT = "tokenpatch.patch/1"
+
+
+def save_patch(patch: Patch, path: str | os.PathLike) -> None:
+    """Write ``patch`` to ``path``: safetensors, ``name.u``/``name.v`` or ``name``, its fields and meta."""
+    tensors: dict[str, Tensor] = {}
+    for name, d in patch.items():
+        if isinstance(d, LowRank):
+            tensors[f"{name}.u"], tensors[f"{name}.v"] = d.u, d.v
+        else:
+            tensors[name] = d
+    kinds = {n: "lowrank" if isinstance(d, LowRank) else "dense" for n, d in patch.items()}
+    doc = {"kinds": kinds, "positions": list(patch.positions) or None, "meta": patch.meta,
+           "plan": None if patch.plan is None else patch.plan.describe(), "static": patch.static,
+           "readers": {k: [list(pair) for pair in v] for k, v in patch.readers.items()},
+           "rows": None if patch.rows is None else list(patch.rows)}
+    files.write_file(path, tensors, PATCH_FORMAT, doc)
+
+
+def load_patch(path: str | os.PathLike, model: nn.Module | None = None) -> Patch:
+    """Read a patch written by ``save_patch``. With ``model``, also check it belongs to that model."""
+    tensors, doc = files.read_file(path, PATCH_FORMAT)
+    kinds = doc.get("kinds")
+    if not isinstance(kinds, dict):
+        raise FileFormatError(f"{path}: patch metadata has no 'kinds' table")
+    deltas: dict[str, Delta] = {}
+    expected = set()
+    for name, kind in kinds.items():
+        if kind == "lowrank":
+            keys = (f"{name}.u", f"{name}.v")
+        elif kind == "dense":
+            keys = (name,)
+        else:
+            raise FileFormatError(f"{path}: unknown delta kind {kind!r} for {name}")
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise FileFormatError(f"{path}: tensors {missing} are missing")
+        expected.update(keys)
+        deltas[name] = LowRank(tensors[keys[0]], tensors[keys[1]]) if kind == "lowrank" else tensors[keys[0]]
+    extra = set(tensors) - expected
+    if extra:
+        raise FileFormatError(f"{path}: unexpected tensors {sorted(extra)}")
+    meta = doc.get("meta") or {}
+    try:
+        if "static" in doc:  # written with the fields
+            plan = doc.get("plan")
+            fields = {"plan": None if plan is None else Plan.from_meta(plan), "static": bool(doc["static"]),
+                      "readers": doc.get("readers"), "rows": doc.get("rows")}
+        else:  # tokenpatch 0.2: the behaviour was in meta
+            meta, fields = split_behaviour(meta)
+        patch = Patch(deltas, doc.get("positions"), meta, **fields)
+    except (InputError, KeyError, TypeError, ValueError) as exc:
+        raise FileFormatError(f"{path}: inconsistent patch: {exc}") from exc
+    if model is not None:
+        try:
+            patch.check_model(model, cached=False)
+        except InputError as exc:
+            raise FileFormatError(f"{path}: {exc}") from exc
+    return patch

@@ -1,0 +1,122 @@
+"""What the thought-patch fits share (``docs/thought-patches.md``): their result types, the rank cut,
+the calibration batches, and the output side's least squares.
+
+The fits themselves: ``icl.py`` (our own models) and ``hf.py`` (Hugging Face language models);
+``front.py`` holds ``thought_patch``, which picks one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from tokenpatch.arch import weight_layout
+from tokenpatch.errors import InputError
+from tokenpatch.patch import Delta, LowRank, Patch
+from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
+
+__all__ = ["LayerFit", "ThoughtPatch", "cut_rank", "calibration_batches", "solve_output", "static_patch"]
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """Fit diagnostics of one layer (``None`` where a side was not fitted):
+
+    * ``n``: calibration positions;
+    * per side, the relative training residual ``|fit - target|_F / |target|_F`` (input side: of
+      ``D s_0 ~ s_C - s_0``, in the MLP-input space). With ``solver="normal"`` it is read from the
+      sums, so an exact fit reads as about ``sqrt(eps * condition)``, not 0; with ``"qr"`` it is
+      exact. ``evaluate_thought_patch`` on the calibration queries measures the fit itself;
+    * per side, the rank and condition number of the normal equations, and the ``lambda`` used.
+    """
+
+    layer: int
+    n: int
+    input_residual: float | None = None
+    input_rank: int | None = None
+    input_condition: float | None = None
+    output_residual: float | None = None
+    output_rank: int | None = None
+    output_condition: float | None = None
+    ridge: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class ThoughtPatch:
+    """``patch``: the static patch (lead ``[1, 1]``, acts everywhere, ``patch.static``: it runs on
+    any no-prompt inputs, ``tp.functional_call(model, patch, x)`` or ``with tp.apply(model, patch)``);
+    ``fits``: per-layer ``LayerFit``."""
+
+    patch: Patch
+    fits: list[LayerFit] = field(default_factory=list)
+
+    def truncate(self, rank: int) -> Patch:
+        """The patch with every matrix delta cut to its top ``rank`` singular directions (the best
+        rank-``rank`` approximation in Frobenius norm: the factors are stored in SVD order)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise InputError(f"rank must be an int >= 1, got {rank!r}")
+        return self.patch.replace(deltas=cut_rank(dict(self.patch.items()), rank),
+                                  meta={**self.patch.meta, "truncated_rank": rank})
+
+    def vector(self) -> Patch:
+        """Only the dense (bias) deltas: the thought vector."""
+        return _subset(self.patch, dense=True)
+
+    def matrices(self) -> Patch:
+        """Only the matrix deltas: the thought matrices."""
+        return _subset(self.patch, dense=False)
+
+
+def cut_rank(deltas: dict[str, Delta], rank: int | None) -> dict[str, Delta]:
+    """Matrix deltas (factors in SVD order) cut to their top ``rank`` terms; others unchanged."""
+    if rank is None:
+        return dict(deltas)
+    return {n: LowRank(d.u[..., :rank, :], d.v[..., :rank, :]) if isinstance(d, LowRank) else d for n, d in deltas.items()}
+
+
+def _subset(patch: Patch, dense: bool) -> Patch:
+    kept = {n: d for n, d in patch.items() if isinstance(d, LowRank) != dense}
+    if not kept:
+        raise InputError(f"this thought patch has no {'vector' if dense else 'matrix'} deltas")
+    return patch.replace(deltas=kept)
+
+
+def calibration_batches(queries: Any, batch_size: int) -> list:
+    """Calibration queries as a re-iterable of ``[b, T_q, ...]`` batches."""
+    if isinstance(queries, Tensor):
+        return list(queries.split(batch_size))
+    if isinstance(queries, Iterable) and not isinstance(queries, (str, bytes)):
+        if iter(queries) is queries:
+            raise InputError("queries is a one-shot iterator; the fit reads the calibration batches more than "
+                             "once: pass a tensor, a list of batches or a re-iterable loader")
+        return queries
+    raise InputError(f"queries must be a tensor [m, T_q, ...] or a re-iterable of such batches, got "
+                     f"{type(queries).__name__}")
+
+
+
+def static_patch(deltas: dict[str, Delta], meta: dict, readers=None) -> Patch:
+    """A thought patch's ``Patch``: one update for any input (``static``), acting everywhere."""
+    return Patch(deltas, None, meta, static=True, readers=readers)
+
+
+def solve_output(pairs, i: int, module: nn.Module, name: str, output: str, affine: bool, deltas: dict, ridge: float,
+                  distributed: bool, solver: str) -> dict:
+    """The output side's least squares on ``(features, target)`` pairs: the output matrix (``affine``
+    output) and its bias (``affine`` features, intercept last) into ``deltas``; returns diagnostics."""
+    module_name = name.rpartition(".")[0]
+    acc = accumulate(pairs, distributed, solver)
+    a, rank, cond = solve(acc, ridge, affine, f"layer {i} output side")
+    if output == "affine":
+        dw = a[:, :-1] if affine else a  # [d, d_hidden]  math layout
+        layout = weight_layout(module, name)
+        deltas[f"{module_name}.weight"] = factor(dw if layout == "out_in" else dw.T).to(module.weight.dtype)
+    if affine:
+        deltas[name] = a[:, -1][None, None].to(module.bias.dtype)  # [1, 1, d]
+    return {"n": acc.n, "output_residual": residual(acc, a), "output_rank": rank, "output_condition": cond}
