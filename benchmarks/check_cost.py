@@ -78,11 +78,20 @@ def main() -> None:
     print(f"{'ours':>10}  {row['ours_us']:9.1f}  {100 * row['ours_overhead']:8.1f}%")
     print(f"{'naive':>10}  {row['naive_us']:9.1f}  {100 * row['naive_overhead']:8.1f}%")
     verdict = "met" if row["ours_overhead"] < 0.05 else "NOT met"
-    print(f"\nthe per-call safety check adds {100 * row['ours_overhead']:.1f}% to functional_call (target < 5%: {verdict})")
+    print(
+        f"\nthe per-call safety check adds {100 * row['ours_overhead']:.1f}% to functional_call (target < 5%: {verdict})"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
-            "machine": platform.machine(), "calls": args.calls, "rounds": args.rounds, "parameters": n_params}
+    meta = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "calls": args.calls,
+        "rounds": args.rounds,
+        "parameters": n_params,
+    }
     out.write_text(json.dumps({"meta": meta, "row": row}, indent=1))
     print(f"wrote {out}")
 

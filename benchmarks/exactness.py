@@ -29,20 +29,40 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "exactness.json"))
     args = ap.parse_args()
     rows = []
-    combos = itertools.product(sorted(tp.LAYERS), ["none", "pre", "post"], [True, False], ["last", "all"],
-                               ["context", "chunk"], [1, 3])
+    combos = itertools.product(
+        sorted(tp.LAYERS), ["none", "pre", "post"], [True, False], ["last", "all"], ["context", "chunk"], [1, 3]
+    )
     for layer, norm, residual, query, remove, depth in combos:
         worst = 0.0
         for seed in range(args.seeds):
             torch.manual_seed(seed)
-            cfg = tp.ICLConfig(d_in=6 if depth == 1 else 3, d_model=6, n_layers=depth, n_heads=2, d_mlp=10,
-                               layer=layer, norm=norm, residual=residual)
+            cfg = tp.ICLConfig(
+                d_in=6 if depth == 1 else 3,
+                d_model=6,
+                n_layers=depth,
+                n_heads=2,
+                d_mlp=10,
+                layer=layer,
+                norm=norm,
+                residual=residual,
+            )
             model = perturbed((tp.Block(cfg) if depth == 1 else tp.ICLTransformer(cfg)).double(), seed)
             x = torch.randn(2, 9, cfg.d_in, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-            patch = tp.token_patch(model, x, -1 if query == "last" else "all", None if remove == "context" else slice(3, 6))
-            worst = max(worst, tp.verify(model, x, patch).max_abs)
-        rows.append({"layer": layer, "norm": norm, "residual": residual, "query": query, "remove": remove,
-                     "depth": depth, "max_abs": worst})
+            patch = tp.token_patch(
+                model, x, -1 if query == "last" else "all", None if remove == "context" else slice(3, 6)
+            )
+            worst = max(worst, tp.verify(model, patch, x).max_abs)
+        rows.append(
+            {
+                "layer": layer,
+                "norm": norm,
+                "residual": residual,
+                "query": query,
+                "remove": remove,
+                "depth": depth,
+                "max_abs": worst,
+            }
+        )
     by_layer = {}
     for r in rows:
         by_layer[r["layer"]] = max(by_layer.get(r["layer"], 0.0), r["max_abs"])

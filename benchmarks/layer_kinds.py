@@ -32,7 +32,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quartiles = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
     rows = []
-    print("| layer | in-context MSE | / zero | least squares | slope, layer 0 (25/50/75%) | slope, last layer | train s |")
+    print(
+        "| layer | in-context MSE | / zero | least squares | slope, layer 0 (25/50/75%) | slope, last layer | train s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for layer in SHIPPED:
         model = tp.load_model(layer=layer)
@@ -40,14 +42,23 @@ def main() -> None:
         model = model.double()
         x = task_of(model).sample(args.tasks, torch.Generator().manual_seed(5), dtype=torch.float64).tokens
         traj = tp.trajectory(model, x)
-        slopes = [torch.quantile(dg.decay_exponent(dg.step_norms(traj, f"blocks.{i}.mlp.fc_in.weight")), quartiles).tolist()
-                  for i in (0, model.config.n_layers - 1)]
-        row = {"layer": layer, **res, "slope_quartiles_first": slopes[0], "slope_quartiles_last": slopes[1],
-               "train_seconds_last_session": model.meta.get("seconds_last_session")}
+        slopes = [
+            torch.quantile(dg.decay_exponent(dg.step_norms(traj, f"blocks.{i}.mlp.fc_in.weight")), quartiles).tolist()
+            for i in (0, model.config.n_layers - 1)
+        ]
+        row = {
+            "layer": layer,
+            **res,
+            "slope_quartiles_first": slopes[0],
+            "slope_quartiles_last": slopes[1],
+            "train_seconds_last_session": model.meta.get("seconds_last_session"),
+        }
         rows.append(row)
         fmt = lambda q: " / ".join(f"{v:.2f}" for v in q)  # noqa: E731
-        print(f"| {layer} | {res['mse_model']:.4f} | {res['ratio_zero']:.3f} | {res['mse_least_squares']:.4f} | "
-              f"{fmt(slopes[0])} | {fmt(slopes[1])} | {row['train_seconds_last_session'] or float('nan'):.0f} |")
+        print(
+            f"| {layer} | {res['mse_model']:.4f} | {res['ratio_zero']:.3f} | {res['mse_least_squares']:.4f} | "
+            f"{fmt(slopes[0])} | {fmt(slopes[1])} | {row['train_seconds_last_session'] or float('nan'):.0f} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"tasks": args.tasks, "rows": rows}, indent=1))

@@ -46,7 +46,9 @@ def dense_patches(model, x):
             hidden_c, out_c = adapter.finish(model, i, m_c, s_c)
             w = model.blocks[i].mlp.fc_in.weight  # [d_mlp, d]
             r = (s_c - s_0) @ w.T  # [B, T, d_mlp]
-            out[f"blocks.{i}.mlp.fc_in.weight"] = torch.einsum("bto,bti->btoi", r, s_0 / (s_0 * s_0).sum(-1, keepdim=True))
+            out[f"blocks.{i}.mlp.fc_in.weight"] = torch.einsum(
+                "bto,bti->btoi", r, s_0 / (s_0 * s_0).sum(-1, keepdim=True)
+            )
             out[f"blocks.{i}.mlp.fc_out.bias"] = m_c - m_0
             h = out_c
     return out
@@ -100,8 +102,14 @@ def bench(name: str, model, x, repeats: int, with_dense: bool = True) -> dict:
     for key, fn in methods.items():
         row[f"{key}_peak_mb"] = peak_bytes(fn) / 2**20
     patch = methods["ours"]()
-    row["patch_mb"] = sum(t.numel() * t.element_size() for d in patch.values()
-                          for t in ((d.u, d.v) if isinstance(d, tp.LowRank) else (d,))) / 2**20
+    row["patch_mb"] = (
+        sum(
+            t.numel() * t.element_size()
+            for d in patch.values()
+            for t in ((d.u, d.v) if isinstance(d, tp.LowRank) else (d,))
+        )
+        / 2**20
+    )
     row["dense_would_be_mb"] = b * t * c.n_layers * (c.hidden * c.d_model + c.d_model) * x.element_size() / 2**20
     row["ours_over_forward"] = row["ours_s"] / row["forward_s"]
     if with_dense:
@@ -115,8 +123,13 @@ def write_results(args, rows: list[dict]) -> None:
     """``rows`` and the machine they were measured on, as JSON at ``args.out``."""
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": args.threads, "python": platform.python_version(),
-            "machine": platform.machine(), "repeats": args.repeats}
+    meta = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "repeats": args.repeats,
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
 
@@ -125,7 +138,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--wide-batch", type=int, default=1, help="batch of the wide model (dense needs ~5 GB per sequence)")
+    ap.add_argument(
+        "--wide-batch", type=int, default=1, help="batch of the wide model (dense needs ~5 GB per sequence)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "patch_cost.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,12 +160,34 @@ def main() -> None:
     x = torch.randn(args.wide_batch, 512, 5, generator=torch.Generator().manual_seed(1))
     rows.append(bench("wide (d_model 256, 10 layers)", wide, x, args.repeats))
 
-    cols = [("model", "{:<30}"), ("batch", "{:>5}"), ("context", "{:>7}"), ("forward_s", "{:>9.3f}"),
-            ("ours_s", "{:>8.3f}"), ("dense_s", "{:>8.3f}"), ("ours_over_forward", "{:>9.2f}"),
-            ("dense_over_forward", "{:>10.2f}"), ("forward_peak_mb", "{:>10.1f}"), ("ours_peak_mb", "{:>9.1f}"),
-            ("dense_peak_mb", "{:>9.1f}"), ("patch_mb", "{:>8.1f}")]
-    heads = ["model", "batch", "context", "fwd s", "ours s", "dense s", "ours/fwd", "dense/fwd", "fwd MB", "ours MB",
-             "dense MB", "patch MB"]
+    cols = [
+        ("model", "{:<30}"),
+        ("batch", "{:>5}"),
+        ("context", "{:>7}"),
+        ("forward_s", "{:>9.3f}"),
+        ("ours_s", "{:>8.3f}"),
+        ("dense_s", "{:>8.3f}"),
+        ("ours_over_forward", "{:>9.2f}"),
+        ("dense_over_forward", "{:>10.2f}"),
+        ("forward_peak_mb", "{:>10.1f}"),
+        ("ours_peak_mb", "{:>9.1f}"),
+        ("dense_peak_mb", "{:>9.1f}"),
+        ("patch_mb", "{:>8.1f}"),
+    ]
+    heads = [
+        "model",
+        "batch",
+        "context",
+        "fwd s",
+        "ours s",
+        "dense s",
+        "ours/fwd",
+        "dense/fwd",
+        "fwd MB",
+        "ours MB",
+        "dense MB",
+        "patch MB",
+    ]
     widths = [len(f.format(rows[0][k])) for k, f in cols]
     print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths))))
     for row in rows:
@@ -158,11 +195,15 @@ def main() -> None:
     wide_row = rows[-1]
     verdict = "met" if wide_row["ours_over_forward"] <= 1.5 else "NOT met"
     ref_row = rows[1]
-    print(f"\nreference setting: dense per-position updates take {ref_row['dense_peak_mb'] / ref_row['layers']:.0f} MB "
-          f"per block (the public code: 134 MB per block), ours {ref_row['patch_mb'] / ref_row['layers']:.1f} MB per block.")
-    print(f"wide model: all-layer, all-position patches cost {wide_row['ours_over_forward']:.2f}x one forward pass "
-          f"(target <= 1.5x: {verdict}); dense per-position updates cost {wide_row['dense_over_forward']:.2f}x and "
-          f"{wide_row['dense_over_ours_memory']:.0f}x the memory of ours.")
+    print(
+        f"\nreference setting: dense per-position updates take {ref_row['dense_peak_mb'] / ref_row['layers']:.0f} MB "
+        f"per block (the public code: 134 MB per block), ours {ref_row['patch_mb'] / ref_row['layers']:.1f} MB per block."
+    )
+    print(
+        f"wide model: all-layer, all-position patches cost {wide_row['ours_over_forward']:.2f}x one forward pass "
+        f"(target <= 1.5x: {verdict}); dense per-position updates cost {wide_row['dense_over_forward']:.2f}x and "
+        f"{wide_row['dense_over_ours_memory']:.0f}x the memory of ours."
+    )
     write_results(args, rows)
 
 

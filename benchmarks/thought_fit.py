@@ -67,8 +67,12 @@ import tokenpatch as tp
 sys.path.insert(0, str(Path(__file__).parent))
 from patch_cost import write_results  # noqa: E402
 
-MODES = {"cached": {}, "streaming": {"cache_bytes": 0},
-         "cached, qr": {"solver": "qr"}, "streaming, qr": {"cache_bytes": 0, "solver": "qr"}}
+MODES = {
+    "cached": {},
+    "streaming": {"cache_bytes": 0},
+    "cached, qr": {"solver": "qr"},
+    "streaming, qr": {"cache_bytes": 0, "solver": "qr"},
+}
 LS_FUNCTIONS = ("solve", "residual", "factor")  # module-level functions; plus the method Sums.add
 WARMUP = 64
 ENV_KEYS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
@@ -96,11 +100,15 @@ def maxrss_mib() -> float:
 
 def setting(m: int, seed: int):
     model = tp.load_model(dtype="float64")
-    prompt = tp.tasks.linreg.task_of(model).sample(1, torch.Generator().manual_seed(seed),
-                                                   dtype=torch.float64).tokens[0, :-1]  # [16, 5]
+    prompt = (
+        tp.tasks.linreg.task_of(model)
+        .sample(1, torch.Generator().manual_seed(seed), dtype=torch.float64)
+        .tokens[0, :-1]
+    )  # [16, 5]
     g = torch.Generator().manual_seed(seed + 1)
-    queries = torch.cat([torch.randn(m, 1, 4, generator=g, dtype=torch.float64),
-                         torch.zeros(m, 1, 1, dtype=torch.float64)], -1)  # [m, 1, 5]
+    queries = torch.cat(
+        [torch.randn(m, 1, 4, generator=g, dtype=torch.float64), torch.zeros(m, 1, 1, dtype=torch.float64)], -1
+    )  # [m, 1, 5]
     return model, prompt, queries
 
 
@@ -126,6 +134,7 @@ class LSTimer:
                 self.depth -= 1
                 self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
                 self.calls[label] = self.calls.get(label, 0) + 1
+
         return timed
 
     def install(self) -> None:
@@ -144,12 +153,12 @@ class LSTimer:
                 if hasattr(mod, name):
                     setattr(mod, name, self.wrap(name, getattr(mod, name)))
                     self.targets.append(f"{mod.__name__}.{name}")
-        sums = next((getattr(mod, "Sums") for mod in modules if hasattr(mod, "Sums")), None)
+        sums = next((mod.Sums for mod in modules if hasattr(mod, "Sums")), None)
         if sums is None:
             raise RuntimeError(f"no Sums class in {[mod.__name__ for mod in modules]}")
         sums.add = self.wrap("Sums.add", sums.add)
         self.targets.append(f"{sums.__module__}.Sums.add")
-        qr = next((getattr(mod, "QR") for mod in modules if hasattr(mod, "QR")), None)
+        qr = next((mod.QR for mod in modules if hasattr(mod, "QR")), None)
         if qr is not None:  # the streamed-QR accumulator (solver="qr")
             qr.add = self.wrap("QR.add", qr.add)
             self.targets.append(f"{qr.__module__}.QR.add")
@@ -200,20 +209,36 @@ def fit_worker(spec: dict) -> dict:
             fit = tp.thought_patch(model, prompt, queries, **options)
             seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         if best is None or seconds < best["seconds"]:
-            best = {"seconds": seconds, "cpu_s": cpu, "ls_s": timer.total, "ls_breakdown_s": dict(timer.seconds),
-                    "ls_calls": dict(timer.calls), "warnings": len(caught)}
+            best = {
+                "seconds": seconds,
+                "cpu_s": cpu,
+                "ls_s": timer.total,
+                "ls_breakdown_s": dict(timer.seconds),
+                "ls_calls": dict(timer.calls),
+                "warnings": len(caught),
+            }
         del fit
     peak = maxrss_mib()
     c = model.config
-    return {"kind": "fit", "m": m, "mode": mode, **best,
-            "forward_s": best["seconds"] - best["ls_s"],
-            "ls_ratio": best["ls_s"] / (best["seconds"] - best["ls_s"]),
-            "peak_mib": peak, "baseline_rss_mib": baseline, "increase_mib": peak - baseline,
-            "maxrss_before_fit_mib": maxrss_before,
-            "queries_mib": queries.numel() * queries.element_size() / 2**20,
-            "states_cached": cached[-1] if cached else None,
-            "cached_states_mib": 2 * m * queries.shape[1] * c.d_model * 8 / 2**20,
-            "ls_targets": timer.targets, "batch_size": 4096, "d_model": c.d_model, "layers": c.n_layers}
+    return {
+        "kind": "fit",
+        "m": m,
+        "mode": mode,
+        **best,
+        "forward_s": best["seconds"] - best["ls_s"],
+        "ls_ratio": best["ls_s"] / (best["seconds"] - best["ls_s"]),
+        "peak_mib": peak,
+        "baseline_rss_mib": baseline,
+        "increase_mib": peak - baseline,
+        "maxrss_before_fit_mib": maxrss_before,
+        "queries_mib": queries.numel() * queries.element_size() / 2**20,
+        "states_cached": cached[-1] if cached else None,
+        "cached_states_mib": 2 * m * queries.shape[1] * c.d_model * 8 / 2**20,
+        "ls_targets": timer.targets,
+        "batch_size": 4096,
+        "d_model": c.d_model,
+        "layers": c.n_layers,
+    }
 
 
 def dense(delta) -> torch.Tensor:
@@ -228,8 +253,9 @@ def agree_worker(spec: dict) -> dict:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
         solver = spec.get("solver", "normal")
-        a = tp.thought_patch(model, prompt, queries, ridge=ridge, batch_size=333, cache_bytes=0, solver=solver,
-                             progress=False).patch
+        a = tp.thought_patch(
+            model, prompt, queries, ridge=ridge, batch_size=333, cache_bytes=0, solver=solver, progress=False
+        ).patch
         out["streamed_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         fit = tp.thought_patch(model, prompt, queries, ridge=ridge, batch_size=m, solver=solver, progress=False)
@@ -249,8 +275,13 @@ def agree_worker(spec: dict) -> dict:
     out.update(rel_diff=per[worst], worst_delta=worst, per_delta=per, target=1e-10, met=per[worst] <= 1e-10)
     # what the patches do: the patched no-prompt model on fresh queries (well determined even where
     # the solution's components along near-null directions of an ill-conditioned system are not)
-    test = torch.cat([torch.randn(1000, 1, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64),
-                      torch.zeros(1000, 1, 1, dtype=torch.float64)], -1)
+    test = torch.cat(
+        [
+            torch.randn(1000, 1, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64),
+            torch.zeros(1000, 1, 1, dtype=torch.float64),
+        ],
+        -1,
+    )
     with torch.no_grad():
         ya, yb = tp.functional_call(model, a, test), tp.functional_call(model, b, test)
     out["output_rel_diff"] = float((ya - yb).abs().max() / yb.abs().max())
@@ -286,10 +317,15 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,10000,100000", help="comma-separated m (numbers like 1e4 allowed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="fits per configuration, the fastest reported")
-    ap.add_argument("--agree-size", type=float, default=1e4, help="m of the streamed/one-shot agreement check (0: skip)")
-    ap.add_argument("--agree-ridges", default="0,1e-4",
-                    help="ridge of each agreement check: 0 (the default options) is the one reported against the "
-                         "target; a ridge that conditions the systems shows what rounding alone does")
+    ap.add_argument(
+        "--agree-size", type=float, default=1e4, help="m of the streamed/one-shot agreement check (0: skip)"
+    )
+    ap.add_argument(
+        "--agree-ridges",
+        default="0,1e-4",
+        help="ridge of each agreement check: 0 (the default options) is the one reported against the "
+        "target; a ridge that conditions the systems shows what rounding alone does",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per worker process before it is abandoned")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "thought_fit.json"))
@@ -302,36 +338,70 @@ def main() -> None:
     sizes = [int(float(s)) for s in args.sizes.split(",") if s.strip()]
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     if load_before > 0.5:
-        log(f"warning: 1-minute load average {load_before:.2f} before starting: another process is busy, the "
-            "timings will not be reliable")
+        log(
+            f"warning: 1-minute load average {load_before:.2f} before starting: another process is busy, the "
+            "timings will not be reliable"
+        )
 
     rows = []
     for m in sizes:
         for mode in MODES:
             log(f"m = {m:,} {mode} ...")
-            spec = {"kind": "fit", "m": m, "mode": mode, "threads": args.threads, "repeats": args.repeats,
-                    "seed": args.seed}
+            spec = {
+                "kind": "fit",
+                "m": m,
+                "mode": mode,
+                "threads": args.threads,
+                "repeats": args.repeats,
+                "seed": args.seed,
+            }
             row = run_worker(spec, args.timeout)
             rows.append(row)
-            log(f"m = {m:,} {mode}: " + (row["error"] if "error" in row else
-                f"{row['seconds']:.2f} s, peak {row['peak_mib']:.0f} MiB (+{row['increase_mib']:.1f}), "
-                f"LS ratio {row['ls_ratio']:.1%}"))
+            log(
+                f"m = {m:,} {mode}: "
+                + (
+                    row["error"]
+                    if "error" in row
+                    else f"{row['seconds']:.2f} s, peak {row['peak_mib']:.0f} MiB (+{row['increase_mib']:.1f}), "
+                    f"LS ratio {row['ls_ratio']:.1%}"
+                )
+            )
     agreements = []
     if args.agree_size:
         m = int(args.agree_size)
-        for solver, ridge in [(sv, float(r)) for sv in ("normal", "qr") for r in args.agree_ridges.split(",") if r.strip()]:
-            log(f"agreement at m = {m:,}, {solver}, ridge {ridge:g} (streamed batch 333 / cache_bytes=0 against "
-                f"one-shot batch {m}) ...")
-            spec = {"kind": "agree", "m": m, "ridge": ridge, "solver": solver, "threads": args.threads, "seed": args.seed}
+        for solver, ridge in [
+            (sv, float(r)) for sv in ("normal", "qr") for r in args.agree_ridges.split(",") if r.strip()
+        ]:
+            log(
+                f"agreement at m = {m:,}, {solver}, ridge {ridge:g} (streamed batch 333 / cache_bytes=0 against "
+                f"one-shot batch {m}) ..."
+            )
+            spec = {
+                "kind": "agree",
+                "m": m,
+                "ridge": ridge,
+                "solver": solver,
+                "threads": args.threads,
+                "seed": args.seed,
+            }
             agreements.append(run_worker(spec, args.timeout))
             a = agreements[-1]
             log("agreement: " + (a["error"] if "error" in a else f"{a['rel_diff']:.2e}"))
         rows.extend(agreements)
     total = time.perf_counter() - start
     load_after = os.getloadavg()[0]
-    rows.append({"kind": "run", "total_s": total, "sizes": sizes, "cpu_count": os.cpu_count(),
-                 "loadavg_1min_before": load_before, "loadavg_1min_after": load_after,
-                 "processor": platform.processor(), "env": {k: os.environ.get(k) for k in ENV_KEYS}})
+    rows.append(
+        {
+            "kind": "run",
+            "total_s": total,
+            "sizes": sizes,
+            "cpu_count": os.cpu_count(),
+            "loadavg_1min_before": load_before,
+            "loadavg_1min_after": load_after,
+            "processor": platform.processor(),
+            "env": {k: os.environ.get(k) for k in ENV_KEYS},
+        }
+    )
 
     print("| m | mode | seconds | peak MiB | increase MiB | LS ratio |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -341,29 +411,39 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['m']:,} | {r['mode']} | {r['error']} | | | |")
             continue
-        print(f"| {r['m']:,} | {r['mode']} | {r['seconds']:.2f} | {r['peak_mib']:.1f} | {r['increase_mib']:.1f} "
-              f"| {r['ls_ratio']:.1%} |")
+        print(
+            f"| {r['m']:,} | {r['mode']} | {r['seconds']:.2f} | {r['peak_mib']:.1f} | {r['increase_mib']:.1f} "
+            f"| {r['ls_ratio']:.1%} |"
+        )
     fits = [r for r in rows if r.get("kind") == "fit" and "error" not in r]
     if fits:
         big = max(fits, key=lambda r: r["m"])
-        print(f"\npeak: whole worker process (ru_maxrss); increase: over its RSS after loading the model, building the "
-              f"queries and a {WARMUP}-query warm-up fit. The queries tensor is O(m) ({big['queries_mib']:.3g} MiB at "
-              f"m = {big['m']:,}): in peak, not in increase. Cached mode budgets 2 x m x d_model float64 states "
-              f"({big['cached_states_mib']:.0f} MiB at m = {big['m']:,}) while they fit in cache_bytes (2**30).")
+        print(
+            f"\npeak: whole worker process (ru_maxrss); increase: over its RSS after loading the model, building the "
+            f"queries and a {WARMUP}-query warm-up fit. The queries tensor is O(m) ({big['queries_mib']:.3g} MiB at "
+            f"m = {big['m']:,}): in peak, not in increase. Cached mode budgets 2 x m x d_model float64 states "
+            f"({big['cached_states_mib']:.0f} MiB at m = {big['m']:,}) while they fit in cache_bytes (2**30)."
+        )
         worst = max(fits, key=lambda r: r["ls_ratio"])
-        print(f"LS ratio = time in Sums.add/solve/residual/factor over the rest of the fit; target <= 20%: "
-              f"{'met' if worst['ls_ratio'] <= 0.2 else 'NOT met'} (worst {worst['ls_ratio']:.1%}, m = "
-              f"{worst['m']:,} {worst['mode']})")
+        print(
+            f"LS ratio = time in Sums.add/solve/residual/factor over the rest of the fit; target <= 20%: "
+            f"{'met' if worst['ls_ratio'] <= 0.2 else 'NOT met'} (worst {worst['ls_ratio']:.1%}, m = "
+            f"{worst['m']:,} {worst['mode']})"
+        )
     for a in agreements:
         if "error" in a:
             print(f"agreement at m = {a['m']:,}, ridge {a['ridge']:g}: {a['error']}")
             continue
-        print(f"solver {a['solver']}: streamed (batch 333, cache_bytes=0) vs one-shot (batch {a['m']:,}) at m = {a['m']:,}, ridge "
-              f"{a['ridge']:g}: max rel. diff {a['rel_diff']:.2e} ({a['worst_delta']}; largest condition number "
-              f"{a['max_condition']:.1e}); target 1e-10: {'met' if a['met'] else 'NOT met'}; patched outputs on 1000 "
-              f"fresh queries differ by {a['output_rel_diff']:.2e} (relative to their max)")
-    print(f"total {total:.0f} s, {args.threads} threads; 1-minute load average {load_before:.2f} before, "
-          f"{load_after:.2f} after (this run alone accounts for up to ~{args.threads})")
+        print(
+            f"solver {a['solver']}: streamed (batch 333, cache_bytes=0) vs one-shot (batch {a['m']:,}) at m = {a['m']:,}, ridge "
+            f"{a['ridge']:g}: max rel. diff {a['rel_diff']:.2e} ({a['worst_delta']}; largest condition number "
+            f"{a['max_condition']:.1e}); target 1e-10: {'met' if a['met'] else 'NOT met'}; patched outputs on 1000 "
+            f"fresh queries differ by {a['output_rel_diff']:.2e} (relative to their max)"
+        )
+    print(
+        f"total {total:.0f} s, {args.threads} threads; 1-minute load average {load_before:.2f} before, "
+        f"{load_after:.2f} after (this run alone accounts for up to ~{args.threads})"
+    )
     write_results(args, rows)
 
 

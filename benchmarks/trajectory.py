@@ -83,16 +83,22 @@ def main() -> None:
     x = torch.randn(1, 513, 5, generator=torch.Generator().manual_seed(1))  # N = 512 context tokens
     rows.append(bench("wide (d_model 256, 10 layers)", wide, x, args.repeats))
 
-    print(f"{'model':<30} {'batch':>5} {'N':>4} {'fwd s':>7} {'ours s':>7} {'prefix s':>9} {'ours/fwd':>8} "
-          f"{'prefix/ours':>11} {'ours MB':>8} {'max alloc MB':>12} {'dense MB':>8}")
+    print(
+        f"{'model':<30} {'batch':>5} {'N':>4} {'fwd s':>7} {'ours s':>7} {'prefix s':>9} {'ours/fwd':>8} "
+        f"{'prefix/ours':>11} {'ours MB':>8} {'max alloc MB':>12} {'dense MB':>8}"
+    )
     for r in rows:
-        print(f"{r['model']:<30} {r['batch']:>5} {r['context']:>4} {r['forward_s']:7.3f} {r['ours_s']:7.3f} "
-              f"{r['per_prefix_s']:9.2f} {r['ours_over_forward']:8.2f} {r['per_prefix_over_ours']:11.1f} "
-              f"{r['ours_peak_mb']:8.1f} {r['ours_largest_alloc_mb']:12.2f} {r['one_dense_update_mb']:8.2f}")
+        print(
+            f"{r['model']:<30} {r['batch']:>5} {r['context']:>4} {r['forward_s']:7.3f} {r['ours_s']:7.3f} "
+            f"{r['per_prefix_s']:9.2f} {r['ours_over_forward']:8.2f} {r['per_prefix_over_ours']:11.1f} "
+            f"{r['ours_peak_mb']:8.1f} {r['ours_largest_alloc_mb']:12.2f} {r['one_dense_update_mb']:8.2f}"
+        )
     w = rows[-1]
-    print(f"\nwide model, N = 512: one-pass trajectory {w['per_prefix_over_ours']:.0f}x faster than per-prefix "
-          f"token_patch (target >= 50x: {'met' if w['per_prefix_over_ours'] >= 50 else 'NOT met'}), "
-          f"{w['ours_over_forward']:.2f}x one forward pass (target <= 3x: {'met' if w['ours_over_forward'] <= 3 else 'NOT met'})")
+    print(
+        f"\nwide model, N = 512: one-pass trajectory {w['per_prefix_over_ours']:.0f}x faster than per-prefix "
+        f"token_patch (target >= 50x: {'met' if w['per_prefix_over_ours'] >= 50 else 'NOT met'}), "
+        f"{w['ours_over_forward']:.2f}x one forward pass (target <= 3x: {'met' if w['ours_over_forward'] <= 3 else 'NOT met'})"
+    )
     write_results(args, rows)
 
 

@@ -21,13 +21,33 @@ from tokenpatch.workbench.zoo.pretrained import load_pretrained
 
 torch.set_num_threads(2)
 model, tok = load_pretrained("smollm2-135m")
-PROMPT = ("Translate each English word into French.\n\n"
-          "Q: dog\nA: chien\n\nQ: house\nA: maison\n\nQ: water\nA: eau\n\nQ: book\nA: livre\n\n"
-          "Q: sun\nA: soleil\n\nQ: bread\nA: pain\n\n")
-CALIBRATION = [("cat", "chat"), ("car", "voiture"), ("moon", "lune"), ("milk", "lait"), ("door", "porte"),
-               ("horse", "cheval"), ("bird", "oiseau"), ("apple", "pomme"), ("city", "ville"), ("night", "nuit"),
-               ("child", "enfant"), ("friend", "ami"), ("king", "roi"), ("sea", "mer"), ("flower", "fleur"),
-               ("window", "fenêtre"), ("cheese", "fromage"), ("hand", "main"), ("school", "école"), ("tree", "arbre")]
+PROMPT = (
+    "Translate each English word into French.\n\n"
+    "Q: dog\nA: chien\n\nQ: house\nA: maison\n\nQ: water\nA: eau\n\nQ: book\nA: livre\n\n"
+    "Q: sun\nA: soleil\n\nQ: bread\nA: pain\n\n"
+)
+CALIBRATION = [
+    ("cat", "chat"),
+    ("car", "voiture"),
+    ("moon", "lune"),
+    ("milk", "lait"),
+    ("door", "porte"),
+    ("horse", "cheval"),
+    ("bird", "oiseau"),
+    ("apple", "pomme"),
+    ("city", "ville"),
+    ("night", "nuit"),
+    ("child", "enfant"),
+    ("friend", "ami"),
+    ("king", "roi"),
+    ("sea", "mer"),
+    ("flower", "fleur"),
+    ("window", "fenêtre"),
+    ("cheese", "fromage"),
+    ("hand", "main"),
+    ("school", "école"),
+    ("tree", "arbre"),
+]
 TEST = [("fish", "poisson"), ("girl", "fille"), ("mountain", "montagne"), ("wine", "vin"), ("summer", "été")]
 
 ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -48,9 +68,9 @@ print(f"thought patch of a {len(prompt)}-token prompt: {path.stat().st_size / 1e
 
 def answer(query: str, with_patch: bool) -> str:
     x = torch.tensor([lead + ids(f"Q: {query}\nA:")])
-    with torch.no_grad(), (tp.apply(model, patch) if with_patch else torch.enable_grad()):
+    with torch.no_grad(), tp.apply(model, patch) if with_patch else torch.enable_grad():
         out = model.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
-    return tok.decode(out[0, x.shape[1]:]).split("\n")[0].strip()
+    return tok.decode(out[0, x.shape[1] :]).split("\n")[0].strip()
 
 
 right = 0

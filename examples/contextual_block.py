@@ -17,7 +17,7 @@ for layer in ["softmax", "rnn"]:
     block = tp.Block(config).double()  # residual-free, norm-free: exactly T_W
     patch = tp.token_patch(block, h, query=-1, remove=chunk)
     dw = patch["mlp.fc_in.weight"]
-    result = tp.verify(block, h, patch)
+    result = tp.verify(block, patch, h)
     print(f"{layer:>8}: dW rank {dw.rank}, |dW|_F = {dw.norm().item():.4f}, max abs error {result.max_abs:.1e}")
 
     # the same patch, by hand: W (A(C, x) - A(C \\ Y, x)) A(C \\ Y, x)^T / |A(C \\ Y, x)|^2

@@ -16,15 +16,16 @@ import tempfile
 import torch
 
 from tokenpatch.interp.circuits import phi_patching
-from tokenpatch.workbench.train.markov import MarkovTrain, train_markov
 from tokenpatch.tasks.markov import MarkovTask
+from tokenpatch.workbench.train.markov import MarkovTrain, train_markov
 
 torch.set_num_threads(2)
 with tempfile.TemporaryDirectory() as tmp:
     for chains in (4, 1024):
         task = MarkovTask(chains=chains)  # C = 10, alpha = 0.25, N = 64
-        model, history = train_markov(f"{tmp}/k{chains}", task, cfg=MarkovTrain(steps=700, evals=12),
-                                      snapshots=False, progress=False)
+        model, history = train_markov(
+            f"{tmp}/k{chains}", task, cfg=MarkovTrain(steps=700, evals=12), snapshots=False, progress=False
+        )
         labels = [h["train"]["label"] for h in history]
         path = " -> ".join(x for i, x in enumerate(labels) if i == 0 or x != labels[i - 1])
         kl = history[-1]["train"]["kl"]

@@ -19,7 +19,7 @@ traj = tp.trajectory(model, batch.tokens)  # 17 prefixes x 10 layers, factors on
 
 # prefix 8 is exactly the token patch of the truncated sequence
 x8 = traj.prefix_inputs(batch.tokens, 8)
-print(f"prefix 8 verifies: max abs error {tp.verify(model, x8, traj.patch(8)).max_abs:.1e}")
+print(f"prefix 8 verifies: max abs error {tp.verify(model, traj.patch(8), x8).max_abs:.1e}")
 
 print("layer  step-norm decay exponent (median over tasks)  NLMS replay deviation at i = 16")
 for layer in (0, 3, 6, 9):

@@ -45,16 +45,18 @@ def small_inputs() -> torch.Tensor:
     return torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
 
 
-
 def non_snake_keys(obj) -> list[str]:
     """Every key of a JSON-able nest of dicts and lists that is not snake_case (results.json keys)."""
     import re
 
     if isinstance(obj, dict):
-        return [k for k in obj if not re.fullmatch(r"[a-z0-9_]+", str(k))] + [b for v in obj.values() for b in non_snake_keys(v)]
+        return [k for k in obj if not re.fullmatch(r"[a-z0-9_]+", str(k))] + [
+            b for v in obj.values() for b in non_snake_keys(v)
+        ]
     if isinstance(obj, list):
         return [b for v in obj for b in non_snake_keys(v)]
     return []
+
 
 # Real pretrained models (tokenpatch.workbench.zoo.pretrained), each loaded once per session by the tests that ask for it
 # (tests marked ``slow``). They are cached in $TOKENPATCH_CACHE when that is set (set it to reuse the float32
@@ -115,15 +117,27 @@ CONFIGS = {
     "qwen3": lambda: T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16),  # q/k norms
     "mistral": lambda: T.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5),
     "gemma2": lambda: T.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, sliding_window=5),
-    "gemma3": lambda: T.Gemma3TextConfig(**SMALL, num_key_value_heads=1, head_dim=16, sliding_window=5,
-                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "gemma3": lambda: T.Gemma3TextConfig(
+        **SMALL,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=5,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
     "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64),
     "gpt_neox": lambda: T.GPTNeoXConfig(**SMALL, rotary_pct=0.5),  # parallel residual
     "gpt_neox_sequential": lambda: T.GPTNeoXConfig(**SMALL, use_parallel_residual=False),
     # mixture of experts with a shared expert; layer 1 a plain MLP
-    "qwen2_moe": lambda: T.Qwen2MoeConfig(**SMALL, num_key_value_heads=2, moe_intermediate_size=32,
-                                          shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                                          decoder_sparse_step=1, mlp_only_layers=[1]),
+    "qwen2_moe": lambda: T.Qwen2MoeConfig(
+        **SMALL,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    ),
 }
 GEMMAS = ("gemma2", "gemma3")
 
@@ -137,7 +151,7 @@ def build(name: str, seed: int = 0, attn: str | None = None):
     extra = {"experts_implementation": "eager"} if name == "qwen2_moe" else {}  # float64 experts on CPU
     model = T.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=attn, **extra)
     with torch.no_grad():
-        for pname, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:  # norm weights and biases
                 p.add_(0.3 * torch.randn_like(p))
     model.generation_config.eos_token_id = None  # greedy for the full length
@@ -147,6 +161,7 @@ def build(name: str, seed: int = 0, attn: str | None = None):
 @pytest.fixture
 def float64_gemma_norms(monkeypatch):
     """Gemma's RMSNorm computes in float32 whatever the model dtype; evaluate it in float64."""
+
     def forward(self, x):
         return self._norm(x) * (1.0 + self.weight)
 

@@ -50,7 +50,9 @@ def test_apply_restores_float32_bitwise(small_model, small_inputs):
     assert _bitwise_equal(model, before)
 
 
-@pytest.mark.parametrize("query,remove", [(-1, None), ("all", None), ([2, 5, 6], None), ([4, 6], slice(1, 3)), ("all", slice(2, 5))])
+@pytest.mark.parametrize(
+    "query,remove", [(-1, None), ("all", None), ([2, 5, 6], None), ([4, 6], slice(1, 3)), ("all", slice(2, 5))]
+)
 def test_functional_call_matches_apply_and_mutates_nothing(small_model, small_inputs, query, remove):
     patch = tp.token_patch(small_model, small_inputs, query=query, remove=remove)
     stripped = tp.strip_context(small_model, small_inputs, query, remove)

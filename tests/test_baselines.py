@@ -15,12 +15,25 @@ pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 
 from conftest import build, hooks_left  # noqa: E402
 from conftest import float64_gemma_norms as _float64_gemma_norms  # noqa: E402
 
-from tokenpatch.baselines import (Steering, attention_shift, function_vectors, head_contribution,  # noqa: E402
-                                  head_effects, heads_set, mean_heads, pad_left, recording_heads, site_modules, steer,
-                                  task_vectors, thought_vector)
+from tokenpatch.baselines import (
+    Steering,
+    attention_shift,
+    function_vectors,
+    head_contribution,  # noqa: E402
+    head_effects,
+    heads_set,
+    mean_heads,
+    pad_left,
+    recording_heads,
+    site_modules,
+    steer,
+    task_vectors,
+    thought_vector,
+)
 from tokenpatch.baselines.vectors import _states  # noqa: E402
-from tokenpatch.workbench.compare import Method, compare, greedy, wilson
+from tokenpatch.stats import wilson
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPairs, is_correct, load_task, task_names  # noqa: E402
+from tokenpatch.workbench.compare import Method, compare, greedy
 
 float64_gemma_norms = _float64_gemma_norms  # test_hf's fixture, shared
 
@@ -52,8 +65,11 @@ def test_extraction_shapes(name):
     model = build(name)
     prompted, plain, n_q = batches()
     d, layers = model.config.hidden_size, model.config.num_hidden_layers
-    for s in (task_vectors(model, prompted), attention_shift(model, prompted, plain, n_q),
-              thought_vector(model, prompted, plain, n_q, skip=1)):
+    for s in (
+        task_vectors(model, prompted),
+        attention_shift(model, prompted, plain, n_q),
+        thought_vector(model, prompted, plain, n_q, skip=1),
+    ):
         assert sorted(s.vectors) == list(range(layers)) and all(v.shape == (d,) for v in s.vectors.values())
     heads = mean_heads(model, prompted)
     n_heads = model.config.num_attention_heads
@@ -70,8 +86,9 @@ def test_zero_vector_changes_no_logit_and_the_model_is_restored(name, position):
     prompted, plain, _ = batches()
     before, params = logits(model, plain), fingerprint(model)
     for site in ("residual", "attention"):
-        zero = Steering(site, {i: torch.zeros(model.config.hidden_size, dtype=torch.float64) for i in range(3)},
-                        "add", position)
+        zero = Steering(
+            site, {i: torch.zeros(model.config.hidden_size, dtype=torch.float64) for i in range(3)}, "add", position
+        )
         with steer(model, zero, where=plain["attention_mask"] > 0 if position == "all" else None):
             assert torch.equal(logits(model, plain), before)
         real = Steering(site, {1: torch.ones(model.config.hidden_size, dtype=torch.float64)}, "add", position)
@@ -112,7 +129,7 @@ def test_head_contributions_sum_to_the_attention_output(name):
     z = torch.randn(model.config.hidden_size, dtype=torch.float64)
     heads = model.config.num_attention_heads
     dh = z.shape[0] // heads
-    total = sum(head_contribution(model, 1, h, z[h * dh:(h + 1) * dh]) for h in range(heads))
+    total = sum(head_contribution(model, 1, h, z[h * dh : (h + 1) * dh]) for h in range(heads))
     with torch.no_grad():
         want = o(z[None])[0] - o(torch.zeros_like(z)[None])[0]
     assert float((total - want).abs().max()) <= 1e-12
@@ -204,9 +221,9 @@ def test_whole_word_match():
 
 
 def test_wilson_interval():
-    lo, hi = wilson(22, 25)
-    assert (round(lo, 3), round(hi, 3)) == (0.700, 0.958)  # the 95% Wilson interval, computed by hand
-    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 1.0
+    iv = wilson(22, 25)
+    assert (iv["mean"], round(iv["lo"], 3), round(iv["hi"], 3)) == (0.88, 0.700, 0.958)  # computed by hand
+    assert wilson(0, 10)["lo"] == 0.0 and wilson(10, 10)["hi"] == 1.0
 
 
 class CharTokenizer:
@@ -221,22 +238,35 @@ class CharTokenizer:
         return {"input_ids": ([1] if add_special_tokens else []) + [3 + self.chars.index(c) for c in text]}
 
     def batch_decode(self, rows):
-        return ["".join(self.chars[int(t) - 3] if 3 <= int(t) < 3 + len(self.chars) else "?" for t in row) for row in rows]
+        return [
+            "".join(self.chars[int(t) - 3] if 3 <= int(t) < 3 + len(self.chars) else "?" for t in row) for row in rows
+        ]
 
 
 def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
     model = build("llama")
     words = [chr(97 + i % 26) + chr(97 + i // 26) + chr(97 + 3 * i % 26) for i in range(40)]  # distinct
     task = WordPairs("rev", "word -> reversed", tuple((w, (w[::-1],)) for w in words))
-    res = compare(model, CharTokenizer(), task, shots=2, test=12, calibration=6, dev=8, rank=2, ridge=(0.01, 0.1),
-                  n_heads=2)
+    res = compare(
+        model, CharTokenizer(), task, shots=2, test=12, calibration=6, dev=8, rank=2, ridge=(0.01, 0.1), n_heads=2
+    )
     rows = res["methods"]
-    assert set(rows) == {"zero_shot", "icl", "thought_patch", "thought_patch_rank", "thought_vector",
-                         "attention_shift", "task_vector", "function_vector"}
+    assert set(rows) == {
+        "zero_shot",
+        "icl",
+        "thought_patch",
+        "thought_patch_rank",
+        "thought_vector",
+        "attention_shift",
+        "task_vector",
+        "function_vector",
+    }
     assert rows["thought_patch_rank"]["name"] == "thought patch (rank 2)"
     assert rows["icl"]["kl"] == 0 and all(r["kl"] >= 0 and r["n"] == 12 for r in rows.values())
-    assert all(r["ci95"][0] <= r["accuracy"] <= r["ci95"][1] for r in rows.values())
-    assert rows["thought_patch"]["ridge"] in (0.01, 0.1) and [r for r, _ in rows["thought_patch"]["dev_kl_by_ridge"]] == [0.01, 0.1]
+    assert all(r["accuracy_interval"]["lo"] <= r["accuracy"] <= r["accuracy_interval"]["hi"] for r in rows.values())
+    assert rows["thought_patch"]["ridge"] in (0.01, 0.1) and [
+        r for r, _ in rows["thought_patch"]["dev_kl_by_ridge"]
+    ] == [0.01, 0.1]
     assert 0 <= rows["task_vector"]["layer"] < 3 and len(rows["function_vector"]["heads"]) == 2
     assert rows["icl"]["bytes"] == 2 * 3 * 2 * 16 * res["prompt_tokens"] * 8  # the prompt's float64 KV cache
     assert rows["thought_patch"]["kl"] < rows["zero_shot"]["kl"]  # the fit keeps some of the prompt's effect
@@ -263,9 +293,13 @@ def test_greedy_on_the_cache_equals_argmax_without_it():
     model = build("llama")
     _, plain, n_q = batches(seed=8)
     prompted, _, _ = batches(seed=8)
-    every = Method("every", prefill=lambda b: steer(model, attention_shift(model, prompted, plain, n_q),
-                                                     (b["position_ids"] >= 1) & (b["attention_mask"] > 0)),
-                   decode=lambda: steer(model, attention_shift(model, prompted, plain, n_q)))
+    every = Method(
+        "every",
+        prefill=lambda b: steer(
+            model, attention_shift(model, prompted, plain, n_q), (b["position_ids"] >= 1) & (b["attention_mask"] > 0)
+        ),
+        decode=lambda: steer(model, attention_shift(model, prompted, plain, n_q)),
+    )
     last = Method("last", prefill=lambda b: steer(model, task_vectors(model, prompted).only(1)))
     with pytest.warns(tp.ThoughtWarning):
         patch = tp.compress(model, prompted["input_ids"][0, -6:], plain["input_ids"][:, -2:])
@@ -276,8 +310,11 @@ def test_greedy_on_the_cache_equals_argmax_without_it():
         for step in range(4):
             with torch.no_grad():
                 if method is every:  # every position but the BOS and the padding, generated tokens included
-                    ctx = steer(model, attention_shift(model, prompted, plain, n_q),
-                                (seq["position_ids"] >= 1) & (seq["attention_mask"] > 0))
+                    ctx = steer(
+                        model,
+                        attention_shift(model, prompted, plain, n_q),
+                        (seq["position_ids"] >= 1) & (seq["attention_mask"] > 0),
+                    )
                 elif method is last:  # the last position of the prompt only: re-applied at its index
                     ctx = _at(model, task_vectors(model, prompted).only(1), plain["input_ids"].shape[1] - 1)
                 else:
@@ -285,9 +322,11 @@ def test_greedy_on_the_cache_equals_argmax_without_it():
                 with ctx:
                     nxt = model(**seq).logits[:, -1].argmax(-1)
             assert torch.equal(nxt, tokens[:, step]), (method.name, step)
-            seq = {"input_ids": torch.cat([seq["input_ids"], nxt[:, None]], 1),
-                   "attention_mask": torch.cat([seq["attention_mask"], torch.ones_like(nxt)[:, None]], 1),
-                   "position_ids": torch.cat([seq["position_ids"], seq["position_ids"][:, -1:] + 1], 1)}
+            seq = {
+                "input_ids": torch.cat([seq["input_ids"], nxt[:, None]], 1),
+                "attention_mask": torch.cat([seq["attention_mask"], torch.ones_like(nxt)[:, None]], 1),
+                "position_ids": torch.cat([seq["position_ids"], seq["position_ids"][:, -1:] + 1], 1),
+            }
 
 
 def _at(model, s: Steering, index: int):
@@ -298,6 +337,7 @@ def _at(model, s: Steering, index: int):
         t = out.clone()
         t[:, index] = s.vectors[next(iter(s.vectors))]
         return t
+
     return registered_hooks([(site_modules(model, s.site)[next(iter(s.vectors))].register_forward_hook, hook)])
 
 

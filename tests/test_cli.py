@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import non_snake_keys
+
 import tokenpatch as tp
 from tokenpatch.workbench.cli.main import main
 
@@ -32,33 +32,49 @@ def test_verify_table_float64_all_positions(capsys):
     assert "layer 9" in out and "output" in out and "OK (max abs <= 1e-10)" in out
 
 
-def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch, pretrained_cache_dir):
+@pytest.mark.slow
+def test_reproduce_writes_report_figures_and_json(tmp_path, monkeypatch, pretrained_cache_dir):
+    """The whole report, every section, three of them on smaller runs (their own numbers are checked
+    in test_real_models.py, test_markov.py and docs/induction.md): that each runs inside ``reproduce``
+    and writes a valid section."""
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))  # the real-model section shares the tests' cache
-    from tokenpatch.workbench.report import compress as report_compress, reproduce as report
-
-    # the compression section's own numbers are checked in test_real_models.py; here: that it runs
-    # inside reproduce and writes a valid section, on fewer queries
-    monkeypatch.setattr(report, "compression_section", functools.partial(report_compress.compression_section, test=8,
-                                                                         calibration=12, dev=8, n_heads=4))
-    from tokenpatch.workbench.report import markov as report_markov  # the Markov sweep on two small runs (its numbers: test_markov.py)
-
-    tiny = {**report_markov.REDUCED, "chains": (2, 8), "steps": 40, "show": (2, 8)}
-    monkeypatch.setattr(report, "markov_section", functools.partial(report_markov.markov_section, preset=tiny, workers=1))
-    from tokenpatch.workbench.report import induction as report_induction  # the small LM on a short run (its numbers: docs/induction.md)
     from tokenpatch.tasks.repeats import LMData
+    from tokenpatch.workbench.report import compress as report_compress
+    from tokenpatch.workbench.report import induction as report_induction
+    from tokenpatch.workbench.report import markov as report_markov
+    from tokenpatch.workbench.report.reproduce import SECTIONS, reproduce
     from tokenpatch.workbench.train.lm import LMTrain
 
-    monkeypatch.setattr(report, "induction_section", functools.partial(
-        report_induction.induction_section, data=LMData(vocab=12, length=24), cfg=LMTrain(steps=20),
-        options={"n_words": 7, "prompts": 8, "draws": 2}))
-    assert main(["reproduce", "--out", str(tmp_path), "--tasks", "16", "--quiet"]) == 0
+    tiny = {**report_markov.REDUCED, "chains": (2, 8), "steps": 40, "show": (2, 8)}
+    smaller = {
+        "prompt_compression": functools.partial(
+            report_compress.compression_section, test=8, calibration=12, dev=8, n_heads=4
+        ),
+        "markov": functools.partial(report_markov.markov_section, preset=tiny, workers=1),
+        "induction": functools.partial(
+            report_induction.induction_section,
+            data=LMData(vocab=12, length=24),
+            cfg=LMTrain(steps=20),
+            options={"n_words": 7, "prompts": 8, "draws": 2},
+        ),
+    }
+    reproduce(tmp_path, n_tasks=16, progress=False, sections={**dict.fromkeys(SECTIONS), **smaller})
     report = (tmp_path / "report.md").read_text()
     assert "| layer 0 |" in report and "| output |" in report and "NOT MET" not in report
     for fig in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
-    assert set(data["sections"]) == {"equivalence", "model", "dynamics", "finetune", "thought", "real_models",
-                                     "prompt_compression", "markov", "induction"}
+    assert set(data["sections"]) == {
+        "equivalence",
+        "model",
+        "dynamics",
+        "finetune",
+        "thought",
+        "real_models",
+        "prompt_compression",
+        "markov",
+        "induction",
+    }
     ind = data["sections"]["induction"]
     assert ind["heads"] == 4 and ind["dose_lag_plus_one"]["n"] == [0, 1, 2] and len(ind["patches"]["share"]) == 4
     mk = data["sections"]["markov"]
@@ -77,7 +93,7 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch,
         for opt in ft[model]["optimizers"].values():
             for key in ("alignment", "random_alignment", "other_task_alignment", "mean_patch_alignment", "simaou"):
                 rows = opt[key]
-                assert len(rows) == 10 and all(r["ci95"][0] <= r["mean"] <= r["ci95"][1] <= 1 for r in rows)
+                assert len(rows) == 10 and all(r["lo"] <= r["mean"] <= r["hi"] <= 1 for r in rows)
             assert opt["loss_mean"][-1] < opt["loss_mean"][0]
     dyn = data["sections"]["dynamics"]
     assert set(dyn["models"]) == set(tp.models.SHIPPED)
@@ -97,8 +113,26 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, capsys, monkeypatch,
 
 def test_train_and_verify_a_new_checkpoint(tmp_path, capsys):
     ckpt, export = tmp_path / "run.safetensors", tmp_path / "model.safetensors"
-    args = ["train", "--out", str(ckpt), "--export", str(export), "--steps", "3", "--layers", "2", "--d-model", "8",
-            "--heads", "2", "--dim", "2", "--context", "4", "--quiet"]
+    args = [
+        "train",
+        "--out",
+        str(ckpt),
+        "--export",
+        str(export),
+        "--steps",
+        "3",
+        "--layers",
+        "2",
+        "--d-model",
+        "8",
+        "--heads",
+        "2",
+        "--dim",
+        "2",
+        "--context",
+        "4",
+        "--quiet",
+    ]
     assert main(args) == 0
     assert "in-context MSE" in capsys.readouterr().out
     assert export.stat().st_size < ckpt.stat().st_size  # no optimizer state in the export
@@ -153,14 +187,18 @@ def test_docs_exist_and_nothing_cites_files_outside_the_repo():
         text = path.read_text()
         for outside in ("science/", "P2's", "DESIGN.md"):
             assert outside not in text, (path, outside)
-    for ref in set(re.findall(r"docs/[a-z-]+\.md", "".join(p.read_text() for p in (ROOT / "tokenpatch").rglob("*.py")))):
+    for ref in set(
+        re.findall(r"docs/[a-z-]+\.md", "".join(p.read_text() for p in (ROOT / "tokenpatch").rglob("*.py")))
+    ):
         assert (ROOT / ref).exists(), ref
 
 
 def test_compress_writes_a_patch_that_runs_without_the_prompt(tmp_path, capsys):
     out = tmp_path / "prompt.safetensors"
-    assert main(["compress", "--out", str(out), "--calibration", "512", "--test", "200", "--ridge", "1e-6",
-                 "--quiet"]) == 0
+    assert (
+        main(["compress", "--out", str(out), "--calibration", "512", "--test", "200", "--ridge", "1e-6", "--quiet"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "% of the prompt's effect kept" in text and "layer | input residual" in text
     patch = tp.load_patch(out)
@@ -173,7 +211,19 @@ def test_compress_writes_a_patch_that_runs_without_the_prompt(tmp_path, capsys):
     assert main(["compress", "--out", str(tmp_path / "b.safetensors"), "--prompt", str(out), "--quiet"]) == 2
     assert "not a tensor named 'prompt'" in capsys.readouterr().err
     from safetensors.torch import save_file
+
     save_file({"prompt": torch.zeros(3, 7)}, str(tmp_path / "wide.safetensors"))
-    assert main(["compress", "--out", str(tmp_path / "c.safetensors"), "--prompt", str(tmp_path / "wide.safetensors"),
-                 "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "compress",
+                "--out",
+                str(tmp_path / "c.safetensors"),
+                "--prompt",
+                str(tmp_path / "wide.safetensors"),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert "width 7, the model reads width 5" in capsys.readouterr().err

@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
+from conftest import random_model
 from torch import nn
 
 import tokenpatch as tp
-from conftest import random_model
 
 
 class Conv1D(nn.Module):
@@ -64,7 +64,7 @@ def test_conversion_keeps_the_function(pair):
 def test_conv1d_patch_is_exact(pair, query, remove):
     _, conv, x = pair
     patch = tp.token_patch(conv, x, query=query, remove=remove)
-    result = tp.verify(conv, x, patch)
+    result = tp.verify(conv, patch, x)
     assert result.max_abs <= 1e-10, result.table()
     for name, delta in patch.items():  # factors in the stored layout: delta [in, out] for Conv1D
         if isinstance(delta, tp.LowRank):

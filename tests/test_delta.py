@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from conftest import random_model
 from safetensors.torch import save_file
 
 import tokenpatch as tp
-from conftest import random_model
 
 
 @pytest.fixture
@@ -40,7 +40,9 @@ def test_sum_stack_index(patch):
     torch.testing.assert_close(total["blocks.1.mlp.fc_out.bias"][:, 0], patch["blocks.1.mlp.fc_out.bias"].sum(1))
     both = patch[0, 1] + patch[1, 2]
     assert both[w].rank == 2
-    torch.testing.assert_close(both[w].dense(), patch[w].dense()[0:1, 1:2] + patch[w].dense()[1:2, 2:3], rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        both[w].dense(), patch[w].dense()[0:1, 1:2] + patch[w].dense()[1:2, 2:3], rtol=0, atol=1e-14
+    )
     stacked = tp.Patch.stack([patch[0], patch[2]], dim="batch")
     assert stacked.lead == (2, patch.lead[1])
     assert torch.equal(stacked[w].u[1], patch[w].u[2])
@@ -79,7 +81,7 @@ def test_chunk_patch_round_trip_keeps_positions(small_model, small_inputs, tmp_p
     tp.save_patch(patch, tmp_path / "c.safetensors")
     back = tp.load_patch(tmp_path / "c.safetensors")
     assert back.positions == (2, 4)
-    assert tp.verify(small_model, small_inputs, back).max_abs <= 1e-10
+    assert tp.verify(small_model, back, small_inputs).max_abs <= 1e-10
 
 
 def test_truncated_file_raises(patch, tmp_path):

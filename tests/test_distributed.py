@@ -15,8 +15,10 @@ import torch
 import tokenpatch as tp
 from tokenpatch.testing import perturbed
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="torch.distributed with gloo is not available",
+)
 
 SETUP = """
 import torch, tokenpatch as tp
@@ -28,7 +30,9 @@ prompt = torch.randn(5, 3, generator=g, dtype=torch.float64)
 queries = torch.randn(301, 1, 3, generator=g, dtype=torch.float64)
 """
 
-WORKER = SETUP + """
+WORKER = (
+    SETUP
+    + """
 import os, sys
 torch.distributed.init_process_group("gloo")
 rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -38,6 +42,7 @@ assert fit.fits[0].n == 301, fit.fits[0].n
 tp.save_patch(fit.patch, f"{sys.argv[1]}/rank{rank}.safetensors")
 torch.distributed.destroy_process_group()
 """
+)
 
 
 def _free_port() -> int:
@@ -55,9 +60,15 @@ def _rel(a: tp.Patch, b: tp.Patch) -> float:
 @pytest.mark.parametrize("solver", ["normal", "qr"])
 def test_two_processes_fit_what_one_fits(tmp_path, solver):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), str(tmp_path), solver],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(WORKER), str(tmp_path), solver],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
@@ -71,5 +82,6 @@ def test_two_processes_fit_what_one_fits(tmp_path, solver):
 def test_distributed_without_a_process_group_is_one_clear_error():
     model = perturbed(tp.ICLTransformer(tp.ICLConfig(d_in=3, d_model=4, n_layers=1, n_heads=2)).double(), 0)
     with pytest.raises(tp.InputError, match="needs an initialised torch.distributed process group"):
-        tp.thought_patch(model, torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4, 1, 3, dtype=torch.float64),
-                         distributed=True)
+        tp.thought_patch(
+            model, torch.zeros(2, 3, dtype=torch.float64), torch.zeros(4, 1, 3, dtype=torch.float64), distributed=True
+        )

@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 import torch
+from conftest import random_block, random_model, sweep
 from hypothesis import given
 from hypothesis import strategies as st
 
 import tokenpatch as tp
-from conftest import random_block, random_model, sweep
 
 COMBOS = list(itertools.product(sorted(tp.LAYERS), ["none", "pre", "post"], [True, False]))
 
@@ -29,19 +29,36 @@ def _max_diff(a: tp.Patch, b: tp.Patch) -> float:
 def sizes(draw):
     n_heads = draw(st.sampled_from([1, 2]))
     seq_len = draw(st.integers(2, 9))
-    return dict(n_heads=n_heads, d_model=n_heads * draw(st.integers(1, 3)), d_in=draw(st.integers(1, 4)),
-                d_mlp=draw(st.integers(1, 10)), batch=draw(st.integers(1, 2)), seq_len=seq_len,
-                query=draw(st.integers(1, seq_len - 1)), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        n_heads=n_heads,
+        d_model=n_heads * draw(st.integers(1, 3)),
+        d_in=draw(st.integers(1, 4)),
+        d_mlp=draw(st.integers(1, 10)),
+        batch=draw(st.integers(1, 2)),
+        seq_len=seq_len,
+        query=draw(st.integers(1, seq_len - 1)),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 @pytest.mark.parametrize("layer,norm,residual", COMBOS)
 @sweep
 @given(s=sizes())
 def test_every_prefix_equals_token_patch_on_the_truncated_inputs(layer, norm, residual, s):
-    config = tp.ICLConfig(d_in=s["d_in"], d_model=s["d_model"], n_layers=3, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
-                          layer=layer, norm=norm, residual=residual)
+    config = tp.ICLConfig(
+        d_in=s["d_in"],
+        d_model=s["d_model"],
+        n_layers=3,
+        n_heads=s["n_heads"],
+        d_mlp=s["d_mlp"],
+        layer=layer,
+        norm=norm,
+        residual=residual,
+    )
     model = random_model(config, s["seed"])
-    x = torch.randn(s["batch"], s["seq_len"], s["d_in"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
+    x = torch.randn(
+        s["batch"], s["seq_len"], s["d_in"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64
+    )
     traj = tp.trajectory(model, x, query=s["query"], steps=True)
     for i in range(s["query"] + 1):
         xi = traj.prefix_inputs(x, i)  # [c_1..c_i, x]
@@ -50,14 +67,15 @@ def test_every_prefix_equals_token_patch_on_the_truncated_inputs(layer, norm, re
             removed = torch.arange(i + 1) == i - 1
             assert _max_diff(traj.step(i), tp.token_patch(model, xi, remove=removed)) <= 1e-10
     last = traj.prefix_inputs(x, s["query"])  # and they verify like any patch
-    assert tp.verify(model, last, traj.patch(s["query"])).max_abs <= 1e-10
-    assert tp.verify(model, last, traj.step(s["query"])).max_abs <= 1e-10
+    assert tp.verify(model, traj.patch(s["query"]), last).max_abs <= 1e-10
+    assert tp.verify(model, traj.step(s["query"]), last).max_abs <= 1e-10
 
 
 @pytest.mark.parametrize("layer", sorted(tp.LAYERS))
 def test_a_bare_block_and_the_zero_prefix(layer):
-    block = random_block(tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, layer=layer, norm="none",
-                                      residual=False), seed=3)
+    block = random_block(
+        tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, layer=layer, norm="none", residual=False), seed=3
+    )
     h = torch.randn(2, 6, 4, dtype=torch.float64)
     traj = tp.trajectory(block, h)
     assert traj.patches.lead == (2, 6) and traj.n_context == 5
@@ -72,7 +90,7 @@ def test_trajectory_patches_save_and_apply(small_model, small_inputs, tmp_path):
     tp.save_patch(p, tmp_path / "p3.safetensors")
     back = tp.load_patch(tmp_path / "p3.safetensors", model=small_model)
     x3 = traj.prefix_inputs(small_inputs, 3)
-    assert tp.verify(small_model, x3, back).max_abs <= 1e-10
+    assert tp.verify(small_model, back, x3).max_abs <= 1e-10
     with tp.apply(small_model, p[1, 0]):
         alone = small_model(x3[1:2, -1:])
     torch.testing.assert_close(alone[0, 0], small_model(x3[1:2])[0, -1], rtol=0, atol=1e-12)

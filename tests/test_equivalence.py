@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SWEEP_EXAMPLES, random_block, random_model, sweep
 from hypothesis import given
 from hypothesis import strategies as st
 
 import tokenpatch as tp
-from conftest import SWEEP_EXAMPLES, random_block, random_model, sweep
 
 LAYERS = sorted(tp.LAYERS)
 NORMS = ["none", "pre", "post"]
@@ -36,8 +36,16 @@ def sizes(draw):
     else:
         bits = draw(st.integers(1, 2 ** (seq_len - 1) - 1))  # bit p set: position p removed
         chunk = torch.tensor([bool(bits >> p & 1) for p in range(seq_len)])
-    return dict(n_heads=n_heads, d_model=d_model, d_in=draw(st.integers(1, 5)), d_mlp=draw(st.integers(1, 12)),
-                batch=draw(st.integers(1, 3)), seq_len=seq_len, chunk=chunk, seed=draw(st.integers(0, 2**16)))
+    return dict(
+        n_heads=n_heads,
+        d_model=d_model,
+        d_in=draw(st.integers(1, 5)),
+        d_mlp=draw(st.integers(1, 12)),
+        batch=draw(st.integers(1, 3)),
+        seq_len=seq_len,
+        chunk=chunk,
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def _kept_and_queries(seq_len, query, remove):
@@ -49,7 +57,7 @@ def _kept_and_queries(seq_len, query, remove):
 
 def _check(model, inputs, query, remove):
     patch = tp.token_patch(model, inputs, query=query, remove=remove)
-    result = tp.verify(model, inputs, patch)
+    result = tp.verify(model, patch, inputs)
     assert result.max_abs <= 1e-10, result.table()
     if remove is not None:  # the model on C \ Y as the test builds it, patched, gives the with-context outputs
         kept, queries = _kept_and_queries(inputs.shape[1], query, remove)
@@ -59,7 +67,7 @@ def _check(model, inputs, query, remove):
             ref = model(inputs)[:, queries]  # [B, len(queries), d_out]
         torch.testing.assert_close(out[:, list(patch.positions)], ref, rtol=0, atol=1e-10)
     # rank 1 per matrix and per query, stored as factors
-    for name, delta in patch.items():
+    for delta in patch.values():
         if isinstance(delta, tp.LowRank):
             assert delta.rank == 1 and delta.u.shape[:2] == patch.lead
             assert torch.linalg.matrix_rank(delta.dense()).max() <= 1
@@ -71,10 +79,20 @@ def _check(model, inputs, query, remove):
 @given(s=sizes())
 def test_single_block_exact(layer, norm, residual, query, remove, s):
     """One block, h [batch, seq_len, d_model]: exact patches for the drawn sizes and chunk."""
-    config = tp.ICLConfig(d_in=s["d_model"], d_model=s["d_model"], n_layers=1, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
-                          layer=layer, norm=norm, residual=residual)
+    config = tp.ICLConfig(
+        d_in=s["d_model"],
+        d_model=s["d_model"],
+        n_layers=1,
+        n_heads=s["n_heads"],
+        d_mlp=s["d_mlp"],
+        layer=layer,
+        norm=norm,
+        residual=residual,
+    )
     block = random_block(config, s["seed"])
-    h = torch.randn(s["batch"], s["seq_len"], s["d_model"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
+    h = torch.randn(
+        s["batch"], s["seq_len"], s["d_model"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64
+    )
     _check(block, h, -1 if query == "last" else "all", None if remove == "context" else s["chunk"])
 
 
@@ -83,10 +101,21 @@ def test_single_block_exact(layer, norm, residual, query, remove, s):
 @given(s=sizes())
 def test_three_layer_model_exact(layer, norm, residual, query, remove, s):
     """A 3-layer model, x [batch, seq_len, d_in] -> [batch, seq_len, 2]: exact patches."""
-    config = tp.ICLConfig(d_in=s["d_in"], d_out=2, d_model=s["d_model"], n_layers=3, n_heads=s["n_heads"], d_mlp=s["d_mlp"],
-                          layer=layer, norm=norm, residual=residual)
+    config = tp.ICLConfig(
+        d_in=s["d_in"],
+        d_out=2,
+        d_model=s["d_model"],
+        n_layers=3,
+        n_heads=s["n_heads"],
+        d_mlp=s["d_mlp"],
+        layer=layer,
+        norm=norm,
+        residual=residual,
+    )
     model = random_model(config, s["seed"])
-    x = torch.randn(s["batch"], s["seq_len"], s["d_in"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64)
+    x = torch.randn(
+        s["batch"], s["seq_len"], s["d_in"], generator=torch.Generator().manual_seed(s["seed"]), dtype=torch.float64
+    )
     _check(model, x, -1 if query == "last" else "all", None if remove == "context" else s["chunk"])
 
 
@@ -97,10 +126,15 @@ def test_sweep_size_follows_the_profile():
     sweeps = (test_single_block_exact, test_three_layer_model_exact)
     assert all(t._hypothesis_internal_use_settings.max_examples == sweep.max_examples for t in sweeps)
     here = Path(__file__).resolve().parent
-    code = ("import test_equivalence as t; print(*(f._hypothesis_internal_use_settings.max_examples "
-            "for f in (t.test_single_block_exact, t.test_three_layer_model_exact)))")
-    env = {**os.environ, "HYPOTHESIS_PROFILE": "thorough",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(here.parent), os.environ.get("PYTHONPATH")]))}
+    code = (
+        "import test_equivalence as t; print(*(f._hypothesis_internal_use_settings.max_examples "
+        "for f in (t.test_single_block_exact, t.test_three_layer_model_exact)))"
+    )
+    env = {
+        **os.environ,
+        "HYPOTHESIS_PROFILE": "thorough",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(here.parent), os.environ.get("PYTHONPATH")])),
+    }
     run = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert [int(n) for n in run.stdout.split()] == [SWEEP_EXAMPLES["thorough"]] * 2
@@ -111,7 +145,9 @@ def test_sweep_size_follows_the_profile():
 @pytest.mark.parametrize("norm", NORMS)
 def test_bias_free_model_uses_output_matrix(layer, norm):
     """Without an output bias the residual term is a rank-1 patch of fc_out (section 3)."""
-    model = random_model(tp.ICLConfig(d_in=3, d_model=6, n_layers=3, n_heads=2, layer=layer, norm=norm, bias=False), seed=3)
+    model = random_model(
+        tp.ICLConfig(d_in=3, d_model=6, n_layers=3, n_heads=2, layer=layer, norm=norm, bias=False), seed=3
+    )
     x = torch.randn(2, 6, 3, dtype=torch.float64)
     patch, _ = _check(model, x, "all", None)
     assert isinstance(patch["blocks.1.mlp.fc_out.weight"], tp.LowRank)
@@ -144,8 +180,8 @@ def test_unpatched_no_context_pass_is_far_off(small_model, small_inputs):
     """The comparison has teeth: without the patch the no-context pass is far from the with-context one."""
     patch = tp.token_patch(small_model, small_inputs)
     zero = patch.map(torch.zeros_like)
-    assert tp.verify(small_model, small_inputs, zero).max_rel > 1e-2
-    assert tp.verify(small_model, small_inputs, patch).max_abs <= 1e-10
+    assert tp.verify(small_model, zero, small_inputs).max_rel > 1e-2
+    assert tp.verify(small_model, patch, small_inputs).max_abs <= 1e-10
 
 
 def test_register_a_custom_adapter(small_model, small_inputs):
@@ -201,7 +237,7 @@ def test_register_a_custom_adapter(small_model, small_inputs):
     try:
         patch = tp.token_patch(wrapped, small_inputs, query="all")
         assert "inner.blocks.0.mlp.fc_in.weight" in patch
-        assert tp.verify(wrapped, small_inputs, patch).max_abs <= 1e-10
+        assert tp.verify(wrapped, patch, small_inputs).max_abs <= 1e-10
     finally:
         arch.ADAPTERS.remove(adapter)
 
@@ -209,5 +245,5 @@ def test_register_a_custom_adapter(small_model, small_inputs):
 def test_bare_block_reports_one_site():
     block = random_block(tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2))
     h = torch.randn(2, 5, 4, dtype=torch.float64)
-    result = tp.verify(block, h, tp.token_patch(block, h))
+    result = tp.verify(block, tp.token_patch(block, h), h)
     assert [e.name for e in result.per_layer] == ["output"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_block
 
 import tokenpatch as tp
-from conftest import random_block
 
 
 @pytest.mark.parametrize(
@@ -15,7 +15,12 @@ from conftest import random_block
         (lambda x: x[0], "shape \\[batch, pos, d\\]"),
         (lambda x: x[..., :4], "width 4, the model reads width 5"),
         (lambda x: x.float(), "float32 but the model computes in torch.float64"),
-        (lambda x: x.masked_fill(torch.zeros_like(x, dtype=torch.bool).index_fill(1, torch.tensor([3]), True), float("nan")), "NaN or inf"),
+        (
+            lambda x: x.masked_fill(
+                torch.zeros_like(x, dtype=torch.bool).index_fill(1, torch.tensor([3]), True), float("nan")
+            ),
+            "NaN or inf",
+        ),
         (lambda x: x[:, :0], "empty"),
         (lambda x: x.numpy(), "torch.Tensor"),
     ],
@@ -51,10 +56,15 @@ def test_bad_query_or_remove(small_model, small_inputs, query, remove, match):
 def test_zero_anchor_names_layer_parameter_and_position():
     """A residual-free, norm-free, bias-free block maps a zero query token to a zero MLP input:
     no patch of fc_in can then add the context's effect."""
-    block = random_block(tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, norm="none", residual=False, bias=False))
+    block = random_block(
+        tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, norm="none", residual=False, bias=False)
+    )
     h = torch.randn(2, 5, 4, dtype=torch.float64)
     h[1, 3] = 0.0
-    with pytest.raises(tp.ZeroAnchorError, match=r"layer 0: no minimal patch of mlp.fc_in.weight exists at \(batch, query position\) \[\(1, 3\)\]: the vector it acts on \(the MLP input without context\) is zero") as info:
+    with pytest.raises(
+        tp.ZeroAnchorError,
+        match=r"layer 0: no minimal patch of mlp.fc_in.weight exists at \(batch, query position\) \[\(1, 3\)\]: the vector it acts on \(the MLP input without context\) is zero",
+    ) as info:
         tp.token_patch(block, h, query="all")
     assert info.value.index == [(1, 3)]
     tp.token_patch(block, h, query=-1)  # other queries are fine
@@ -68,16 +78,16 @@ def test_unsupported_model():
 def test_patch_does_not_fit_the_inputs(small_model, small_inputs):
     patch = tp.token_patch(small_model, small_inputs, query="all")
     with pytest.raises(tp.InputError, match="length 7, inputs have 6"):
-        tp.verify(small_model, small_inputs[:, :6], patch)
+        tp.verify(small_model, patch, small_inputs[:, :6])
     with pytest.raises(tp.InputError, match="made for"):
-        tp.verify(small_model, small_inputs, patch, query=-1)
+        tp.verify(small_model, patch, small_inputs, query=-1)
     with pytest.raises(tp.InputError, match="\\[batch, query\\]"):
-        tp.verify(small_model, small_inputs, tp.Patch(dict(patch), meta={}), query=-1)
+        tp.verify(small_model, tp.Patch(dict(patch), meta={}), small_inputs, query=-1)
     chunk = tp.token_patch(small_model, small_inputs, remove=slice(1, 3))
     with pytest.raises(tp.InputError, match="made for .*'removed': \\[1, 2\\]"):
-        tp.verify(small_model, small_inputs, chunk, query=-1, remove=slice(2, 4))
+        tp.verify(small_model, chunk, small_inputs, query=-1, remove=slice(2, 4))
     with pytest.raises(tp.InputError, match="acts at positions"):
-        tp.verify(small_model, small_inputs, tp.Patch(dict(chunk), chunk.positions, meta={}), query=-1)
+        tp.verify(small_model, tp.Patch(dict(chunk), chunk.positions, meta={}), small_inputs, query=-1)
 
 
 def test_nonfinite_model_weights_are_caught(small_model, small_inputs):
@@ -90,7 +100,9 @@ def test_nonfinite_model_weights_are_caught(small_model, small_inputs):
 def test_zero_hidden_state_for_the_output_matrix():
     """Bias-free residual block whose fc_in is zero: the ReLU hidden state is 0 with context, so
     no rank-1 patch of fc_out can absorb the residual shift."""
-    block = random_block(tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, norm="none", bias=False, activation="relu"))
+    block = random_block(
+        tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, norm="none", bias=False, activation="relu")
+    )
     with torch.no_grad():
         block.mlp.fc_in.weight.zero_()
     h = torch.randn(1, 5, 4, dtype=torch.float64)
@@ -133,13 +145,13 @@ def test_chunk_patches_of_several_queries_act_together(small_model, small_inputs
     with pytest.raises(tp.InputError, match="act together"):
         joint[:, 0]  # query 6 without query 4
     first = joint[:, 1]  # query 4: nothing before it
-    assert first.plan.query == (4,) and tp.verify(small_model, small_inputs, first).max_abs <= 1e-10
+    assert first.plan.query == (4,) and tp.verify(small_model, first, small_inputs).max_abs <= 1e-10
     alone = tp.token_patch(small_model, small_inputs, query=6, remove=slice(1, 3))
-    assert tp.verify(small_model, small_inputs, alone).max_abs <= 1e-10
+    assert tp.verify(small_model, alone, small_inputs).max_abs <= 1e-10
     with pytest.raises(tp.InputError, match="cannot be stacked along query"):
         tp.Patch.stack([first, alone], dim="query")
     rows = tp.Patch.stack([joint[0], joint[1]], dim="batch")  # rows are independent
-    assert tp.verify(small_model, small_inputs[:2], rows).max_abs <= 1e-10
+    assert tp.verify(small_model, rows, small_inputs[:2]).max_abs <= 1e-10
 
 
 def test_patch_arithmetic_errors(small_model, small_inputs):
@@ -185,8 +197,8 @@ def test_resume_from_a_weights_only_file(tmp_path):
 def test_verify_wants_one_patch_row_per_sequence(small_model, small_inputs):
     patch = tp.token_patch(small_model, small_inputs)
     with pytest.raises(tp.InputError, match="rows \\[1\\] of the batch"):
-        tp.verify(small_model, small_inputs, patch[1])
-    assert tp.verify(small_model, small_inputs[1:2], patch[1]).max_abs <= 1e-10
+        tp.verify(small_model, patch[1], small_inputs)
+    assert tp.verify(small_model, patch[1], small_inputs[1:2]).max_abs <= 1e-10
 
 
 def test_models_made_under_inference_mode(small_inputs):
@@ -194,4 +206,4 @@ def test_models_made_under_inference_mode(small_inputs):
         model = tp.ICLTransformer(tp.ICLConfig(d_in=5, d_model=8, n_layers=2, n_heads=2)).double()
         x = small_inputs.clone()
     patch = tp.token_patch(model, x)
-    assert tp.verify(model, x, patch).max_abs <= 1e-10
+    assert tp.verify(model, patch, x).max_abs <= 1e-10

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from conftest import random_model, sweep
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,7 +17,6 @@ from tokenpatch import files
 from tokenpatch.dynamics.diagnostics import cosine
 from tokenpatch.errors import InputError
 from tokenpatch.tasks.linreg import fresh_queries, training_points
-from conftest import random_model, sweep
 
 
 def _reference(model, examples, targets, names, optimizer, lr, steps, batch_size=None):
@@ -31,7 +31,9 @@ def _reference(model, examples, targets, names, optimizer, lr, steps, batch_size
         trained = [params[nm].requires_grad_(True) for nm in names]
         opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](trained, lr=lr)
         for step in range(steps):
-            idx = torch.arange(n) if batch_size is None else torch.arange(step * batch_size, (step + 1) * batch_size) % n
+            idx = (
+                torch.arange(n) if batch_size is None else torch.arange(step * batch_size, (step + 1) * batch_size) % n
+            )
             pred = m(examples[r, idx])[:, -1]  # [n', d_out]
             opt.zero_grad()
             ((pred - targets[r, idx]) ** 2).mean().backward()
@@ -47,7 +49,10 @@ def test_batched_runs_equal_separate_torch_optim_runs(layer, optimizer):
     config = tp.ICLConfig(d_in=3, d_model=4, n_layers=2, n_heads=2, d_mlp=6, layer=layer, norm="pre")
     model = random_model(config, seed=5)
     g = torch.Generator().manual_seed(0)
-    examples, targets = torch.randn(3, 4, 2, 3, generator=g, dtype=torch.float64), torch.randn(3, 4, 1, generator=g, dtype=torch.float64)
+    examples, targets = (
+        torch.randn(3, 4, 2, 3, generator=g, dtype=torch.float64),
+        torch.randn(3, 4, 1, generator=g, dtype=torch.float64),
+    )
     ft = tp.finetune(model, examples, targets, optimizer=optimizer, lr=0.05, steps=3, output=True)
     ref = _reference(model, examples, targets, ft.names, optimizer, 0.05, 3)
     assert "blocks.0.mlp.fc_in.weight" in ft.names and "blocks.1.mlp.fc_out.bias" in ft.names
@@ -58,13 +63,21 @@ def test_batched_runs_equal_separate_torch_optim_runs(layer, optimizer):
 
 
 @sweep
-@given(seed=st.integers(0, 2**16), layers=st.sampled_from([0, 1, [0, 1], None]), batch_size=st.sampled_from([None, 1, 2]))
+@given(
+    seed=st.integers(0, 2**16), layers=st.sampled_from([0, 1, [0, 1], None]), batch_size=st.sampled_from([None, 1, 2])
+)
 def test_one_layer_and_minibatches_cycle_in_order(seed, layers, batch_size):
     model = random_model(tp.ICLConfig(d_in=3, d_model=4, n_layers=2, n_heads=2, d_mlp=5, norm="post"), seed=seed)
     g = torch.Generator().manual_seed(seed)
-    examples, targets = torch.randn(2, 3, 1, 3, generator=g, dtype=torch.float64), torch.randn(2, 3, generator=g, dtype=torch.float64)
+    examples, targets = (
+        torch.randn(2, 3, 1, 3, generator=g, dtype=torch.float64),
+        torch.randn(2, 3, generator=g, dtype=torch.float64),
+    )
     ft = tp.finetune(model, examples, targets, layers=layers, steps=4, lr=0.1, batch_size=batch_size, record=[1, 2])
-    want = [f"blocks.{i}.mlp.fc_in.weight" for i in ([0, 1] if layers is None else [layers] if isinstance(layers, int) else layers)]
+    want = [
+        f"blocks.{i}.mlp.fc_in.weight"
+        for i in ([0, 1] if layers is None else [layers] if isinstance(layers, int) else layers)
+    ]
     assert ft.names == want and sorted(ft.deltas) == [1, 2, 4]
     ref = _reference(model, examples, targets[..., None], want, "sgd", 0.1, 4, batch_size)
     for r, d in enumerate(ref):
@@ -117,7 +130,11 @@ def test_training_points_and_fresh_queries():
     batch = tp.LinRegTask(3, 5, 0.0).sample(2, torch.Generator().manual_seed(0), dtype=torch.float64)
     x, y = training_points(batch, 4)
     assert x.shape == (2, 4, 1, 4) and y.shape == (2, 4, 1)
-    assert torch.equal(x[:, :, 0, :3], batch.x[:, :4]) and (x[..., 3] == 0).all() and torch.equal(y[..., 0], batch.y[:, :4])
+    assert (
+        torch.equal(x[:, :, 0, :3], batch.x[:, :4])
+        and (x[..., 3] == 0).all()
+        and torch.equal(y[..., 0], batch.y[:, :4])
+    )
     q, t = fresh_queries(batch, 6, generator=torch.Generator().manual_seed(1))
     assert q.shape == (2, 6, 4) and (q[..., 3] == 0).all()
     assert torch.allclose(t, torch.einsum("bmd,bd->bm", q[..., :3], batch.w), atol=1e-12)
@@ -129,7 +146,10 @@ def test_training_points_and_fresh_queries():
 @given(seed=st.integers(0, 2**16), rank=st.integers(1, 3))
 def test_cosine_from_factors_equals_the_dense_cosine(seed, rank):
     g = torch.Generator().manual_seed(seed)
-    a = tp.LowRank(torch.randn(2, 3, rank, 5, generator=g, dtype=torch.float64), torch.randn(2, 3, rank, 4, generator=g, dtype=torch.float64))
+    a = tp.LowRank(
+        torch.randn(2, 3, rank, 5, generator=g, dtype=torch.float64),
+        torch.randn(2, 3, rank, 4, generator=g, dtype=torch.float64),
+    )
     d = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64)
     dense = a.dense()
     want = (dense * d).sum((-1, -2)) / (dense.flatten(-2).norm(dim=-1) * d.flatten(-2).norm(dim=-1))
@@ -150,15 +170,18 @@ def test_simaou():
     assert (tp.simaou(hc, h0, h0) == 0).all()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(optimizer="sgdd"), "unknown optimizer 'sgdd'"),
-    (dict(lr=0), "lr must be a positive number"),
-    (dict(steps=0), "steps must be an int >= 1"),
-    (dict(batch_size=5), r"batch_size must be an int in 1..3"),
-    (dict(record=[9]), r"record must list steps in 1..2"),
-    (dict(layers=[0, 0]), "layers must be distinct layer indices"),
-    (dict(layers=7), "layers must be distinct layer indices"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(optimizer="sgdd"), "unknown optimizer 'sgdd'"),
+        (dict(lr=0), "lr must be a positive number"),
+        (dict(steps=0), "steps must be an int >= 1"),
+        (dict(batch_size=5), r"batch_size must be an int in 1..3"),
+        (dict(record=[9]), r"record must list steps in 1..2"),
+        (dict(layers=[0, 0]), "layers must be distinct layer indices"),
+        (dict(layers=7), "layers must be distinct layer indices"),
+    ],
+)
 def test_bad_arguments_are_one_clear_error(kwargs, match):
     model = random_model(tp.ICLConfig(d_in=3, d_model=4, n_layers=2, n_heads=2), seed=0)
     x, y = torch.zeros(2, 3, 1, 3, dtype=torch.float64), torch.zeros(2, 3, 1, dtype=torch.float64)
@@ -177,5 +200,8 @@ def test_bad_shapes_are_one_clear_error():
         tp.finetune(model, torch.zeros(2, 3, 1, 4, dtype=torch.float64), torch.zeros(2, 3))
     with pytest.raises(InputError, match="not recorded"):
         tp.finetune(model, x, torch.zeros(2, 3, dtype=torch.float64), steps=2).at(1)
-    with pytest.raises(InputError, match=r"is not \[runs"), tp.finetuned(model, {"blocks.0.mlp.fc_in.weight": torch.zeros(3)}):
+    with (
+        pytest.raises(InputError, match=r"is not \[runs"),
+        tp.finetuned(model, {"blocks.0.mlp.fc_in.weight": torch.zeros(3)}),
+    ):
         pass

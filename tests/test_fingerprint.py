@@ -14,9 +14,9 @@ import copy
 
 import pytest
 import torch
+from conftest import random_model
 
 import tokenpatch as tp
-from conftest import random_model
 
 NAME = "blocks.1.mlp.fc_in.weight"  # the edited parameter
 
@@ -50,7 +50,7 @@ def _assert_rejected(model, x, patch):
         with tp.apply(model, patch[0, 0]):
             pass
     with pytest.raises(tp.InputError, match="another model"):
-        tp.verify(model, x, patch)
+        tp.verify(model, patch, x)
     with pytest.raises(tp.InputError, match="another model"):
         patch.check_model(model)
 

@@ -19,11 +19,12 @@ import tokenpatch as tp
 T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
 from conftest import CONFIGS, GEMMAS, VOCAB, build, ids  # noqa: E402
 
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_layer_and_the_logits(name, float64_gemma_norms):
     model, x = build(name), ids(2, 12)
     patch = tp.token_patch(model, x, query=[-1, -4, 3])
-    result = tp.verify(model, x, patch)
+    result = tp.verify(model, patch, x)
     assert result.max_abs <= 1e-12, result.table()
     assert result.per_layer[-1].name == "output" and result.per_layer[-1].max_abs <= 1e-12
     assert len(result.per_layer) == 3 + 1
@@ -34,7 +35,7 @@ def test_gemma_float32_norm_is_the_only_error(name):
     """With Gemma's own norm (float32 inside a float64 model) the error is that rounding, ~1e-7;
     the same patch construction with the norm in float64 is exact (previous test)."""
     model, x = build(name), ids(2, 12)
-    result = tp.verify(model, x, tp.token_patch(model, x))
+    result = tp.verify(model, tp.token_patch(model, x), x)
     assert 1e-12 < result.max_abs <= 1e-5, result.table()
 
 
@@ -57,7 +58,7 @@ def test_gemma_zero_scale_channels(float64_gemma_norms):
     patch = tp.token_patch(model, x)
     scale = patch["model.layers.1.post_feedforward_layernorm.weight"]  # [B, Q, d]
     assert torch.isfinite(scale).all() and bool((scale[..., [3, 17, 40]] != 0).all())
-    assert tp.verify(model, x, patch).max_abs <= 1e-12
+    assert tp.verify(model, patch, x).max_abs <= 1e-12
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "gpt_neox", "gpt_neox_sequential", "qwen2_moe"])
@@ -67,11 +68,11 @@ def test_chunk_removed_and_keep_bos(name, float64_gemma_norms):
     model, x = build(name), ids(2, 12)
     patch = tp.token_patch(model, x, query=[-1, 7], remove=slice(2, 6))
     assert patch.acts == "at_positions" and patch.positions == (7, 3)
-    assert tp.verify(model, x, patch).max_abs <= 1e-12
+    assert tp.verify(model, patch, x).max_abs <= 1e-12
     bos = tp.token_patch(model, x, keep_bos=True)  # the first token and the query
     stripped = tp.strip_context(model, x, keep_bos=True)
     assert stripped["input_ids"].shape == (2, 2) and stripped["position_ids"][0].tolist() == [0, 11]
-    assert tp.verify(model, x, bos).max_abs <= 1e-12
+    assert tp.verify(model, bos, x).max_abs <= 1e-12
     with torch.no_grad():
         got = tp.functional_call(model, bos, **stripped).logits[:, -1]
         torch.testing.assert_close(got, model(x).logits[:, -1], rtol=0, atol=1e-12)
@@ -81,13 +82,15 @@ def test_chunk_removed_and_keep_bos(name, float64_gemma_norms):
 def test_padded_batch_gives_each_prompts_patches(name, float64_gemma_norms):
     model = build(name)
     a, b = ids(1, 12, seed=2), ids(1, 7, seed=3)
-    batch = {"input_ids": torch.cat([a, torch.cat([torch.zeros(1, 5, dtype=torch.long), b], 1)]),
-             "attention_mask": torch.cat([torch.ones(1, 12), torch.cat([torch.zeros(1, 5), torch.ones(1, 7)], 1)]).long()}
+    batch = {
+        "input_ids": torch.cat([a, torch.cat([torch.zeros(1, 5, dtype=torch.long), b], 1)]),
+        "attention_mask": torch.cat([torch.ones(1, 12), torch.cat([torch.zeros(1, 5), torch.ones(1, 7)], 1)]).long(),
+    }
     both = tp.token_patch(model, batch, query=[-1, -2])
     for row, alone in ((0, tp.token_patch(model, a, query=[-1, -2])), (1, tp.token_patch(model, b, query=[-1, -2]))):
         for name_, delta in both.dense().items():
             torch.testing.assert_close(delta[row], alone.dense()[name_][0], rtol=0, atol=1e-12)
-    assert tp.verify(model, batch, both).max_abs <= 1e-12
+    assert tp.verify(model, both, batch).max_abs <= 1e-12
     stripped = tp.strip_context(model, batch, query=[-1, -2])
     assert stripped["position_ids"].flatten().tolist() == [11, 10, 6, 5]  # each token keeps its own position
 
@@ -168,7 +171,9 @@ def test_bad_inputs_get_one_clear_line():
 
 
 def test_unknown_architecture_lists_the_supported_ones():
-    config = T.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=50)
+    config = T.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=50
+    )
     model = T.AutoModelForMaskedLM.from_config(config).eval()
     with pytest.raises(tp.UnsupportedModelError, match=r"model_type 'bert'.*llama.*gemma3_text.*gpt2.*gpt_neox"):
         tp.token_patch(model, torch.tensor([[1, 2, 3]]))
@@ -189,13 +194,13 @@ def test_trajectory_is_the_token_patch_of_every_prefix(name, float64_gemma_norms
         want = tp.token_patch(model, traj.prefix_inputs(x, i)).dense()
         for key, delta in traj.patch(i).dense().items():
             torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
-    assert tp.verify(model, traj.prefix_inputs(x, 4), traj.patch(4)).max_abs <= 1e-12
+    assert tp.verify(model, traj.patch(4), traj.prefix_inputs(x, 4)).max_abs <= 1e-12
     steps = tp.trajectory(model, x, query=-2, steps=True)
     for i in range(1, steps.query + 1):  # the increment: prefix i with c_i removed, acting at the query
         want = tp.token_patch(model, steps.prefix_inputs(x, i), remove=slice(i - 1, i)).dense()
         for key, delta in steps.step(i).dense().items():
             torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
-    assert tp.verify(model, steps.prefix_inputs(x, 5), steps.step(5)).max_abs <= 1e-12
+    assert tp.verify(model, steps.step(5), steps.prefix_inputs(x, 5)).max_abs <= 1e-12
 
 
 @torch.no_grad()
@@ -240,11 +245,17 @@ def test_thought_patch_gemma_output_side(float64_gemma_norms):
     with pytest.warns(tp.ThoughtWarning, match="rank-deficient"):  # 20 queries of 2 tokens: fewer positions than d
         both = tp.thought_patch(model, prompt, cal)
         inputs_only = tp.thought_patch(model, prompt, cal, output=None)
-    assert all(bool(torch.isfinite(t).all()) for d in both.patch.values() for t in
-               ((d.u, d.v) if isinstance(d, tp.LowRank) else (d,)))
+    assert all(
+        bool(torch.isfinite(t).all())
+        for d in both.patch.values()
+        for t in ((d.u, d.v) if isinstance(d, tp.LowRank) else (d,))
+    )
     ends = (":input", "down_proj.weight", "post_feedforward_layernorm.weight")
-    assert {k.rpartition(".layers.")[2].partition(".")[2] for k in both.patch} == {"mlp:input", "mlp.down_proj.weight",
-                                                                                    "post_feedforward_layernorm.weight"}
+    assert {k.rpartition(".layers.")[2].partition(".")[2] for k in both.patch} == {
+        "mlp:input",
+        "mlp.down_proj.weight",
+        "post_feedforward_layernorm.weight",
+    }
     assert all(k.endswith(ends) for k in both.patch)
     assert all(k.endswith(":input") for k in inputs_only.patch)
     with pytest.raises(tp.InputError, match="no bias"), pytest.warns(tp.ThoughtWarning):
@@ -296,6 +307,7 @@ def test_thought_patch_of_many_ragged_queries_in_several_chunks():
     """More rows than one padded chunk holds (256), the later chunk wider: every real position is
     fitted once, none of the padding."""
     model = build("llama")
-    fit = tp.thought_patch(model, ids(1, 8, seed=14)[0], [ids(260, 2, seed=15), ids(40, 4, seed=16)], keep_bos=True,
-                           ridge=1e-3)
+    fit = tp.thought_patch(
+        model, ids(1, 8, seed=14)[0], [ids(260, 2, seed=15), ids(40, 4, seed=16)], keep_bos=True, ridge=1e-3
+    )
     assert [f.n for f in fit.fits] == [260 * 2 + 40 * 4] * 3  # chunks of width 2 and 4

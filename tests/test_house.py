@@ -69,8 +69,13 @@ def _modules() -> dict[str, Module]:
 
         visit(tree, False)
         for node in ast.walk(tree):  # files._x on a module bound above
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and isinstance(node.value, ast.Name) and node.value.id in bound):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+            ):
                 mod.private.append((node.lineno, f"{bound[node.value.id]}.{node.attr}"))
         mods[name] = mod
     return mods
@@ -113,7 +118,9 @@ def _cycles(mods: dict[str, Module]) -> list[list[str]]:
 
 
 def test_reader_sees_every_module():
-    assert {"tokenpatch.patch", "tokenpatch.run", "tokenpatch.workbench.cli.main", "tokenpatch.arch.base"} <= set(MODULES)
+    assert {"tokenpatch.patch", "tokenpatch.run", "tokenpatch.workbench.cli.main", "tokenpatch.arch.base"} <= set(
+        MODULES
+    )
     assert any(t == "tokenpatch.patch" for _, t, _ in MODULES["tokenpatch.run"].imports)
 
 
@@ -129,8 +136,12 @@ def test_cycle_finder_finds_one():  # the finder itself, on a made-up circle
 def test_no_imports_inside_functions():
     """In the library. The command line defers its imports on purpose (it checks its arguments before
     torch loads); the circle test above holds it to the same graph."""
-    inside = [f"{m.name}:{line} imports {t}" for m in MODULES.values() for line, t, fn in m.imports
-              if fn and not m.name.startswith(f"{WORKBENCH}.cli")]
+    inside = [
+        f"{m.name}:{line} imports {t}"
+        for m in MODULES.values()
+        for line, t, fn in m.imports
+        if fn and not m.name.startswith(f"{WORKBENCH}.cli")
+    ]
     assert inside == []
 
 
@@ -140,8 +151,12 @@ def test_no_private_names_across_modules():
 
 
 def test_library_never_imports_the_workbench():
-    wrong = [f"{m.name}:{line} imports {t}" for m in MODULES.values() for line, t, _ in m.imports
-             if t.startswith(WORKBENCH) and not (m.name.startswith(WORKBENCH) or m.name == "tokenpatch.__main__")]
+    wrong = [
+        f"{m.name}:{line} imports {t}"
+        for m in MODULES.values()
+        for line, t, _ in m.imports
+        if t.startswith(WORKBENCH) and not (m.name.startswith(WORKBENCH) or m.name == "tokenpatch.__main__")
+    ]
     assert wrong == []
 
 

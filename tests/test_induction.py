@@ -8,8 +8,7 @@ import torch
 
 import tokenpatch as tp
 from tokenpatch.interp.ablation import ablate_heads, select_heads
-from tokenpatch.interp.induction import (detection_pattern, detector_score, diagonal_score, rank_heads,
-                                         repeated_tokens)
+from tokenpatch.interp.induction import detection_pattern, detector_score, diagonal_score, rank_heads, repeated_tokens
 
 L = 5
 
@@ -35,8 +34,8 @@ def previous_token(t: int, s: int = 1) -> torch.Tensor:
 def test_repeated_tokens():
     tok = repeated_tokens(100, L, 4, seed=3, bos=0)
     assert tok.shape == (4, 1 + 2 * L) and (tok[:, 0] == 0).all()
-    assert torch.equal(tok[:, 1:L + 1], tok[:, L + 1:])
-    assert all(len(set(row[1:L + 1].tolist())) == L for row in tok)  # distinct when the pool allows
+    assert torch.equal(tok[:, 1 : L + 1], tok[:, L + 1 :])
+    assert all(len(set(row[1 : L + 1].tolist())) == L for row in tok)  # distinct when the pool allows
     assert torch.equal(tok, repeated_tokens(100, L, 4, seed=3, bos=0))
 
 
@@ -71,7 +70,9 @@ def test_detector_matches_transformerlens_definition_on_a_hand_made_pattern():
         no_bos = a[h].clone()
         no_bos[:, 0] = 0
         expect = (no_bos * ind.double()).sum() / no_bos.sum()
-        assert detector_score(a[h][None, None], tokens[None], exclude_bos=True).item() == pytest.approx(expect.item(), abs=1e-15)
+        assert detector_score(a[h][None, None], tokens[None], exclude_bos=True).item() == pytest.approx(
+            expect.item(), abs=1e-15
+        )
         no_cur = a[h].clone()
         no_cur.fill_diagonal_(0)
         expect = (no_cur * dup.double()).sum() / no_cur.sum()
@@ -188,7 +189,10 @@ def test_lag_prompts_and_probabilities():
     probs[torch.arange(5), p[:, 4]] = 0.9  # all mass on the successor of the repeated token
     out = lag_probabilities(probs, p)
     assert out["lags"] == [-3, -2, -1, 0, 1, 2, 3]
-    assert out["mean"] == pytest.approx([0, 0, 0, 0, 0.9, 0, 0]) and max(out["ci95"]) < 1e-12
+    assert (
+        out["mean"] == pytest.approx([0, 0, 0, 0, 0.9, 0, 0])
+        and max(h - lo for lo, h in zip(out["lo"], out["hi"])) < 1e-12
+    )
 
 
 def test_recall_prompt_and_scoring():
@@ -206,18 +210,34 @@ def test_recall_prompt_and_scoring():
 def test_cli_scores_on_a_small_lm(tmp_path, capsys):
     import json
 
-    from tokenpatch.workbench.cli.main import main
     from tokenpatch.tasks.repeats import LMData
+    from tokenpatch.workbench.cli.main import main
     from tokenpatch.workbench.train.lm import LMTrain, train_lm
 
     path = tmp_path / "lm.safetensors"
-    train_lm(path, LMData(vocab=20, length=16), LMTrain(steps=2, batch_size=2), d_model=8, n_layers=2, n_heads=2,
-             progress=False)
-    assert main(["induction", "scores", "--model", str(path), "--length", "5", "--sequences", "3", "--json",
-                 "--quiet"]) == 0
+    train_lm(
+        path,
+        LMData(vocab=20, length=16),
+        LMTrain(steps=2, batch_size=2),
+        d_model=8,
+        n_layers=2,
+        n_heads=2,
+        progress=False,
+    )
+    assert (
+        main(["induction", "scores", "--model", str(path), "--length", "5", "--sequences", "3", "--json", "--quiet"])
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 4 and list(rows[0]) == ["layer", "head", "diagonal", "detector", "previous_token",
-                                                "duplicate_token", "kv_group"]
+    assert len(rows) == 4 and list(rows[0]) == [
+        "layer",
+        "head",
+        "diagonal",
+        "detector",
+        "previous_token",
+        "duplicate_token",
+        "kv_group",
+    ]
     assert main(["induction", "scores", "--model", str(path), "--length", "5", "--quiet"]) == 0
     assert "layer | head" in capsys.readouterr().out
 
@@ -252,7 +272,9 @@ def test_lag_curve_and_serial_recall_on_a_tiny_hf_model():
     model = build("llama")
     prompts = lag_prompts(range(1, VOCAB), 9, 4, seed=0)
     lc = lag_curve(model, prompts, bos=0, batch_size=3)
-    probs = torch.softmax(model(torch.cat([torch.zeros(4, 1, dtype=torch.long), prompts], 1)).logits[:, -1].double(), -1)
+    probs = torch.softmax(
+        model(torch.cat([torch.zeros(4, 1, dtype=torch.long), prompts], 1)).logits[:, -1].double(), -1
+    )
     assert lc["lags"] == list(range(-4, 5))
     assert lc["mean"] == pytest.approx(probs.gather(1, prompts[:, :9]).mean(0).tolist(), abs=1e-12)
 
@@ -276,30 +298,107 @@ def test_cli_trains_a_small_lm_and_reports_on_it(tmp_path, capsys):
     from tokenpatch.workbench.cli.main import main
 
     path = tmp_path / "lm.safetensors"
-    args = ["induction", "train", "--out", str(path), "--vocab", "12", "--length", "24", "--steps", "3",
-            "--d-model", "8", "--layers", "2", "--heads", "2", "--quiet"]
+    args = [
+        "induction",
+        "train",
+        "--out",
+        str(path),
+        "--vocab",
+        "12",
+        "--length",
+        "24",
+        "--steps",
+        "3",
+        "--d-model",
+        "8",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--quiet",
+    ]
     assert main(args) == 0 and "2-layer Pre-LN softmax-attention transformer: " in capsys.readouterr().out
-    assert main(["induction", "report", "--model", str(path), "--out", str(tmp_path / "r"), "--words", "7",
-                 "--prompts", "4", "--draws", "3", "--exclude-top", "1", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "induction",
+                "report",
+                "--model",
+                str(path),
+                "--out",
+                str(tmp_path / "r"),
+                "--words",
+                "7",
+                "--prompts",
+                "4",
+                "--draws",
+                "3",
+                "--exclude-top",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "r" / "induction-lm.json").read_text())
     assert result["heads"] == 4 and result["lag"]["lags"] == list(range(-3, 4)) and "per_prompt" not in result["lag"]
     dose = result["dose_lag_plus_one"]
-    assert dose["n"] == [0, 1, 2] and all(set(c) == {"mean", "ci95"} for c in dose["top"])
+    assert dose["n"] == [0, 1, 2] and all(set(c) == {"mean", "lo", "hi"} for c in dose["top"])
     assert dose["exact"] == [True, True, True] and len(dose["random_heads"][2]) == 1  # the one pair outside the top 2
     top2 = {(r["layer"], r["head"]) for r in result["top_heads"][:2]}
     assert not top2 & {tuple(h) for h in dose["random_heads"][2][0]}  # the control never shares a top head
     assert len(dose["random"][1]) == 3 and dose["top"][0] == dose["random"][0][0]  # nothing ablated: the same
     p = result["patches"]
     assert len(p["share"]) == 2 and len(p["share"][0]) == 2 and p["closure_max"] < 1e-5
-    assert len(p["patch_norm"]["random"]) == 1 and p["top"] == [[r["layer"], r["head"]] for r in result["top_heads"][:2]]
+    assert len(p["patch_norm"]["random"]) == 1 and p["top"] == [
+        [r["layer"], r["head"]] for r in result["top_heads"][:2]
+    ]
     md = (tmp_path / "r" / "induction-lm.md").read_text()
     assert "| heads ablated | lag +1, top | lag +1, random |" in md and "top heads' share" in md
     assert (tmp_path / "r" / "induction-lm.png").stat().st_size > 10_000
     one = tmp_path / "one.safetensors"  # one head per layer: 2 heads, a pool of 1 outside the top 1
-    assert main(["induction", "train", "--out", str(one), "--vocab", "12", "--length", "24", "--steps", "2",
-                 "--d-model", "8", "--layers", "2", "--heads", "1", "--quiet"]) == 0
-    assert main(["induction", "report", "--model", str(one), "--out", str(tmp_path / "r1"), "--words", "3",
-                 "--prompts", "4", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "induction",
+                "train",
+                "--out",
+                str(one),
+                "--vocab",
+                "12",
+                "--length",
+                "24",
+                "--steps",
+                "2",
+                "--d-model",
+                "8",
+                "--layers",
+                "2",
+                "--heads",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "induction",
+                "report",
+                "--model",
+                str(one),
+                "--out",
+                str(tmp_path / "r1"),
+                "--words",
+                "3",
+                "--prompts",
+                "4",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "r1" / "induction-one.json").read_text())
     assert result["dose_lag_plus_one"]["n"] == [0, 1] and result["patches"]["n"] == 1
     assert "| lag | -1 | 0 | +1 |" in (tmp_path / "r1" / "induction-one.md").read_text()  # 3 items: 3 lags
@@ -307,7 +406,8 @@ def test_cli_trains_a_small_lm_and_reports_on_it(tmp_path, capsys):
 
 def test_random_control_sets_and_pooled_intervals():
     from tokenpatch.interp.ablation import outside_top, random_sets
-    from tokenpatch.interp.temporal import mean_ci, pooled
+    from tokenpatch.interp.temporal import pooled
+    from tokenpatch.stats import interval, mean_interval
 
     ranked = rank_heads({"diagonal": torch.tensor([[0.1], [0.9], [0.3], [0.2]])})  # 4 layers x 1 head
     assert outside_top(ranked, 1) == [(2, 0), (3, 0), (0, 0)]
@@ -321,12 +421,19 @@ def test_random_control_sets_and_pooled_intervals():
     big = rank_heads({"diagonal": torch.rand(6, 4, generator=torch.Generator().manual_seed(0))})
     sets = random_sets(big, 1, exclude_top=0, draws=12)  # 24 choices: drawn, and all distinct
     assert len(sets) == 12 and len({tuple(h) for h in sets}) == 12
-    assert mean_ci([1.0, 3.0]) == {"mean": 2.0, "ci95": pytest.approx(12.7062047)}  # Student's t, 1 df: 12.71 sd/sqrt(2)
-    assert mean_ci([1.0, 2.0, 3.0])["ci95"] == pytest.approx(4.30265273 / 3 ** 0.5)  # 3 head sets: 4.30, not 1.96
-    assert pooled([{"mean": 0.5, "ci95": 0.1}]) == {"mean": 0.5, "ci95": 0.1}
-    assert pooled([{"mean": 1.0, "ci95": 0.1}, {"mean": 3.0, "ci95": 0.1}]) == mean_ci([1.0, 3.0])
-    assert pooled([{"mean": 1.0, "ci95": 0.3}, {"mean": 3.0, "ci95": 0.4}], exact=True) == {"mean": 2.0,
-                                                                                           "ci95": pytest.approx(0.35)}
+    assert mean_interval([1.0, 3.0]) == {
+        "mean": 2.0,
+        "lo": pytest.approx(2 - 12.7062047),
+        "hi": pytest.approx(2 + 12.7062047),
+    }  # Student's t, 1 df: 12.71 sd/sqrt(2)
+    assert mean_interval([1.0, 2.0, 3.0])["hi"] == pytest.approx(2 + 4.30265273 / 3**0.5)  # 3 head sets: 4.30, not 1.96
+    assert pooled([interval(0.5, 0.1)]) == interval(0.5, 0.1)
+    assert pooled([interval(1.0, 0.1), interval(3.0, 0.1)]) == mean_interval([1.0, 3.0])
+    assert pooled([interval(1.0, 0.3), interval(3.0, 0.4)], exact=True) == {
+        "mean": 2.0,
+        "lo": pytest.approx(1.65),
+        "hi": pytest.approx(2.35),
+    }
 
 
 def test_head_lists_and_counts_are_checked():
@@ -383,8 +490,9 @@ def test_resample_refuses_cached_decoding_and_head_patches():
     with ablate_heads(model, [(0, 0)], "resample", reference=torch.randint(1, 50, (4, 12))):
         with pytest.raises(tp.InputError, match="cached decoding"):
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
-                             pad_token_id=0, use_cache=False)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0, use_cache=False
+        )
         assert out.shape == (2, 9)
         with pytest.raises(tp.InputError, match="resample ablation"):
             head_patches(model, ids, -1)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import tokenpatch as tp
+from tokenpatch.models.lm import lm_inputs, lm_model, load_lm
 from tokenpatch.tasks.repeats import BOS, LMData
 from tokenpatch.workbench.train.lm import LMTrain, train_lm
-from tokenpatch.models.lm import lm_inputs, lm_model, load_lm
 
 
 def test_data_copies_the_last_successor_with_probability_follow():
@@ -38,7 +38,7 @@ def test_inputs_and_token_patches_are_exact():
     ids = data.sample(3, np.random.default_rng(1))
     x = lm_inputs(model, ids)
     assert x.shape == (3, 16, 36) and torch.equal(x[0, 5, :20].argmax(), ids[0, 5]) and x[0, 5, 20 + 5] == 1
-    assert tp.verify(model, x, tp.token_patch(model, x)).max_abs < 1e-10
+    assert tp.verify(model, tp.token_patch(model, x), x).max_abs < 1e-10
     with pytest.raises(tp.InputError, match="token ids must be"):
         lm_inputs(model, torch.full((1, 4), 20))
 
@@ -96,7 +96,9 @@ def test_attention_only_model_runs_saves_and_refuses_token_patches(tmp_path):
     model = lm_model(data, d_model=16, n_layers=2, n_heads=2, mlp=False).double()
     assert not any("mlp" in name for name, _ in model.named_parameters())
     assert model.config.describe() == "2-layer Pre-LN softmax-attention transformer (attention-only)"
-    assert model.config.to_dict()["mlp"] is False and "mlp" not in lm_model(data).config.to_dict()  # old files read as before
+    assert (
+        model.config.to_dict()["mlp"] is False and "mlp" not in lm_model(data).config.to_dict()
+    )  # old files read as before
     x = lm_inputs(model, data.sample(2, np.random.default_rng(1)))
     h = model.read_in(x)
     for block in model.blocks:  # each block is h + A(LN1(h)), nothing after

@@ -10,16 +10,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import non_snake_keys
 
 import tokenpatch as tp
 from tokenpatch.interp import circuits
 from tokenpatch.interp.phases import cross_entropy, kl_to, mixture_fit, phase_label, predictors
 from tokenpatch.models.markov import MarkovModel, log_probs, markov_model, model_inputs
+from tokenpatch.tasks.markov import MarkovTask, encode, random_chains, sample_sequences, stationary
 from tokenpatch.workbench.train.markov import MarkovTrain, load_run, train_markov
 from tokenpatch.workbench.train.sweep import fit_tau, k_star, transition_step
-from tokenpatch.tasks.markov import MarkovTask, encode, random_chains, sample_sequences, stationary
-
-from conftest import non_snake_keys
 
 TWO = torch.tensor([[[0.9, 0.1], [0.2, 0.8]], [[0.3, 0.7], [0.6, 0.4]]], dtype=torch.float64)  # K=2, C=2
 
@@ -139,8 +138,12 @@ def test_bigram_stationary_unigram_variant():
     assert torch.allclose(lp["1-gen"][0, 4].exp(), stationary(est[None])[0], atol=1e-14)
 
 
-REFERENCE = [(1.0, 128, 2.323, 2.181, 1.931), (1.0, 256, 2.305, 2.127, 1.930), (0.5, 256, 2.268, 1.914, 1.668),
-             (0.25, 256, 2.173, 1.575, 1.309)]  # docs/markov.md: 1-gen, 2-gen, true on fresh chains (C = 10)
+REFERENCE = [
+    (1.0, 128, 2.323, 2.181, 1.931),
+    (1.0, 256, 2.305, 2.127, 1.930),
+    (0.5, 256, 2.268, 1.914, 1.668),
+    (0.25, 256, 2.173, 1.575, 1.309),
+]  # docs/markov.md: 1-gen, 2-gen, true on fresh chains (C = 10)
 
 
 @pytest.mark.parametrize("alpha,n,one,two,true", REFERENCE)
@@ -177,7 +180,11 @@ def test_phase_label_argmin_and_mixed():
 def test_mixture_fit_recovers_the_weights():
     task = MarkovTask(chains=4, length=32)
     b = task.sample(64, np.random.default_rng(0))
-    refs = {k: v for k, v in predictors(b.states, task.train_chains, task.alpha).items() if k in ("1-gen", "2-gen", "1-mem", "2-mem")}
+    refs = {
+        k: v
+        for k, v in predictors(b.states, task.train_chains, task.alpha).items()
+        if k in ("1-gen", "2-gen", "1-mem", "2-mem")
+    }
     model = torch.log(0.3 * refs["2-gen"].exp() + 0.7 * refs["2-mem"].exp())
     w, kl = mixture_fit(model, refs, iters=5000, tol=0)
     assert w["2-gen"] == pytest.approx(0.3, abs=2e-3) and w["2-mem"] == pytest.approx(0.7, abs=2e-3)
@@ -192,11 +199,11 @@ def test_the_markov_model_is_exact_under_token_patches():
     task = MarkovTask(length=12, chains=2)
     model = markov_model(task, MarkovModel(d_model=16, n_heads=2)).double()
     x = model_inputs(model, task, task.sample(3, np.random.default_rng(0)).states)
-    assert tp.verify(model, x, tp.token_patch(model, x)).max_abs < 1e-10
+    assert tp.verify(model, tp.token_patch(model, x), x).max_abs < 1e-10
     minimal = markov_model(task, MarkovModel(d_model=16, minimal=True)).double()
     assert len(minimal.blocks) == 1 and minimal.config.d_in == 2 * 10 + 12
     y = model_inputs(minimal, task, task.sample(3, np.random.default_rng(0)).states)
-    assert tp.verify(minimal, y, tp.token_patch(minimal, y)).max_abs < 1e-10
+    assert tp.verify(minimal, tp.token_patch(minimal, y), y).max_abs < 1e-10
 
 
 def test_training_records_and_refuses_another_recipe(tmp_path):
@@ -212,9 +219,13 @@ def test_training_records_and_refuses_another_recipe(tmp_path):
         train_markov(tmp_path / "a", task, MarkovModel(d_model=4), cfg, progress=False)
     loaded, t, meta = load_run(tmp_path / "a")
     assert t == task and meta["step"] == 12 and set(meta["references"]) == {"train", "fresh"}
-    assert torch.equal(log_probs(loaded, task, torch.zeros(1, 10, dtype=torch.long)),
-                       log_probs(model, task, torch.zeros(1, 10, dtype=torch.long)))
-    assert sorted(p.name for p in (tmp_path / "a").glob("step-*")) == [f"step-{s:07d}.safetensors" for s in (0, 1, 2, 5, 12)]
+    assert torch.equal(
+        log_probs(loaded, task, torch.zeros(1, 10, dtype=torch.long)),
+        log_probs(model, task, torch.zeros(1, 10, dtype=torch.long)),
+    )
+    assert sorted(p.name for p in (tmp_path / "a").glob("step-*")) == [
+        f"step-{s:07d}.safetensors" for s in (0, 1, 2, 5, 12)
+    ]
     with pytest.raises(tp.InputError, match="holds no Markov run"):
         load_run(tmp_path)
 
@@ -250,8 +261,12 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypatch)
         a = load_run_snapshot(tmp_path / "full" / f"step-{step:07d}.safetensors")
         b = load_run_snapshot(tmp_path / "cut" / f"step-{step:07d}.safetensors")
         assert all(torch.equal(p, q) for p, q in zip(a, b))
-    train_markov(tmp_path / "cut", task, shape, MarkovTrain(**{**cfg.to_dict(), "steps": 3}), resume=False, progress=False)
-    assert sorted(p.name for p in (tmp_path / "cut").glob("step-*")) == [f"step-{s:07d}.safetensors" for s in (0, 1, 2, 3)]
+    train_markov(
+        tmp_path / "cut", task, shape, MarkovTrain(**{**cfg.to_dict(), "steps": 3}), resume=False, progress=False
+    )
+    assert sorted(p.name for p in (tmp_path / "cut").glob("step-*")) == [
+        f"step-{s:07d}.safetensors" for s in (0, 1, 2, 3)
+    ]
 
 
 def load_run_snapshot(path):
@@ -317,11 +332,29 @@ def test_fit_tau_recovers_a_power_law_and_n_over_log_n():
 
 def test_k_star_from_final_evaluations():
     def run(k, seed, gen, mem):
-        return {"chains": k, "seed": seed, "history": [{"fresh": {"kl": {"2-gen": 0.1 if gen else 0.5, "2-mem": 0.3}},
-                                                        "train": {"kl": {"2-mem": 0.01 if mem else 0.4, "2-gen": 0.2,
-                                                                         "1-gen": 0.5, "1-mem": 0.3}}}]}
-    summary = {"runs": [run(1, 0, False, True), run(4, 0, False, True), run(16, 0, True, True), run(64, 0, True, False),
-                        run(1, 1, False, True), run(4, 1, True, False), run(16, 1, True, False), run(64, 1, True, False)]}
+        return {
+            "chains": k,
+            "seed": seed,
+            "history": [
+                {
+                    "fresh": {"kl": {"2-gen": 0.1 if gen else 0.5, "2-mem": 0.3}},
+                    "train": {"kl": {"2-mem": 0.01 if mem else 0.4, "2-gen": 0.2, "1-gen": 0.5, "1-mem": 0.3}},
+                }
+            ],
+        }
+
+    summary = {
+        "runs": [
+            run(1, 0, False, True),
+            run(4, 0, False, True),
+            run(16, 0, True, True),
+            run(64, 0, True, False),
+            run(1, 1, False, True),
+            run(4, 1, True, False),
+            run(16, 1, True, False),
+            run(64, 1, True, False),
+        ]
+    }
     s = k_star(summary)
     assert s["per_seed"][0]["k1"] == 16 and s["per_seed"][0]["k1_bracket"] == [4, 16]
     assert s["per_seed"][0]["k2"] == 16 and s["per_seed"][0]["k2_bracket"] == [16, 64]
@@ -447,8 +480,23 @@ def test_bridge_numbers(tiny):
 def test_cli_predictors_json(capsys):
     from tokenpatch.workbench.cli.main import main
 
-    argv = ["markov", "predictors", "--states", "10", "--alpha", "1", "--length", "128", "--chains", "4",
-            "--sequences", "50", "--seed", "3", "--json"]
+    argv = [
+        "markov",
+        "predictors",
+        "--states",
+        "10",
+        "--alpha",
+        "1",
+        "--length",
+        "128",
+        "--chains",
+        "4",
+        "--sequences",
+        "50",
+        "--seed",
+        "3",
+        "--json",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["fresh", "train"]
@@ -462,8 +510,24 @@ def test_cli_train_and_probe_on_a_one_layer_minimal_run(tmp_path, capsys):
     from tokenpatch.workbench.cli.main import main
 
     out = tmp_path / "run"
-    argv = ["markov", "train", "--out", str(out), "--chains", "3", "--length", "12", "--steps", "6", "--minimal",
-            "--heads", "2", "--d-model", "8", "--quiet"]
+    argv = [
+        "markov",
+        "train",
+        "--out",
+        str(out),
+        "--chains",
+        "3",
+        "--length",
+        "12",
+        "--steps",
+        "6",
+        "--minimal",
+        "--heads",
+        "2",
+        "--d-model",
+        "8",
+        "--quiet",
+    ]
     assert main(argv) == 0
     assert "phases" in capsys.readouterr().out and (out / "curves.png").stat().st_size > 10_000
     assert main(["markov", "probe", "--run", str(out), "--quiet"]) == 0

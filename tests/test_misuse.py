@@ -54,7 +54,7 @@ def test_tiny_float32_anchors_do_not_underflow(scale):
     torch.manual_seed(0)
     block = tp.Block(tp.ICLConfig(d_in=8, d_model=8, n_layers=1, n_heads=2, norm="none", residual=False, bias=False))
     x = torch.randn(4, 6, 8) * scale  # [B, T, d]: the MLP input scales with x
-    result = tp.verify(block, x, tp.token_patch(block, x))
+    result = tp.verify(block, tp.token_patch(block, x), x)
     assert result.max_rel <= 1e-5 and result.ok(), result.table()
     x[1, -1] = 0.0  # a really zero query
     with pytest.raises(tp.ZeroAnchorError, match=r"\(1, 5\)"):
@@ -74,7 +74,9 @@ def test_a_thousand_additions_keep_flat_metadata(shipped, tmp_path):
     assert max(sizes) - min(sizes) <= 3 and sizes[-1] < 400, sizes
     tp.save_patch(total, tmp_path / "sum.safetensors")
     back = tp.load_patch(tmp_path / "sum.safetensors", model=model)
-    assert back.meta == total.meta and torch.equal(back["blocks.9.mlp.fc_in.weight"].u, total["blocks.9.mlp.fc_in.weight"].u)
+    assert back.meta == total.meta and torch.equal(
+        back["blocks.9.mlp.fc_in.weight"].u, total["blocks.9.mlp.fc_in.weight"].u
+    )
 
 
 def test_load_model_dtype_and_device_names():
@@ -146,3 +148,13 @@ def test_progress_bars_only_where_they_help(small_model, small_inputs, capsys):
     assert capsys.readouterr().err == ""
     tp.token_patch(small_model, small_inputs, progress=True)
     assert "token_patch" in capsys.readouterr().err
+
+
+def test_verify_takes_the_patch_second_and_the_old_order_warns(small_model, small_inputs):
+    patch = tp.token_patch(small_model, small_inputs)
+    new = tp.verify(small_model, patch, small_inputs)
+    with pytest.warns(DeprecationWarning, match=r"tp.verify\(model, patch, inputs\)"):
+        old = tp.verify(small_model, small_inputs, patch)
+    assert old.max_abs == new.max_abs <= 1e-10
+    with pytest.raises(tp.InputError, match="the second argument must be a tp.Patch"):
+        tp.verify(small_model, small_inputs, small_inputs)

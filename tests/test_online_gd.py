@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_block, random_model
 
 import tokenpatch as tp
-from conftest import random_block, random_model
 from tokenpatch.dynamics import diagnostics as dg
 from tokenpatch.dynamics.online_gd import replay
 
@@ -21,8 +21,10 @@ def test_replay_is_the_trajectory_where_the_anchor_is_fixed(layer):
     """A single block, and the first layer of a deep model: W_i = W_{i-1} - grad L_i / |a|^2."""
     block = random_block(tp.ICLConfig(d_in=5, d_model=5, n_layers=1, n_heads=1, layer=layer, norm="pre"), seed=2)
     model = random_model(tp.ICLConfig(d_in=3, d_model=6, n_layers=3, n_heads=2, layer=layer, norm="pre"), seed=2)
-    for net, x, name in [(block, torch.randn(2, 8, 5, dtype=torch.float64), "mlp.fc_in.weight"),
-                         (model, torch.randn(2, 8, 3, dtype=torch.float64), "blocks.0.mlp.fc_in.weight")]:
+    for net, x, name in [
+        (block, torch.randn(2, 8, 5, dtype=torch.float64), "mlp.fc_in.weight"),
+        (model, torch.randn(2, 8, 3, dtype=torch.float64), "blocks.0.mlp.fc_in.weight"),
+    ]:
         traj = tp.trajectory(net, x)
         rp = replay(traj, name)
         for i in range(8):
@@ -38,8 +40,9 @@ def test_deeper_layers_are_not_nlms_and_the_deviation_says_how_far():
     rp = replay(traj, name)
     for i in range(1, 9):  # the deviation is the dense relative distance
         gap = (rp.patch(i).dense() - _dense(traj, name, i)).flatten(1).norm(dim=1)
-        torch.testing.assert_close(rp.deviation[:, i], gap / _dense(traj, name, i).flatten(1).norm(dim=1),
-                                   rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(
+            rp.deviation[:, i], gap / _dense(traj, name, i).flatten(1).norm(dim=1), rtol=1e-9, atol=1e-12
+        )
     assert float(rp.deviation.max()) > 1e-3  # the anchor moves: the identity does not hold here
 
 
@@ -64,7 +67,10 @@ def test_decay_exponent_and_effective_rank():
     norms = torch.stack([3 * i**-0.5, 0.2 * i**0.0, i**-1.5])  # [3, 64]
     torch.testing.assert_close(dg.decay_exponent(norms), torch.tensor([-0.5, 0.0, -1.5], dtype=torch.float64))
     g = torch.Generator().manual_seed(0)
-    u, v = torch.randn(2, 4, 7, generator=g, dtype=torch.float64), torch.randn(2, 4, 5, generator=g, dtype=torch.float64)
+    u, v = (
+        torch.randn(2, 4, 7, generator=g, dtype=torch.float64),
+        torch.randn(2, 4, 5, generator=g, dtype=torch.float64),
+    )
     delta = tp.LowRank(u, v)  # [2] matrices 7x5 of rank 4
     sv = torch.linalg.svdvals(delta.dense())
     p = sv / sv.sum(-1, keepdim=True)

@@ -43,7 +43,7 @@ def _both_ways(model, patch: tp.Patch, run) -> tuple[torch.Tensor, torch.Tensor]
     hooked = tp.functional_call(model, patch, **run) if isinstance(run, dict) else tp.functional_call(model, patch, run)
     with tp.apply(model, patch):
         written = model(**run) if isinstance(run, dict) else model(run)
-    out = (lambda o: o.logits if hasattr(o, "logits") else o)
+    out = lambda o: o.logits if hasattr(o, "logits") else o
     assert hooks_left(model) == 0
     return out(hooked), out(written)
 

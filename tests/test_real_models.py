@@ -13,14 +13,19 @@ import pytest
 import torch
 
 import tokenpatch as tp
+from tokenpatch.verify import REAL_MODEL_RULE
+
+REAL_TOL = tp.TOLERANCES[REAL_MODEL_RULE][1]  # per-layer relative error, float32 real weights
 
 pytestmark = pytest.mark.slow
 
-PROMPT = ("The history of the bicycle begins in the early nineteenth century, when inventors in Germany and "
-          "France built wooden machines that riders pushed along with their feet. Pedals attached to the front "
-          "wheel came later, and the safety bicycle, with two wheels of equal size and a chain driving the rear "
-          "wheel, made cycling popular across Europe and America. Today millions of people ride to work every day, "
-          "and the simple design has hardly changed. The most important part of a bicycle is")
+PROMPT = (
+    "The history of the bicycle begins in the early nineteenth century, when inventors in Germany and "
+    "France built wooden machines that riders pushed along with their feet. Pedals attached to the front "
+    "wheel came later, and the safety bicycle, with two wheels of equal size and a chain driving the rear "
+    "wheel, made cycling popular across Europe and America. Today millions of people ride to work every day, "
+    "and the simple design has hardly changed. The most important part of a bicycle is"
+)
 
 
 def encode(tokenizer, text: str = PROMPT) -> torch.Tensor:
@@ -33,7 +38,7 @@ def check_float32(model, tokenizer, report) -> None:
     ids = encode(tokenizer)
     queries = list(range(ids.shape[1] - 32, ids.shape[1]))
     patch = tp.token_patch(model, ids, query=queries)
-    result = tp.verify(model, ids, patch)
+    result = tp.verify(model, patch, ids)
     per_layer = [e.max_rel for e in result.per_layer[:-1]]
     with torch.no_grad():
         want = model(ids).logits[0, queries]  # [32, vocab]
@@ -43,13 +48,15 @@ def check_float32(model, tokenizer, report) -> None:
     decided = margin >= 1e-2
     agree = got.argmax(-1) == want.argmax(-1)
     gen = tp.generate(model, ids, max_new_tokens=20)
-    ordinary = model.generate(ids, max_new_tokens=20, do_sample=False)[:, ids.shape[1]:]  # may stop at EOS
+    ordinary = model.generate(ids, max_new_tokens=20, do_sample=False)[:, ids.shape[1] :]  # may stop at EOS
     tight = (gen.margin[0] < 1e-3).nonzero()
     upto = min(int(tight[0]) if len(tight) else 20, ordinary.shape[1])
-    report(f"{ids.shape[1]} prompt tokens; max per-layer rel {max(per_layer):.2e}; max |dlogit| {float((got - want).abs().max()):.2e}; top-1 "
-           f"{int(agree.sum())}/32 ({int(decided.sum())} with margin >= 1e-2); generation: smallest margin "
-           f"{float(gen.margin.min()):.2e}, identical for {upto} steps checked")
-    assert max(per_layer) <= 1e-3, result.table()
+    report(
+        f"{ids.shape[1]} prompt tokens; max per-layer rel {max(per_layer):.2e}; max |dlogit| {float((got - want).abs().max()):.2e}; top-1 "
+        f"{int(agree.sum())}/32 ({int(decided.sum())} with margin >= 1e-2); generation: smallest margin "
+        f"{float(gen.margin.min()):.2e}, identical for {upto} steps checked"
+    )
+    assert max(per_layer) <= REAL_TOL and result.ok(rule=REAL_MODEL_RULE), result.table()
     assert bool(agree[decided].all())
     assert torch.equal(gen.tokens[0, :upto], ordinary[0, :upto])
 
@@ -68,17 +75,19 @@ def test_gemma3_zero_scale_channels(gemma3):
     """The file itself has post-feedforward norm channels with 1 + w exactly 0; their scale patch is
     finite and the layers holding them are reproduced."""
     model, tokenizer = gemma3
-    zero = {i: (1 + layer.post_feedforward_layernorm.weight.detach() == 0).nonzero().flatten().tolist()
-            for i, layer in enumerate(model.model.layers)}
+    zero = {
+        i: (1 + layer.post_feedforward_layernorm.weight.detach() == 0).nonzero().flatten().tolist()
+        for i, layer in enumerate(model.model.layers)
+    }
     zero = {i: c for i, c in zero.items() if c}
     assert sum(len(c) for c in zero.values()) >= 1, "expected zero-scale channels in Gemma 3 270M"
     ids = encode(tokenizer)
     patch = tp.token_patch(model, ids)
-    for i, channels in zero.items():
+    for i in zero:
         scale = patch[f"model.layers.{i}.post_feedforward_layernorm.weight"]
         assert torch.isfinite(scale).all()
-    result = tp.verify(model, ids, patch)
-    assert max(result.per_layer[i].max_rel for i in zero) <= 1e-3, result.table()
+    result = tp.verify(model, patch, ids)
+    assert max(result.per_layer[i].max_rel for i in zero) <= REAL_TOL, result.table()
 
 
 def test_smollm2_float64(smollm2):
@@ -87,11 +96,13 @@ def test_smollm2_float64(smollm2):
     try:
         ids = encode(tokenizer)
         queries = list(range(ids.shape[1] - 8, ids.shape[1]))
-        result = tp.verify(model, ids, tp.token_patch(model, ids, query=queries))
-        print(f"\nsmollm2 float64: {ids.shape[1]} prompt tokens, max rel {result.max_rel:.2e}, max abs {result.max_abs:.2e}")
+        result = tp.verify(model, tp.token_patch(model, ids, query=queries), ids)
+        print(
+            f"\nsmollm2 float64: {ids.shape[1]} prompt tokens, max rel {result.max_rel:.2e}, max abs {result.max_abs:.2e}"
+        )
         assert result.max_rel <= 1e-12, result.table()
         gen = tp.generate(model, ids, max_new_tokens=20)
-        ordinary = model.generate(ids, max_new_tokens=20, do_sample=False)[:, ids.shape[1]:]  # may stop at EOS
+        ordinary = model.generate(ids, max_new_tokens=20, do_sample=False)[:, ids.shape[1] :]  # may stop at EOS
         assert torch.equal(gen.tokens[:, : ordinary.shape[1]], ordinary)
     finally:
         model.to(torch.float32)
@@ -102,13 +113,41 @@ def test_cli_verify_and_generate(smollm2, pretrained_cache_dir, monkeypatch, cap
     from tokenpatch.workbench.cli.main import main
 
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
-    assert main(["verify", "--model", "smollm2-135m", "--prompt", "The capital of France is Paris. The capital of "
-                 "Italy is", "--query", " Rome. The capital of Spain is", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                "--model",
+                "smollm2-135m",
+                "--prompt",
+                "The capital of France is Paris. The capital of Italy is",
+                "--query",
+                " Rome. The capital of Spain is",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "layer 29" in out and "top-1 agreement 100%" in out and "OK" in out
     figure = tmp_path / "norms.png"
-    assert main(["generate", "--model", "smollm2-135m", "--prompt", "The capital of France is", "--max-new-tokens",
-                 "6", "--plot", str(figure), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "smollm2-135m",
+                "--prompt",
+                "The capital of France is",
+                "--max-new-tokens",
+                "6",
+                "--plot",
+                str(figure),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[1].split(":", 1)[1] == lines[2].split(":", 1)[1]  # the same continuation both ways
@@ -139,12 +178,20 @@ def test_readme_language_model_example_runs(smollm2, pretrained_cache_dir, monke
 def test_compression_on_smollm2(smollm2):
     """Prompt compression on the real model (docs/prompt-compression.md), reduced: on past tense the
     thought patch keeps the 10-shot prompt's answers and is closer to it (KL) than the task vector."""
-    from tokenpatch.workbench.compare import compare
     from tokenpatch.tasks.wordpairs import load_task
+    from tokenpatch.workbench.compare import compare
 
     model, tokenizer = smollm2
-    res = compare(model, tokenizer, load_task("present_past"), test=40, dev=20, ridge=0.01,
-                  methods=("thought_patch", "task_vector"), progress=False)
+    res = compare(
+        model,
+        tokenizer,
+        load_task("present_past"),
+        test=40,
+        dev=20,
+        ridge=0.01,
+        methods=("thought_patch", "task_vector"),
+        progress=False,
+    )
     m = res["methods"]
     assert m["icl"]["accuracy"] - m["zero_shot"]["accuracy"] >= 0.5  # the prompt teaches this model the task
     assert m["thought_patch"]["accuracy"] >= m["icl"]["accuracy"] - 0.15
@@ -156,21 +203,71 @@ def test_cli_compress_a_prompt_and_answer_without_it(smollm2, pretrained_cache_d
 
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
     queries = tmp_path / "queries.txt"
-    queries.write_text("".join(f"Q: {w}\nA: {w.upper()}\n".replace("\nA", " ->") for w in
-                               ["cat", "dog", "tree", "house", "river", "stone", "bread", "light"]))
+    queries.write_text(
+        "".join(
+            f"Q: {w}\nA: {w.upper()}\n".replace("\nA", " ->")
+            for w in ["cat", "dog", "tree", "house", "river", "stone", "bread", "light"]
+        )
+    )
     out = tmp_path / "upper.safetensors"
     prompt = "Write each word in capitals.\nQ: apple -> APPLE\nQ: green -> GREEN\nQ: music -> MUSIC\n"
-    assert main(["compress", "--model", "smollm2-135m", "--prompt", prompt, "--queries", str(queries), "--out",
-                 str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                "--model",
+                "smollm2-135m",
+                "--prompt",
+                prompt,
+                "--queries",
+                str(queries),
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert out.stat().st_size > 0 and "tokenpatch generate" in capsys.readouterr().out
-    assert main(["generate", "--model", "smollm2-135m", "--patch", str(out), "--prompt", "Q: water ->",
-                 "--max-new-tokens", "3", "--json", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "smollm2-135m",
+                "--patch",
+                str(out),
+                "--prompt",
+                "Q: water ->",
+                "--max-new-tokens",
+                "3",
+                "--json",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     import json
 
     shown = json.loads(capsys.readouterr().out)
     assert shown["query"] == "Q: water ->" and shown["with_patch"] != shown["without_patch"]
-    assert main(["compress", "--model", "smollm2-135m", "--prompt", prompt, "--queries", str(queries), "--out",
-                 str(out), "--quiet"]) == 2  # nothing is overwritten
+    assert (
+        main(
+            [
+                "compress",
+                "--model",
+                "smollm2-135m",
+                "--prompt",
+                prompt,
+                "--queries",
+                str(queries),
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 2
+    )  # nothing is overwritten
 
 
 def test_cli_induction_scores_find_induction_heads(smollm2, pretrained_cache_dir, monkeypatch, capsys):
@@ -181,8 +278,20 @@ def test_cli_induction_scores_find_induction_heads(smollm2, pretrained_cache_dir
     from tokenpatch.workbench.cli.main import main
 
     monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
-    argv = ["induction", "scores", "--model", "smollm2-135m", "--length", "30", "--sequences", "4", "--seed", "0",
-            "--json", "--quiet"]
+    argv = [
+        "induction",
+        "scores",
+        "--model",
+        "smollm2-135m",
+        "--length",
+        "30",
+        "--sequences",
+        "4",
+        "--seed",
+        "0",
+        "--json",
+        "--quiet",
+    ]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 30 * 9 and set(rows[0]) >= {"layer", "head", "diagonal", "detector"}

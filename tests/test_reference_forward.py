@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
+from conftest import random_block, random_model
 
 import tokenpatch as tp
-from conftest import random_block, random_model
 
 LAYERS = sorted(tp.LAYERS)
 ROWS = [(norm, residual) for norm in ("none", "pre", "post") for residual in (True, False)]  # the table's rows
@@ -93,7 +93,9 @@ def test_block_matches_the_table(layer, norm, residual):
 @pytest.mark.parametrize("activation", sorted(ACTS))
 @pytest.mark.parametrize("bias", [True, False])
 def test_block_activation_and_bias(activation, bias):
-    config = tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, layer="softmax", norm="post", activation=activation, bias=bias)
+    config = tp.ICLConfig(
+        d_in=4, d_model=4, n_layers=1, n_heads=2, layer="softmax", norm="post", activation=activation, bias=bias
+    )
     block = random_block(config, seed=13)
     h = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
     with torch.no_grad():
@@ -104,7 +106,9 @@ def test_block_activation_and_bias(activation, bias):
 @pytest.mark.parametrize("layer", LAYERS)
 def test_model_matches_the_reference(layer, norm, residual):
     """ICLTransformer.forward and its return_hidden list against read_in -> blocks -> ln_f -> read_out."""
-    config = tp.ICLConfig(d_in=3, d_out=2, d_model=6, n_layers=3, n_heads=2, d_mlp=8, layer=layer, norm=norm, residual=residual)
+    config = tp.ICLConfig(
+        d_in=3, d_out=2, d_model=6, n_layers=3, n_heads=2, d_mlp=8, layer=layer, norm=norm, residual=residual
+    )
     model = random_model(config, seed=15)
     x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(16), dtype=torch.float64)  # [B, T, d_in]
     out, hidden = reference_model(model, x)  # [B, T, 2], 3 x [B, T, 6]

@@ -9,13 +9,13 @@ import re
 
 import pytest
 import torch
+from conftest import non_snake_keys
 
 import tokenpatch as tp
 from tokenpatch.workbench.report import reproduce as report
-from tokenpatch.workbench.zoo import pretrained
-from conftest import non_snake_keys
-from tokenpatch.workbench.report.section import Section
 from tokenpatch.workbench.report.real_models import LAYER_TOL, N_QUERIES, NEW_TOKENS, PROMPT, real_models_section
+from tokenpatch.workbench.report.section import Section
+from tokenpatch.workbench.zoo import pretrained
 
 FIGURE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 
@@ -26,8 +26,10 @@ def bad_keys(data: dict) -> list[str]:
 
 def nothing_installed(monkeypatch) -> None:
     def missing(name):
-        raise tp.UnsupportedModelError(f"{name} needs the Python packages transformers, gguf, accelerate; missing here: "
-                                       f'transformers; install them with: {pretrained.HF_INSTALL}')
+        raise tp.UnsupportedModelError(
+            f"{name} needs the Python packages transformers, gguf, accelerate; missing here: "
+            f"transformers; install them with: {pretrained.HF_INSTALL}"
+        )
 
     def never(*args, **kwargs):
         raise AssertionError("load_pretrained called although no model is installed")
@@ -43,7 +45,7 @@ def test_skipped_without_models_is_one_line_and_loads_nothing(monkeypatch, tmp_p
     assert "\n" not in section.body and section.body.startswith("Skipped")
     assert pretrained.HF_INSTALL in section.body and "to include it" in section.body
     for spec in pretrained.PRETRAINED.values():
-        if pretrained._find_spec(spec.module) is None:  # a model package missing here: its command is named
+        if pretrained.find_spec(spec.module) is None:  # a model package missing here: its command is named
             assert spec.install in section.body
     assert section.figures == [] and list(tmp_path.iterdir()) == []
     assert section.data["skipped"] is True and set(section.data["missing"]) == {"smollm2_135m", "gemma3_270m"}
@@ -54,12 +56,11 @@ def test_reproduce_succeeds_with_the_note(monkeypatch, tmp_path):
     """``reproduce`` with no model installed: the other sections (stubbed here: they have their own
     tests) and the one-line note, numbered like any section, in report.md and results.json."""
     nothing_installed(monkeypatch)
-    for name in ("equivalence_section", "model_section", "dynamics_section", "finetune_section", "thought_section",
-                 "markov_section", "induction_section"):
-        key = name.removesuffix("_section")
-        monkeypatch.setattr(report, name, lambda *a, _key=key, **k: Section(_key, _key.title(), "stub", [], {}))
-    monkeypatch.setattr(report, "load_model", lambda checkpoint=None: None)
-    path = report.reproduce(tmp_path, progress=False)
+    stubbed = {
+        key: (lambda out, progress, _key=key: Section(_key, _key.title(), "stub", [], {}))
+        for key in ("equivalence", "model", "dynamics", "finetune", "thought", "markov", "induction")
+    }
+    path = report.reproduce(tmp_path, progress=False, sections={**dict.fromkeys(report.SECTIONS), **stubbed})
     text = path.read_text()
     body, compression = text.split("## 6. Real language models\n\n", 1)[1].split("## 7. Prompt compression", 1)
     compression = compression.split("## 8. ", 1)[0]
@@ -105,8 +106,13 @@ def test_section_on_smollm2(smollm2, pretrained_cache_dir, monkeypatch, tmp_path
 
     g = r["generation"]
     with torch.no_grad():  # ordinary greedy decoding again, independently of the section
-        ordinary = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                  do_sample=False, pad_token_id=model.generation_config.pad_token_id)[0, ids.shape[1]:]
+        ordinary = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=model.generation_config.pad_token_id,
+        )[0, ids.shape[1] :]
     assert g["ordinary_tokens"] == ordinary.tolist() and g["compared"] == len(ordinary)
     assert len(g["tokens"]) == NEW_TOKENS and g["tokens"][: g["compared"]] == g["ordinary_tokens"]
     assert g["identical"] and "**yes**" in section.body and g["agree_with_context"] == NEW_TOKENS
@@ -119,3 +125,15 @@ def test_section_on_smollm2(smollm2, pretrained_cache_dir, monkeypatch, tmp_path
     assert shown == section.figures == ["real_models_layers.png", "real_models_smollm2_135m_update_norms.png"]
     for name in shown:
         assert (tmp_path / name).stat().st_size > 10_000  # a real PNG
+
+
+def test_reproduce_runs_the_sections_asked_for(tmp_path):
+    """``sections=``: a list of keys runs those sections only, in report order; a wrong key is one clear error."""
+    stub = lambda out, progress: Section("model", "Stub", "stub", [], {"x": 1})  # noqa: E731
+    report.reproduce(tmp_path, progress=False, sections={"model": stub})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert list(data["sections"]) == ["model"] and data["sections"]["model"]["x"] == 1
+    with pytest.raises(tp.InputError, match=r"unknown report sections \['modle'\]"):
+        report.reproduce(tmp_path, progress=False, sections=["modle"])
+    with pytest.raises(tp.InputError, match="with a checkpoint only"):
+        report.reproduce(tmp_path, checkpoint="x.safetensors", progress=False, sections=["markov"])

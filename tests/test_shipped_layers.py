@@ -28,9 +28,9 @@ def test_one_recipe_only_the_layer_differs(layer):
 def test_patches_and_trajectories_are_exact_on_the_trained_models(layer):
     model = tp.load_model(layer=layer, dtype="float64")
     x = task_of(model).sample(8, torch.Generator().manual_seed(4), dtype=torch.float64).tokens
-    assert tp.verify(model, x, tp.token_patch(model, x)).max_abs <= 1e-10
+    assert tp.verify(model, tp.token_patch(model, x), x).max_abs <= 1e-10
     traj = tp.trajectory(model, x)
-    assert tp.verify(model, traj.prefix_inputs(x, 9), traj.patch(9)).max_abs <= 1e-10
+    assert tp.verify(model, traj.patch(9), traj.prefix_inputs(x, 9)).max_abs <= 1e-10
 
 
 def test_unknown_shipped_layer_and_path_with_layer(tmp_path):

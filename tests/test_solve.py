@@ -45,8 +45,12 @@ def test_minimal_norm_property(rows, cols, seed):
         extra = (m @ (torch.eye(cols, dtype=torch.float64) - torch.outer(a, a) / (a @ a))).norm()
         assert torch.linalg.matrix_norm(other) >= best.norm() - 1e-12
         # Pythagoras: the two parts are Frobenius-orthogonal
-        torch.testing.assert_close(torch.linalg.matrix_norm(other) ** 2, best.norm() ** 2 + extra**2, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(solve.patch_family(r, a, torch.zeros(rows, cols, dtype=torch.float64)), dense, rtol=0, atol=1e-14)
+        torch.testing.assert_close(
+            torch.linalg.matrix_norm(other) ** 2, best.norm() ** 2 + extra**2, rtol=1e-10, atol=1e-12
+        )
+    torch.testing.assert_close(
+        solve.patch_family(r, a, torch.zeros(rows, cols, dtype=torch.float64)), dense, rtol=0, atol=1e-14
+    )
 
 
 def test_output_patch_and_shift():

@@ -9,13 +9,13 @@ import warnings
 
 import pytest
 import torch
+from conftest import random_model, sweep
 from hypothesis import given
 from hypothesis import strategies as st
 
 import tokenpatch as tp
 from tokenpatch.errors import InputError
 from tokenpatch.thought.front import ThoughtWarning
-from conftest import random_model, sweep
 
 COMBOS = list(itertools.product(sorted(tp.LAYERS), ["none", "pre", "post"], [True, False]))
 
@@ -34,10 +34,16 @@ def _rel(a: tp.Patch, b: tp.Patch) -> float:
 
 
 def _setup(layer="softmax", norm="pre", residual=True, seed=0, m=5, t_q=1, p=4, d_mlp=6):
-    config = tp.ICLConfig(d_in=3, d_model=4, n_layers=2, n_heads=2, d_mlp=d_mlp, layer=layer, norm=norm, residual=residual)
+    config = tp.ICLConfig(
+        d_in=3, d_model=4, n_layers=2, n_heads=2, d_mlp=d_mlp, layer=layer, norm=norm, residual=residual
+    )
     model = random_model(config, seed)
     g = torch.Generator().manual_seed(seed)
-    return model, torch.randn(p, 3, generator=g, dtype=torch.float64), torch.randn(m, t_q, 3, generator=g, dtype=torch.float64)
+    return (
+        model,
+        torch.randn(p, 3, generator=g, dtype=torch.float64),
+        torch.randn(m, t_q, 3, generator=g, dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("layer,norm,residual", COMBOS)
@@ -62,16 +68,21 @@ def test_few_queries_interpolate_every_position(layer):
 
 
 @sweep
-@given(seed=st.integers(0, 2**16), mode=st.sampled_from(["sequential", "teacher"]), ridge=st.sampled_from([0.0, 0.3]),
-       output=st.sampled_from(["affine", "vector"]))
+@given(
+    seed=st.integers(0, 2**16),
+    mode=st.sampled_from(["sequential", "teacher"]),
+    ridge=st.sampled_from([0.0, 0.3]),
+    output=st.sampled_from(["affine", "vector"]),
+)
 def test_streamed_cached_and_recomputed_fits_agree(seed, mode, ridge, output):
     model, prompt, q = _setup(seed=seed, m=23, t_q=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ThoughtWarning)
         one = tp.thought_patch(model, prompt, q, mode=mode, ridge=ridge, output=output)
         streamed = tp.thought_patch(model, prompt, q, mode=mode, ridge=ridge, output=output, batch_size=5)
-        recomputed = tp.thought_patch(model, prompt, list(q.split(7)), mode=mode, ridge=ridge, output=output,
-                                      cache_bytes=0)
+        recomputed = tp.thought_patch(
+            model, prompt, list(q.split(7)), mode=mode, ridge=ridge, output=output, cache_bytes=0
+        )
     # the same sums in another order: equal up to rounding amplified by the condition number
     cond = max(c for f in one.fits for c in (f.input_condition, f.output_condition or 1) if c != float("inf"))
     tol = max(1e-10, 1e-14 * cond)
@@ -85,7 +96,11 @@ def _one_block(seed: int, m: int):
     config = tp.ICLConfig(d_in=4, d_model=4, n_layers=1, n_heads=2, d_mlp=5, norm="pre")
     block = random_model(config, seed + 3).blocks[0]
     g = torch.Generator().manual_seed(seed)
-    return block, torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(m, 1, 4, generator=g, dtype=torch.float64)
+    return (
+        block,
+        torch.randn(3, 4, generator=g, dtype=torch.float64),
+        torch.randn(m, 1, 4, generator=g, dtype=torch.float64),
+    )
 
 
 def test_the_input_side_is_the_ridge_solution():
@@ -107,8 +122,12 @@ def test_rank_deficient_calibration_warns_and_stays_finite():
     with pytest.warns(ThoughtWarning) as caught:  # both sides of both layers
         fit = tp.thought_patch(model, prompt, same)
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 4 and "layer 0 input side: the least-squares system is rank-deficient (the calibration " \
-        "positions span 1 of 4 dimensions, condition number inf)" in messages[0]
+    assert (
+        len(messages) == 4
+        and "layer 0 input side: the least-squares system is rank-deficient (the calibration "
+        "positions span 1 of 4 dimensions, condition number inf)"
+        in messages[0]
+    )
     assert all(torch.isfinite(_dense(d)).all() for d in fit.patch.values())
     with warnings.catch_warnings():
         warnings.simplefilter("error", ThoughtWarning)  # a ridge makes it well posed: no warning
@@ -138,12 +157,15 @@ def test_a_thought_patch_is_a_patch(tmp_path):
     assert set(fit.vector()) | set(fit.matrices()) == set(fit.patch)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(mode="both"), "mode must be 'sequential' or 'teacher'"),
-    (dict(output="matrix"), "output must be 'affine', 'vector' or None"),
-    (dict(ridge=-1), "ridge must be a number >= 0"),
-    (dict(inputs=False, output=None), "nothing to fit"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(mode="both"), "mode must be 'sequential' or 'teacher'"),
+        (dict(output="matrix"), "output must be 'affine', 'vector' or None"),
+        (dict(ridge=-1), "ridge must be a number >= 0"),
+        (dict(inputs=False, output=None), "nothing to fit"),
+    ],
+)
 def test_bad_arguments_are_one_clear_error(kwargs, match):
     model, prompt, q = _setup()
     with pytest.raises(InputError, match=match):
@@ -169,10 +191,14 @@ def test_the_shipped_model_generalises_past_the_interpolation_threshold():
     g = torch.Generator().manual_seed(0)
     batch = task.sample(1, g, dtype=torch.float64)
     prompt = batch.tokens[0, :-1]
-    test = torch.cat([torch.randn(500, 1, 4, generator=g, dtype=torch.float64), torch.zeros(500, 1, 1, dtype=torch.float64)], -1)
+    test = torch.cat(
+        [torch.randn(500, 1, 4, generator=g, dtype=torch.float64), torch.zeros(500, 1, 1, dtype=torch.float64)], -1
+    )
     gaps = {}
     for m in (64, 2048):
-        cal = torch.cat([torch.randn(m, 1, 4, generator=g, dtype=torch.float64), torch.zeros(m, 1, 1, dtype=torch.float64)], -1)
+        cal = torch.cat(
+            [torch.randn(m, 1, 4, generator=g, dtype=torch.float64), torch.zeros(m, 1, 1, dtype=torch.float64)], -1
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ThoughtWarning)
             fit = tp.thought_patch(model, prompt, cal)
@@ -211,12 +237,17 @@ def test_deeper_anchors_come_from_the_patched_model_or_the_teacher(mode):
     ctx = model.blocks[0](model.read_in(prompt)[None].expand(30, -1, -1))
     s_c = model.blocks[1].mix(torch.cat([ctx, with_prompt], 1))[1][:, -1]
     w = model.blocks[1].mlp.fc_in.weight.detach()
-    want = w @ (s_c - anchors).T @ anchors @ torch.linalg.inv(anchors.T @ anchors + 30 * lam * torch.eye(4, dtype=torch.float64))
+    want = (
+        w
+        @ (s_c - anchors).T
+        @ anchors
+        @ torch.linalg.inv(anchors.T @ anchors + 30 * lam * torch.eye(4, dtype=torch.float64))
+    )
     assert torch.allclose(fit.patch["blocks.1.mlp.fc_in.weight"].dense()[0, 0], want, rtol=0, atol=1e-11)
 
 
 def test_states_are_kept_only_within_the_memory_budget():
-    from tokenpatch.thought.front import _Source
+    from tokenpatch.thought.icl import _Source
 
     model, prompt, q = _setup(m=10)
     batches = list(q.split(4))
@@ -234,7 +265,9 @@ def test_rank_during_the_fit_cuts_every_matrix_and_the_layers_above_see_it():
     # layer 0's input side is the same fit, cut; above it the fits differ (they see the cut patch)
     name = "blocks.0.mlp.fc_in.weight"
     assert torch.allclose(cut.patch[name].dense(), full.truncate(1)[name].dense(), atol=1e-12)
-    assert not torch.allclose(cut.patch["blocks.1.mlp.fc_in.weight"].dense(), full.truncate(1)["blocks.1.mlp.fc_in.weight"].dense())
+    assert not torch.allclose(
+        cut.patch["blocks.1.mlp.fc_in.weight"].dense(), full.truncate(1)["blocks.1.mlp.fc_in.weight"].dense()
+    )
     assert _close(tp.thought_patch(model, prompt, q, ridge=1e-3, rank=100).patch, full.patch, 1e-12)
 
 
@@ -258,7 +291,9 @@ def test_the_qr_solver_makes_batchings_agree_on_the_ill_conditioned_shipped_mode
     model = tp.load_model(dtype="float64")
     g = torch.Generator().manual_seed(0)
     prompt = tp.tasks.linreg.task_of(model).sample(1, g, dtype=torch.float64).tokens[0, :-1]
-    q = torch.cat([torch.randn(3000, 1, 4, generator=g, dtype=torch.float64), torch.zeros(3000, 1, 1, dtype=torch.float64)], -1)
+    q = torch.cat(
+        [torch.randn(3000, 1, 4, generator=g, dtype=torch.float64), torch.zeros(3000, 1, 1, dtype=torch.float64)], -1
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ThoughtWarning)
         one = tp.thought_patch(model, prompt, q, solver="qr", batch_size=3000)

@@ -31,7 +31,10 @@ __all__ = ["write_file", "read_file", "tensor_digest", "fingerprint"]
 
 _META_KEY = "tokenpatch"
 _HINTS = {  # (found, wanted) -> what the user probably meant
-    ("tokenpatch.patch/1", "tokenpatch.model/1"): " (a patch file: load it with tp.load_patch, pass a model checkpoint here)",
+    (
+        "tokenpatch.patch/1",
+        "tokenpatch.model/1",
+    ): " (a patch file: load it with tp.load_patch, pass a model checkpoint here)",
     ("tokenpatch.model/1", "tokenpatch.patch/1"): " (a model checkpoint: load it with tp.load_model)",
 }
 
@@ -143,7 +146,7 @@ class _State:
         return params is not None and tuple(_version(p) for p in params) == self.versions
 
 
-_FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, _State]" = weakref.WeakKeyDictionary()
+_FINGERPRINTS: weakref.WeakKeyDictionary[nn.Module, _State] = weakref.WeakKeyDictionary()
 _CHUNK = 1 << 22  # elements hashed per step: bounds the float32 copy of a half-precision weight
 
 
@@ -189,7 +192,7 @@ def fingerprint(model: nn.Module, cached: bool = True) -> str:
     return digest
 
 
-def restored(model: nn.Module, before: "_State | None", touched: set[int]) -> None:
+def restored(model: nn.Module, before: _State | None, touched: set[int]) -> None:
     """After ``apply`` wrote and restored the parameters with ids ``touched`` bit for bit, keep the
     cached digest: only their version counters moved. Anything else changed: re-hash next time."""
     hit = _FINGERPRINTS.get(model)
@@ -203,7 +206,7 @@ def restored(model: nn.Module, before: "_State | None", touched: set[int]) -> No
         hit.versions = versions
 
 
-def cached_state(model: nn.Module) -> "_State | None":
+def cached_state(model: nn.Module) -> _State | None:
     """The current cached fingerprint state of ``model`` (``None`` if stale or absent)."""
     hit = _FINGERPRINTS.get(model)
     return hit if hit is not None and hit.current() else None

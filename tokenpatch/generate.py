@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.progress import progress_bar
 from tokenpatch.arch import adapter_for
+from tokenpatch.errors import InputError
 from tokenpatch.patch import INPUT_SUFFIX, LowRank, Patch
-from tokenpatch.errors import InputError, UnsupportedModelError
-from tokenpatch.run import functional_call
 from tokenpatch.patching import assemble, traced_deltas
 from tokenpatch.plans import make_plan
+from tokenpatch.progress import progress_bar
+from tokenpatch.run import functional_call
 
 __all__ = ["Generation", "generate"]
 
@@ -59,8 +59,10 @@ class Generation:
         rows, steps = self.tokens.shape
         agree = float(self.agree.double().mean()) if self.agree.numel() else float("nan")
         err = float(self.logit_error.max()) if self.logit_error.numel() else float("nan")
-        return (f"Generation({rows} row{'s' * (rows != 1)} x {steps} tokens, {agree:.0%} agree with the prompted "
-                f"model, max logit error {err:.2e}; .tokens, .text(tokenizer), .update_norms [B, n, L])")
+        return (
+            f"Generation({rows} row{'s' * (rows != 1)} x {steps} tokens, {agree:.0%} agree with the prompted "
+            f"model, max logit error {err:.2e}; .tokens, .text(tokenizer), .update_norms [B, n, L])"
+        )
 
 
 def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
@@ -77,10 +79,13 @@ def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
             d = patch[key]  # LowRank [B, 1, 1, H]: u = d, v
             for reader, layout in readers.get(key, []):
                 w = params[reader].detach().to(d.u.dtype)
-                wd = torch.einsum("...oi,bqri->bqr...o", w, d.u) if layout == "out_in" else torch.einsum(
-                    "io,bqri->bqro", w, d.u)
+                wd = (
+                    torch.einsum("...oi,bqri->bqr...o", w, d.u)
+                    if layout == "out_in"
+                    else torch.einsum("io,bqri->bqro", w, d.u)
+                )
                 total = total + (wd.flatten(3).norm(dim=-1) * d.v.norm(dim=-1)).square().sum(-1)[:, 0].double()
-        for name in ((sites.output[1:]) if sites.output else ()):
+        for name in sites.output.names if sites.output is not None else ():
             if name in patch:
                 delta = patch[name]
                 norm = delta.norm() if isinstance(delta, LowRank) else delta.flatten(2).norm(dim=-1)
@@ -90,17 +95,23 @@ def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: Any, max_new_tokens: int = 20, *, eos_token_id: int | None = None,
-             progress: bool | None = None) -> Generation:
+def generate(
+    model: nn.Module,
+    prompt: Any,
+    max_new_tokens: int = 20,
+    *,
+    eos_token_id: int | None = None,
+    progress: bool | None = None,
+) -> Generation:
     """Greedy decoding of ``max_new_tokens`` tokens with the prompt removed and replaced, at every
     step, by the token patch of the context (see the module docstring).
 
     ``prompt``: token ids ``[B, T]`` or a tokenizer's output (``input_ids``, ``attention_mask``;
-    pad on the left). ``eos_token_id``: stop once every row has produced it. Hugging Face models.
+    pad on the left). ``eos_token_id``: stop once every row has produced it. Models whose adapter
+    implements ``recording`` and ``anchors`` (Hugging Face models; ``tokenpatch.arch.Adapter``).
     """
     adapter = adapter_for(model)
-    if not adapter.traced:
-        raise UnsupportedModelError(f"tp.generate needs a language model; the {adapter.name} adapter has none")
+    adapter.require("recording", "anchors", "check_inputs", "strip", "sites", by="tp.generate")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     inputs = adapter.check_inputs(model, prompt)
@@ -115,15 +126,23 @@ def generate(model: nn.Module, prompt: Any, max_new_tokens: int = 20, *, eos_tok
     for _ in progress_bar(range(max_new_tokens), progress, desc="generate", unit="token"):
         last = torch.tensor([step_ids.shape[1] - 1], device=ids.device)
         with adapter.recording(model, last) as rec:
-            out = model(input_ids=step_ids, position_ids=step_pos, attention_mask=mask, cache=cache, use_cache=True,
-                        logits_to_keep=1)
+            out = model(
+                input_ids=step_ids,
+                position_ids=step_pos,
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         cache, ref = out.cache, out.logits[:, -1]  # [B, vocab]
         lone = {"input_ids": step_ids[:, -1:], "position_ids": step_pos[:, -1:], "attention_mask": None}
         anchors = adapter.anchors(model, lone, [0], rec)
-        patch = assemble(model, adapter, traced_deltas(model, adapter, rec, anchors, [0]), plan, batch,
-                         rec[0]["out"].dtype)
-        got = functional_call(model, patch, input_ids=lone["input_ids"], position_ids=lone["position_ids"],
-                              logits_to_keep=1).logits[:, -1]  # [B, vocab]
+        patch = assemble(
+            model, adapter, traced_deltas(model, adapter, rec, anchors, [0]), plan, batch, rec[0]["out"].dtype
+        )
+        got = functional_call(
+            model, patch, input_ids=lone["input_ids"], position_ids=lone["position_ids"], logits_to_keep=1
+        ).logits[:, -1]  # [B, vocab]
         nxt = got.argmax(-1)  # [B]
         top2 = ref.double().topk(2, -1).values
         rows["tokens"].append(nxt)
@@ -135,5 +154,7 @@ def generate(model: nn.Module, prompt: Any, max_new_tokens: int = 20, *, eos_tok
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         if eos_token_id is not None and bool(torch.stack(rows["tokens"], 1).eq(eos_token_id).any(1).all()):
             break
-    return Generation(**{k: torch.stack(v, 1) for k, v in rows.items()},
-                      meta={"model": adapter.describe(model), "prompt_len": int(ids.shape[1]), "batch": batch})
+    return Generation(
+        **{k: torch.stack(v, 1) for k, v in rows.items()},
+        meta={"model": adapter.describe(model), "prompt_len": int(ids.shape[1]), "batch": batch},
+    )

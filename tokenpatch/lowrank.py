@@ -28,8 +28,10 @@ class LowRank:
     def __post_init__(self) -> None:
         u, v = self.u, self.v
         if u.ndim < 2 or v.ndim != u.ndim or u.shape[:-1] != v.shape[:-1]:
-            raise InputError(f"LowRank factors must be [*lead, rank, rows] and [*lead, rank, cols], "
-                             f"got {tuple(u.shape)} and {tuple(v.shape)}")
+            raise InputError(
+                f"LowRank factors must be [*lead, rank, rows] and [*lead, rank, cols], "
+                f"got {tuple(u.shape)} and {tuple(v.shape)}"
+            )
         if u.dtype != v.dtype or u.device != v.device:
             raise InputError(f"LowRank factors differ in dtype/device: {u.dtype}/{u.device} vs {v.dtype}/{v.device}")
 
@@ -55,7 +57,7 @@ class LowRank:
         """The materialised delta ``[*lead, rows, cols]``."""
         return torch.einsum("...kr,...kc->...rc", self.u, self.v)
 
-    def inner(self, other: "LowRank") -> Tensor:
+    def inner(self, other: LowRank) -> Tensor:
         """Frobenius inner product ``[*lead]`` from the factors:
         ``<U^T V, X^T Y>_F = sum((U X^T) * (V Y^T))`` (``U [r, rows]``, ``X [r', rows]``, ...)."""
         return ((self.u @ other.u.transpose(-1, -2)) * (self.v @ other.v.transpose(-1, -2))).sum((-1, -2))
@@ -68,13 +70,13 @@ class LowRank:
         """``delta @ x`` for ``x [*lead, cols]`` -> ``[*lead, rows]`` without forming ``delta``."""
         return ((self.v @ x[..., None]) * self.u).sum(-2)  # [*lead, r, 1] * [*lead, r, rows]
 
-    def index(self, idx) -> "LowRank":
+    def index(self, idx) -> LowRank:
         return LowRank(self.u[idx], self.v[idx])
 
-    def to(self, *args, **kwargs) -> "LowRank":
+    def to(self, *args, **kwargs) -> LowRank:
         return LowRank(self.u.to(*args, **kwargs), self.v.to(*args, **kwargs))
 
-    def __add__(self, other: "LowRank") -> "LowRank":
+    def __add__(self, other: LowRank) -> LowRank:
         """Sum of deltas: the rank terms are stacked (rank adds up)."""
         if not isinstance(other, LowRank):
             return NotImplemented
@@ -82,10 +84,11 @@ class LowRank:
             raise InputError(f"cannot add LowRank deltas of shapes {self.shape} and {other.shape}")
         lead = torch.broadcast_shapes(self.lead, other.lead)
         expand = lambda t: t.expand(*lead, *t.shape[-2:])  # noqa: E731
-        return LowRank(torch.cat([expand(self.u), expand(other.u)], -2),
-                       torch.cat([expand(self.v), expand(other.v)], -2))
+        return LowRank(
+            torch.cat([expand(self.u), expand(other.u)], -2), torch.cat([expand(self.v), expand(other.v)], -2)
+        )
 
-    def sum(self, dim: int) -> "LowRank":
+    def sum(self, dim: int) -> LowRank:
         """Sum over leading dim ``dim`` (kept with size 1): its terms join the rank dim."""
         dim = dim % len(self.lead)
         fold = lambda t: t.movedim(dim, -3).flatten(-3, -2).unsqueeze(dim)  # noqa: E731

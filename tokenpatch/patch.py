@@ -31,7 +31,7 @@ import operator
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -39,77 +39,28 @@ from torch import Tensor, nn
 from tokenpatch import files
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank
+from tokenpatch.patch_fields import (
+    BEHAVIOUR_KEYS,
+    INPUT_SUFFIX,
+    Readers,
+    checked_readers,
+    common_meta,
+    merged_readers,
+    same,
+    split_behaviour,
+)
 from tokenpatch.plans import Plan
 
 __all__ = ["Patch", "Delta", "Readers", "INPUT_SUFFIX", "BEHAVIOUR_KEYS", "split_behaviour"]
 
-# A key ``"<module>:input"`` holds a change of that module's input, ``s -> s + D s`` with ``D`` a
-# ``LowRank`` [d, d]: the same as ``W + W D`` on every matrix that reads it (``Patch.readers``),
-# without forming ``W D`` (``arch.Sites.input_site``).
-INPUT_SUFFIX = ":input"
-
-Delta = Union[LowRank, Tensor]
-# "<module>:input" -> ((parameter name, layout), ...): the matrices that read that input
-Readers = Mapping[str, tuple[tuple[str, str], ...]]
-# Metadata keys that carried behaviour in tokenpatch 0.2 (now fields; read from old records once)
-BEHAVIOUR_KEYS = ("seq_len", "query", "removed", "static", "inputs", "batch_index")
-
-
-def split_behaviour(meta: dict) -> tuple[dict, dict]:
-    """A 0.2-style ``meta`` -> ``(provenance, fields)``: the behaviour keys become ``Patch`` fields
-    (``plan``, ``static``, ``readers``, ``rows``), the rest stays provenance."""
-    meta = dict(meta)
-    fields: dict[str, Any] = {}
-    if "query" in meta and "seq_len" in meta:
-        fields["plan"] = Plan.from_meta(meta)
-    for key in ("seq_len", "query", "removed"):
-        meta.pop(key, None)
-    if meta.pop("static", False):
-        fields["static"] = True
-    if "inputs" in meta:
-        fields["readers"] = meta.pop("inputs")
-    if "batch_index" in meta:
-        fields["rows"] = meta.pop("batch_index")
-    return meta, fields
+# A key ``"<module>:input"`` (``INPUT_SUFFIX``) holds a change of that module's input, ``s -> s + D s``
+# with ``D`` a ``LowRank`` [d, d]: the same as ``W + W D`` on every matrix that reads it
+# (``Patch.readers``), without forming ``W D`` (``arch.Sites.input_site``).
+Delta = LowRank | Tensor
 
 
 def _lead(delta: Delta) -> tuple[int, ...]:
     return delta.lead if isinstance(delta, LowRank) else tuple(delta.shape[:2])
-
-
-def _readers(readers: Readers | None) -> dict[str, tuple[tuple[str, str], ...]]:
-    out = {}
-    for key, pairs in (readers or {}).items():
-        pairs = tuple((str(name), str(layout)) for name, layout in pairs)
-        if not key.endswith(INPUT_SUFFIX) or any(layout not in ("out_in", "in_out") for _, layout in pairs):
-            raise InputError(f"readers maps '<module>{INPUT_SUFFIX}' keys to (parameter, 'out_in' | 'in_out') pairs; "
-                             f"got {key!r}: {pairs}")
-        out[key] = pairs
-    return out
-
-
-def _merged_readers(patches: list["Patch"]) -> dict[str, tuple[tuple[str, str], ...]]:
-    out: dict[str, tuple[tuple[str, str], ...]] = {}
-    for p in patches:
-        for key, pairs in p.readers.items():
-            if out.setdefault(key, pairs) != pairs:
-                raise InputError(f"cannot combine patches whose input change {key} is read by different matrices: "
-                                 f"{out[key]} vs {pairs}")
-    return out
-
-
-def _same(values: list):
-    """The common value of ``values``, or ``None`` where they differ."""
-    return values[0] if all(v == values[0] for v in values) else None
-
-
-def _common_meta(patches: list["Patch"]) -> dict[str, Any]:
-    """The provenance every one of ``patches`` agrees on; patches of different models raise."""
-    models = [p.meta.get("model") for p in patches]
-    if any(m != models[0] for m in models):
-        raise InputError("cannot combine patches computed for different models (or with and without a model record)")
-    first = patches[0].meta
-    return {k: v for k, v in first.items() if all(k in p.meta and p.meta[k] == v for p in patches)}
 
 
 class Patch(Mapping):
@@ -122,9 +73,17 @@ class Patch(Mapping):
     everywhere, ``Patch.stack`` concatenates along a leading dim, ``.dense()`` materialises.
     """
 
-    def __init__(self, deltas: Mapping[str, Delta], positions=None, meta: dict | None = None, *,
-                 plan: Plan | None = None, static: bool = False, readers: Readers | None = None,
-                 rows=None):
+    def __init__(
+        self,
+        deltas: Mapping[str, Delta],
+        positions=None,
+        meta: dict | None = None,
+        *,
+        plan: Plan | None = None,
+        static: bool = False,
+        readers: Readers | None = None,
+        rows=None,
+    ):
         """``positions``: ``None`` (or empty) for a patch acting everywhere, else one no-context
         position per query (the patch acts at positions). A ``meta`` holding 0.2's behaviour keys
         (``static``, ``inputs``, ``query``, ...) still works, with a ``DeprecationWarning``."""
@@ -145,9 +104,12 @@ class Patch(Mapping):
         self.positions: tuple[int, ...] = positions  # empty when the patch acts everywhere
         meta = dict(meta or {})
         if any(k in meta for k in BEHAVIOUR_KEYS):
-            warnings.warn(f"Patch(meta=...) with {sorted(k for k in BEHAVIOUR_KEYS if k in meta)} is deprecated: "
-                          "pass plan=, static=, readers=, rows= (meta is provenance only)", DeprecationWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"Patch(meta=...) with {sorted(k for k in BEHAVIOUR_KEYS if k in meta)} is deprecated: "
+                "pass plan=, static=, readers=, rows= (meta is provenance only)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             meta, old = split_behaviour(meta)
             plan, static = plan or old.get("plan"), static or old.get("static", False)
             readers, rows = readers or old.get("readers"), rows if rows is not None else old.get("rows")
@@ -159,8 +121,9 @@ class Patch(Mapping):
         self.plan: Plan | None = plan
         self.static: bool = bool(static)
         inputs = {n for n in self._deltas if n.endswith(INPUT_SUFFIX)}
-        self.readers: dict[str, tuple[tuple[str, str], ...]] = {k: v for k, v in _readers(readers).items()
-                                                                 if k in inputs}
+        self.readers: dict[str, tuple[tuple[str, str], ...]] = {
+            k: v for k, v in checked_readers(readers).items() if k in inputs
+        }
         if rows is not None:
             rows = tuple(int(r) for r in rows)
             if len(rows) != lead[0]:
@@ -195,11 +158,18 @@ class Patch(Mapping):
     def __repr__(self) -> str:
         parts = []
         for name, d in self._deltas.items():
-            desc = f"LowRank(rank={d.rank}, {d.shape[0]}x{d.shape[1]})" if isinstance(d, LowRank) else f"dense{tuple(d.shape[2:])}"
+            desc = (
+                f"LowRank(rank={d.rank}, {d.shape[0]}x{d.shape[1]})"
+                if isinstance(d, LowRank)
+                else f"dense{tuple(d.shape[2:])}"
+            )
             parts.append(f"  {name}: {desc}")
         kind = ", static" if self.static else (f", made for query {list(self.plan.query)}" if self.plan else "")
-        return (f"Patch(batch={self.lead[0]}, query={self.lead[1]}, dtype={self.dtype}, acts {self.where()}{kind},\n"
-                + "\n".join(parts) + "\n)")
+        return (
+            f"Patch(batch={self.lead[0]}, query={self.lead[1]}, dtype={self.dtype}, acts {self.where()}{kind},\n"
+            + "\n".join(parts)
+            + "\n)"
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -211,7 +181,7 @@ class Patch(Mapping):
         return int(self.meta.get("terms", 1))
 
     # ----------------------------------------------------------------- derived patches
-    def _index(self, key) -> "Patch":
+    def _index(self, key) -> Patch:
         if not isinstance(key, tuple):
             key = (key,)
         if len(key) > 2:
@@ -246,7 +216,7 @@ class Patch(Mapping):
         rows = (self.rows or tuple(range(self.lead[0])))[key[0]]
         return Patch(deltas, self.positions[key[1]], self.meta, **{**self._fields(), "plan": plan, "rows": rows})
 
-    def map(self, fn) -> "Patch":
+    def map(self, fn) -> Patch:
         """Apply ``fn`` to every factor / dense tensor (e.g. ``lambda t: t.double()``)."""
         deltas = {n: LowRank(fn(d.u), fn(d.v)) if isinstance(d, LowRank) else fn(d) for n, d in self._deltas.items()}
         fields = self._fields()
@@ -256,13 +226,17 @@ class Patch(Mapping):
             fields["rows"] = self.rows if self.rows is not None and len(self.rows) == lead[0] else None
         return Patch(deltas, self.positions, self.meta, **fields)
 
-    def to(self, *args, **kwargs) -> "Patch":
+    def to(self, *args, **kwargs) -> Patch:
         return self.map(lambda t: t.to(*args, **kwargs))
 
-    def replace(self, deltas: Mapping[str, Delta] | None = None, meta: dict | None = None) -> "Patch":
+    def replace(self, deltas: Mapping[str, Delta] | None = None, meta: dict | None = None) -> Patch:
         """The same patch (positions and fields) with other ``deltas`` or ``meta``."""
-        return Patch(self._deltas if deltas is None else deltas, self.positions, self.meta if meta is None else meta,
-                     **self._fields())
+        return Patch(
+            self._deltas if deltas is None else deltas,
+            self.positions,
+            self.meta if meta is None else meta,
+            **self._fields(),
+        )
 
     def dense(self) -> dict[str, Tensor]:
         """Materialise every delta: ``{name: [batch, query, *param.shape]}``."""
@@ -272,7 +246,7 @@ class Patch(Mapping):
         """Frobenius (or Euclidean) norm of every delta, ``{name: [batch, query]}``, from factors."""
         return {n: d.norm() if isinstance(d, LowRank) else d.flatten(2).norm(dim=-1) for n, d in self._deltas.items()}
 
-    def __add__(self, other: "Patch") -> "Patch":
+    def __add__(self, other: Patch) -> Patch:
         """Sum of two patches of the same model acting at the same place (low-rank terms stack;
         a key missing on one side counts as 0). The sum is a patch, not the token patch of any
         context; ``verify`` measures how far it is from one. It is static only if both are; it keeps
@@ -286,17 +260,25 @@ class Patch(Mapping):
         try:
             torch.broadcast_shapes(self.lead, other.lead)
         except RuntimeError:
-            raise InputError(f"cannot add patches of [batch, query] = {list(self.lead)} and {list(other.lead)}") from None
+            raise InputError(
+                f"cannot add patches of [batch, query] = {list(self.lead)} and {list(other.lead)}"
+            ) from None
         both = [self, other]
-        meta = {**_common_meta(both), "terms": self.terms + other.terms}
+        meta = {**common_meta(both), "terms": self.terms + other.terms}
         deltas = dict(self._deltas)
         for n, d in other._deltas.items():
             deltas[n] = deltas[n] + d if n in deltas else d
-        return Patch(deltas, self.positions, meta, plan=_same([self.plan, other.plan]),
-                     static=self.static and other.static, readers=_merged_readers(both),
-                     rows=_same([self.rows, other.rows]))
+        return Patch(
+            deltas,
+            self.positions,
+            meta,
+            plan=same([self.plan, other.plan]),
+            static=self.static and other.static,
+            readers=merged_readers(both),
+            rows=same([self.rows, other.rows]),
+        )
 
-    def sum(self, dim: str = "query") -> "Patch":
+    def sum(self, dim: str = "query") -> Patch:
         """Sum over ``"query"`` or ``"batch"`` (the dim is kept with size 1). Summing over
         queries gives a patch that acts everywhere."""
         if dim not in ("batch", "query"):
@@ -311,7 +293,7 @@ class Patch(Mapping):
         return Patch(deltas, positions, {**self.meta, "summed_over": dim, "terms": terms}, **fields)
 
     @staticmethod
-    def stack(patches: list["Patch"], dim: str = "batch") -> "Patch":
+    def stack(patches: list[Patch], dim: str = "batch") -> Patch:
         """Concatenate patches of one model with the same keys along ``"batch"`` (same queries,
         same positions) or ``"query"`` (same batch; only patches acting everywhere: patches acting
         at positions act together and come whole from one ``token_patch`` call)."""
@@ -322,14 +304,18 @@ class Patch(Mapping):
             raise InputError("Patch.stack needs patches with the same parameter names and dtype")
         other = 1 if dim == "batch" else 0
         if len({p.lead[other] for p in patches}) > 1:
-            raise InputError(f"Patch.stack along {dim} needs the same {('batch', 'query')[other]} size, got "
-                             f"{[list(p.lead) for p in patches]}")
+            raise InputError(
+                f"Patch.stack along {dim} needs the same {('batch', 'query')[other]} size, got "
+                f"{[list(p.lead) for p in patches]}"
+            )
         for n in first:
-            shapes = {(d.rank, d.shape) if isinstance(d, LowRank) else tuple(d.shape[2:]) for d in (p[n] for p in patches)}
+            shapes = {
+                (d.rank, d.shape) if isinstance(d, LowRank) else tuple(d.shape[2:]) for d in (p[n] for p in patches)
+            }
             if len(shapes) > 1:
                 raise InputError(f"Patch.stack: {n} has different (rank, shape) across patches: {shapes}")
         plans = [p.plan for p in patches]
-        fields = {"static": all(p.static for p in patches), "readers": _merged_readers(patches)}
+        fields = {"static": all(p.static for p in patches), "readers": merged_readers(patches)}
         if dim == "query":
             if any(p.acts == "at_positions" for p in patches):
                 raise InputError(
@@ -337,16 +323,20 @@ class Patch(Mapping):
                     "along query; compute all the queries in one token_patch call"
                 )
             positions = ()
-            fields["rows"] = _same([p.rows for p in patches])
+            fields["rows"] = same([p.rows for p in patches])
             query = sum((list(p.query) for p in plans), []) if None not in plans else []
-            if None not in plans and len({(p.seq_len, p.mode) for p in plans}) == 1 and plans[0].mode == "alone" \
-                    and len(set(query)) == len(query):
+            if (
+                None not in plans
+                and len({(p.seq_len, p.mode) for p in plans}) == 1
+                and plans[0].mode == "alone"
+                and len(set(query)) == len(query)
+            ):
                 fields["plan"] = Plan(plans[0].seq_len, tuple(query))
         else:
             positions = first.positions
             if any(p.positions != positions for p in patches):
                 raise InputError("Patch.stack along batch needs patches acting at the same positions")
-            fields["plan"] = _same(plans)
+            fields["plan"] = same(plans)
             rows = [p.rows for p in patches]
             fields["rows"] = sum(rows, ()) if None not in rows else None
         i = 0 if dim == "batch" else 1
@@ -357,7 +347,7 @@ class Patch(Mapping):
                 deltas[n] = LowRank(torch.cat([d.u for d in ds], i), torch.cat([d.v for d in ds], i))
             else:
                 deltas[n] = torch.cat(ds, i)
-        return Patch(deltas, positions, _common_meta(patches), **fields)
+        return Patch(deltas, positions, common_meta(patches), **fields)
 
     def check_model(self, model: nn.Module, cached: bool = True) -> None:
         """Raise unless every key names a parameter of ``model`` of the right shape, and (when the
@@ -375,15 +365,18 @@ class Patch(Mapping):
                 try:
                     model.get_submodule(module)
                 except AttributeError:
-                    raise InputError(f"patch names the input of {module!r}, which is not a module of "
-                                     f"{type(model).__name__}") from None
+                    raise InputError(
+                        f"patch names the input of {module!r}, which is not a module of {type(model).__name__}"
+                    ) from None
                 if name not in self.readers:
                     raise InputError(f"patch input change {name} names no matrices that read it (Patch.readers)")
                 for reader, layout in self.readers[name]:
                     width = None if reader not in params else params[reader].shape[-1 if layout == "out_in" else 0]
                     if width is None or not isinstance(d, LowRank) or d.shape != (width, width):
-                        raise InputError(f"patch input change {name} ({d.shape if isinstance(d, LowRank) else 'dense'}) "
-                                         f"does not fit {reader} of this model")
+                        raise InputError(
+                            f"patch input change {name} ({d.shape if isinstance(d, LowRank) else 'dense'}) "
+                            f"does not fit {reader} of this model"
+                        )
                 continue
             if name not in params:
                 raise InputError(f"patch names {name!r}, which is not a parameter of {type(model).__name__}")

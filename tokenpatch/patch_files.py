@@ -32,10 +32,15 @@ def save_patch(patch: Patch, path: str | os.PathLike) -> None:
         else:
             tensors[name] = d
     kinds = {n: "lowrank" if isinstance(d, LowRank) else "dense" for n, d in patch.items()}
-    doc = {"kinds": kinds, "positions": list(patch.positions) or None, "meta": patch.meta,
-           "plan": None if patch.plan is None else patch.plan.describe(), "static": patch.static,
-           "readers": {k: [list(pair) for pair in v] for k, v in patch.readers.items()},
-           "rows": None if patch.rows is None else list(patch.rows)}
+    doc = {
+        "kinds": kinds,
+        "positions": list(patch.positions) or None,
+        "meta": patch.meta,
+        "plan": None if patch.plan is None else patch.plan.describe(),
+        "static": patch.static,
+        "readers": {k: [list(pair) for pair in v] for k, v in patch.readers.items()},
+        "rows": None if patch.rows is None else list(patch.rows),
+    }
     files.write_file(path, tensors, PATCH_FORMAT, doc)
 
 
@@ -66,8 +71,12 @@ def load_patch(path: str | os.PathLike, model: nn.Module | None = None) -> Patch
     try:
         if "static" in doc:  # written with the fields
             plan = doc.get("plan")
-            fields = {"plan": None if plan is None else Plan.from_meta(plan), "static": bool(doc["static"]),
-                      "readers": doc.get("readers"), "rows": doc.get("rows")}
+            fields = {
+                "plan": None if plan is None else Plan.from_meta(plan),
+                "static": bool(doc["static"]),
+                "readers": doc.get("readers"),
+                "rows": doc.get("rows"),
+            }
         else:  # tokenpatch 0.2: the behaviour was in meta
             meta, fields = split_behaviour(meta)
         patch = Patch(deltas, doc.get("positions"), meta, **fields)

@@ -30,12 +30,12 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import files, solve
-from tokenpatch.progress import progress_bar
 from tokenpatch.arch import Sites, adapter_for, weight_layout
 from tokenpatch.arch.families import scale_norm
-from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 from tokenpatch.errors import InputError, ZeroAnchorError
+from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 from tokenpatch.plans import Plan, at_queries, make_plan, strip
+from tokenpatch.progress import progress_bar
 
 __all__ = ["token_patch", "strip_context", "layer_patch", "take"]
 
@@ -82,8 +82,9 @@ def _stored(delta: LowRank, layout: str) -> LowRank:
     return delta if layout == "out_in" else LowRank(delta.v, delta.u)
 
 
-def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Tensor | None = None,
-                gate_c: Tensor | None = None) -> dict[str, Delta]:
+def layer_patch(
+    model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Tensor | None = None, gate_c: Tensor | None = None
+) -> dict[str, Delta]:
     """The layer's deltas from with-context ``ctx = (m, s, hidden)`` and ``anchor = (m, s)``,
     each ``[batch, query, ...]``; ``labels[q]`` names query ``q`` in errors (its position).
     ``out_c``: the with-context layer output, needed by a ``"matrix+scale"`` output site;
@@ -101,7 +102,7 @@ def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Ten
             w, layout = _math_weight(model, name)
             deltas[name] = _stored(solve.input_patch(w, s_c, s_0, layout=layout), layout)
         if sites.output is not None:
-            kind, name = sites.output[:2]
+            kind, name = sites.output.kind, sites.output.name
             if kind == "bias":
                 deltas[name] = solve.output_shift(m_c, m_0)
             elif kind == "gated":  # a matrix whose output is scaled by sigmoid(gate) (a shared expert)
@@ -112,12 +113,13 @@ def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Ten
             elif kind == "matrix+scale":
                 acts_on = "the MLP hidden state with context"
                 w, layout = _math_weight(model, name)
-                norm_name = sites.output[2]
+                norm_name = sites.output.norm
                 norm = model.get_submodule(norm_name.rpartition(".")[0])
                 offset = scale_norm(norm, norm_name)[1]
                 scale = offset + norm.weight.detach()
-                down, dscale = solve.output_patch_scaled(out_c, m_c, m_0, solve.apply_weight(w, hidden_c, layout),
-                                                         hidden_c, scale, norm.eps)
+                down, dscale = solve.output_patch_scaled(
+                    out_c, m_c, m_0, solve.apply_weight(w, hidden_c, layout), hidden_c, scale, norm.eps
+                )
                 deltas[name] = _stored(down, layout)
                 deltas[norm_name] = dscale
             else:
@@ -136,8 +138,15 @@ def layer_patch(model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Ten
 
 
 @torch.no_grad()
-def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = None, *, keep_bos: bool = False,
-                progress: bool | None = None) -> Patch:
+def token_patch(
+    model: nn.Module,
+    inputs: Any,
+    query: Any = -1,
+    remove: Any = None,
+    *,
+    keep_bos: bool = False,
+    progress: bool | None = None,
+) -> Patch:
     """Exact token patches of every layer, for every sequence and query position.
 
     ``inputs``: ``[batch, pos, d]`` embeddings for our models (token ids ``[batch, pos]`` for
@@ -196,15 +205,23 @@ def token_patch(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = No
 def provenance(model: nn.Module, adapter, batch: int, dtype: torch.dtype) -> dict:
     """How a patch of ``model`` was made, for its ``meta``: the model record and fingerprint, the batch
     size, the dtype of the states it came from."""
-    return {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "batch": batch,
-            "model_dtype": str(dtype).removeprefix("torch.")}
+    return {
+        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+        "batch": batch,
+        "model_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def assemble(model: nn.Module, adapter, deltas: dict[str, Delta], plan: Plan, batch: int, dtype: torch.dtype) -> Patch:
     """The token patch of ``plan`` from its deltas: where it acts, its plan, the matrices reading each
     input change (``Patch.readers``) and its provenance."""
-    return Patch(deltas, plan.positions if plan.mode == "chunk" else None, provenance(model, adapter, batch, dtype),
-                 plan=plan, readers=input_readers(model, adapter))
+    return Patch(
+        deltas,
+        plan.positions if plan.mode == "chunk" else None,
+        provenance(model, adapter, batch, dtype),
+        plan=plan,
+        readers=input_readers(model, adapter),
+    )
 
 
 def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Patch:
@@ -219,13 +236,25 @@ def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress)
     return assemble(model, adapter, deltas, plan, batch, rec[0]["out"].dtype)
 
 
-def traced_deltas(model: nn.Module, adapter, rec: list[dict], anchors: list, labels, progress=False) -> dict[str, Delta]:
+def traced_deltas(
+    model: nn.Module, adapter, rec: list[dict], anchors: list, labels, progress=False
+) -> dict[str, Delta]:
     """Every layer's deltas from recorded with-context states ``rec`` and ``anchors`` (``[B, Q, .]``)."""
     deltas: dict[str, Delta] = {}
     for i in progress_bar(range(len(rec)), progress, desc="token_patch", unit="layer"):
         r = rec[i]
-        deltas.update(layer_patch(model, adapter.sites(model, i), (r["m"], r["s"], r["hidden"]), anchors[i], i,
-                                  labels, out_c=r["out"], gate_c=r.get("gate")))
+        deltas.update(
+            layer_patch(
+                model,
+                adapter.sites(model, i),
+                (r["m"], r["s"], r["hidden"]),
+                anchors[i],
+                i,
+                labels,
+                out_c=r["out"],
+                gate_c=r.get("gate"),
+            )
+        )
     return deltas
 
 

@@ -62,12 +62,14 @@ class Plan:
         return {"seq_len": self.seq_len, "query": list(self.query), "removed": removed}
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "Plan":
+    def from_meta(cls, meta: dict) -> Plan:
         removed = meta.get("removed")
         if removed is None:
             return cls(meta["seq_len"], tuple(meta["query"]))
         gone = set(removed)
-        return cls(meta["seq_len"], tuple(meta["query"]), "chunk", tuple(p for p in range(meta["seq_len"]) if p not in gone))
+        return cls(
+            meta["seq_len"], tuple(meta["query"]), "chunk", tuple(p for p in range(meta["seq_len"]) if p not in gone)
+        )
 
 
 def _as_int(q: Any) -> int:

@@ -7,7 +7,8 @@ always shows one (the command line does), ``progress=False`` never does.
 
 from __future__ import annotations
 
-from typing import Iterable, TypeVar
+from collections.abc import Iterable
+from typing import TypeVar
 
 from tqdm.auto import tqdm
 

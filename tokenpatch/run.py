@@ -12,7 +12,7 @@ no-context inputs as it is.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -20,10 +20,10 @@ from torch import Tensor, nn
 from tokenpatch import files
 from tokenpatch.arch import weight_layout
 from tokenpatch.arch.families import scale_norm
-from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 
-__all__ = ["apply", "functional_call", "patched_run"]
+__all__ = ["apply", "functional_call", "patched_run", "hooked", "DeltaHook"]
 
 
 def _lowrank_add(x: Tensor, w_in: Tensor | None, w_out: Tensor | None, b: Tensor | None) -> Tensor:
@@ -41,22 +41,37 @@ def _lowrank_add(x: Tensor, w_in: Tensor | None, w_out: Tensor | None, b: Tensor
     return delta
 
 
-class _Hook:
-    """Forward hook of one linear module: adds its deltas, per (batch, query) patch, to the output.
+class DeltaHook:
+    """The one hook that runs a patch's deltas on one module, per (batch, query) patch.
 
     Patch ``[b, q]`` acts everywhere on no-context sequence ``b * Q + q``, or at position
-    ``positions[q]`` of sequence ``b``; the input shape is checked against what the patch was made
-    for on every call (a few integer comparisons).
+    ``positions[q]`` of sequence ``b`` only; the input shape is checked against what the patch was
+    made for on every call (a few integer comparisons). Three kinds of delta, one mechanism:
+
+    * ``after`` (a forward hook) adds a low-rank weight delta and a dense bias delta to the output,
+      ``out + u (v . x) + db``; or a norm's dense scale delta, ``out + dg * unit(x)``
+      (``arch.families.SCALE_NORMS``);
+    * ``before`` (a forward pre-hook with kwargs) changes the module's input, ``x -> x + D x``
+      (a ``"<module>:input"`` delta ``D = sum_k d_k v_k^T``), so every matrix inside reading ``x``
+      computes ``(W + W D) x`` with one product, and routers or stacked experts see the change too.
     """
 
-    def __init__(self, module_name: str, deltas: dict[str, Delta], layout: str, patch: Patch,
-                 broadcast: bool, any_length: bool, unit=None):
-        self.name, self.patch = module_name, patch
-        w, self.b = deltas.get("weight"), deltas.get("bias")
-        self.unit = None  # a norm's scale delta: ``out + dw * unit(x)`` (``arch.families.SCALE_NORMS``)
-        if isinstance(w, Tensor):
-            self.unit, self.b, w = unit, w, None
-        self.w_in, self.w_out = (None, None) if w is None else ((w.v, w.u) if layout == "out_in" else (w.u, w.v))
+    def __init__(
+        self,
+        module_name: str,
+        patch: Patch,
+        broadcast: bool,
+        any_length: bool,
+        *,
+        weight: LowRank | None = None,
+        layout: str = "out_in",
+        bias: Tensor | None = None,
+        unit=None,
+    ):
+        self.name, self.patch, self.unit, self.b = module_name, patch, unit, bias
+        self.w_in, self.w_out = (
+            (None, None) if weight is None else ((weight.v, weight.u) if layout == "out_in" else (weight.u, weight.v))
+        )
         static = patch.static  # one update for any input (a thought patch): runs on all of them
         self.broadcast, self.any_length = broadcast or static, any_length or static
         self.length = None if patch.plan is None else patch.plan.stripped_len
@@ -70,16 +85,22 @@ class _Hook:
         if n != want_n and not (self.broadcast and rows == 1 and n % (1 if at else queries) == 0):
             made = "one row per sequence" if at else "one per no-context sequence"
             hint = "; or pass broadcast=True to run its one row of patches over every sequence" if rows == 1 else ""
-            raise InputError(f"{self.name}: the patch holds [batch, query] = {[rows, queries]} patches, {made}, "
-                             f"but the input batch is {n}; tp.strip_context gives the right inputs{hint}")
+            raise InputError(
+                f"{self.name}: the patch holds [batch, query] = {[rows, queries]} patches, {made}, "
+                f"but the input batch is {n}; tp.strip_context gives the right inputs{hint}"
+            )
         t = x.shape[1]
         if at and t <= max(self.patch.positions):
-            raise InputError(f"{self.name}: the patch acts at positions {list(self.patch.positions)} but the "
-                             f"sequences have {t}; tp.strip_context gives the right inputs")
+            raise InputError(
+                f"{self.name}: the patch acts at positions {list(self.patch.positions)} but the "
+                f"sequences have {t}; tp.strip_context gives the right inputs"
+            )
         if self.length is not None and t != self.length and not self.any_length:
-            raise InputError(f"{self.name}: the patch was made for no-context sequences of length {self.length}, "
-                             f"got length {t} (with-context inputs?); tp.strip_context gives the right inputs, "
-                             "or pass any_length=True to run it on sequences of another length on purpose")
+            raise InputError(
+                f"{self.name}: the patch was made for no-context sequences of length {self.length}, "
+                f"got length {t} (with-context inputs?); tp.strip_context gives the right inputs, "
+                "or pass any_length=True to run it on sequences of another length on purpose"
+            )
 
     def _rows(self, t: Tensor | None, n: int) -> Tensor | None:
         """``[B, Q, ...]`` factor -> ``[N, G, ...]``: one group per sequence (everywhere), or Q groups."""
@@ -99,56 +120,45 @@ class _Hook:
         rows, queries = self.patch.lead
         n = rows if self.patch.acts == "at_positions" else rows * queries  # the no-context sequences
         if x.shape[0] % n:
-            raise InputError(f"{self.name}: flattened inputs {tuple(x.shape)} cannot be split into the patch's {n} "
-                             "no-context sequences")
+            raise InputError(
+                f"{self.name}: flattened inputs {tuple(x.shape)} cannot be split into the patch's {n} "
+                "no-context sequences"
+            )
         return x.view(n, x.shape[0] // n, x.shape[1])
 
-    def __call__(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-        if args[0].ndim == 2:
-            return self(module, (self._unflatten(args[0]), *args[1:]), self._unflatten(out)).flatten(0, 1)
-        x = args[0]
-        self._check(x)
-        n = x.shape[0]
+    def _added(self, target: Tensor, x: Tensor, change) -> Tensor:
+        """``target + change(x_g)`` where the patch acts: ``x_g [N, G, K, in]`` groups the positions
+        sharing a patch (one group of every position, or one group per query position), ``change``
+        returns ``[N, G, K, out]`` in ``dt`` (at least float32); the sum is cast back to ``target``'s dtype."""
         ref = self.b if self.w_in is None else self.w_in
         dt = torch.promote_types(torch.promote_types(x.dtype, ref.dtype), torch.float32)
-        factors = [self._rows(f, n) for f in (self.w_in, self.w_out)]
-        b = self._rows(self.b, n)  # [N, G, out]
-        if self.unit is not None and self.patch.acts == "everywhere":  # a norm-scale delta: dw * unit(x)
-            return (out.to(dt) + b.to(dt) * self.unit(module, x).to(dt)).to(out.dtype)  # [N, 1, out] * [N, T, out]
-        if self.unit is not None:  # at positions: patch [b, q] at position positions[q] of sequence b
-            where = torch.tensor(self.patch.positions, device=x.device)
-            change = b.to(dt) * self.unit(module, x[:, where]).to(dt)  # [N, Q, out]
-            return out.index_copy(1, where, (out[:, where].to(dt) + change).to(out.dtype))
         if self.patch.acts == "everywhere":
-            delta = _lowrank_add(x.to(dt)[:, None], *factors, b)[:, 0]  # [N, T, out]
-            return (out.to(dt) + delta).to(out.dtype)
+            return (target.to(dt) + change(x[:, None], dt)[:, 0]).to(target.dtype)  # [N, T, out]
         where = torch.tensor(self.patch.positions, device=x.device)
-        delta = _lowrank_add(x[:, where].to(dt)[:, :, None], *factors, b)[:, :, 0]  # [N, Q, out]
-        return out.index_copy(1, where, (out[:, where].to(dt) + delta).to(out.dtype))
+        delta = change(x[:, where][:, :, None], dt)[:, :, 0]  # [N, Q, out]
+        return target.index_copy(1, where, (target[:, where].to(dt) + delta).to(target.dtype))
 
+    def _change(self, module: nn.Module, n: int):
+        factors, b = [self._rows(f, n) for f in (self.w_in, self.w_out)], self._rows(self.b, n)  # b [N, G, out]
+        if self.unit is not None:  # a norm-scale delta: dg * unit(x)
+            return lambda xg, dt: b.to(dt)[:, :, None, :] * self.unit(module, xg).to(dt)
+        return lambda xg, dt: _lowrank_add(xg.to(dt), *factors, b)
 
-class _InputHook(_Hook):
-    """Forward pre-hook of a module whose input the patch changes: ``x -> x + D x`` per patch row
-    (``D = sum_k d_k v_k^T``, a ``"<module>:input"`` delta), so every matrix inside reading ``x``
-    computes ``(W + W D) x`` with one product, and routers or stacked experts see the change too."""
+    def after(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        """Forward hook: the output deltas."""
+        if args[0].ndim == 2:
+            return self.after(module, (self._unflatten(args[0]), *args[1:]), self._unflatten(out)).flatten(0, 1)
+        x = args[0]
+        self._check(x)
+        return self._added(out, x, self._change(module, x.shape[0]))
 
-    def __init__(self, module_name: str, delta: LowRank, patch: Patch, broadcast: bool, any_length: bool):
-        super().__init__(module_name, {"weight": delta}, "out_in", patch, broadcast, any_length)
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+    def before(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Forward pre-hook: the input change ``x -> x + D x``."""
         x = args[0] if args else kwargs["hidden_states"]
         flat = x.ndim == 2
         x = self._unflatten(x)
         self._check(x)
-        n = x.shape[0]
-        dt = torch.promote_types(torch.promote_types(x.dtype, self.w_in.dtype), torch.float32)
-        factors = [self._rows(f, n) for f in (self.w_in, self.w_out)]
-        if self.patch.acts == "everywhere":
-            new = (x.to(dt) + _lowrank_add(x.to(dt)[:, None], *factors, None)[:, 0]).to(x.dtype)
-        else:
-            where = torch.tensor(self.patch.positions, device=x.device)
-            change = _lowrank_add(x[:, where].to(dt)[:, :, None], *factors, None)[:, :, 0]  # [N, Q, d]
-            new = x.index_copy(1, where, (x[:, where].to(dt) + change).to(x.dtype))
+        new = self._added(x, x, self._change(module, x.shape[0]))
         new = new.flatten(0, 1) if flat else new
         return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
 
@@ -168,39 +178,46 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
     try:
         for module_name, deltas in by_module.items():
             module = model.get_submodule(module_name)
-            unit, layout = None, "out_in"
-            if set(deltas) - {"weight", "bias"} or isinstance(deltas.get("bias"), LowRank) or (
-                    isinstance(deltas.get("weight"), Tensor) and "bias" in deltas):
+            if (
+                set(deltas) - {"weight", "bias"}
+                or isinstance(deltas.get("bias"), LowRank)
+                or (isinstance(deltas.get("weight"), Tensor) and "bias" in deltas)
+            ):
                 raise UnsupportedModelError(
                     f"cannot apply deltas {sorted(deltas)} to {module_name} ({type(module).__name__}): "
                     "functional_call supports low-rank weight and dense bias deltas of linear layers, and dense "
                     "scale deltas of known norms"
                 )
-            if isinstance(deltas.get("weight"), Tensor):
-                unit = scale_norm(module, module_name)[0]
-            elif "weight" in deltas:
-                layout = weight_layout(module, module_name)
-            hook = _Hook(module_name, deltas, layout, patch, broadcast, any_length, unit)
-            handles.append(module.register_forward_hook(hook))
+            weight = deltas.get("weight")
+            if isinstance(weight, Tensor):  # a norm's scale
+                hook = DeltaHook(
+                    module_name, patch, broadcast, any_length, bias=weight, unit=scale_norm(module, module_name)[0]
+                )
+            else:
+                layout = weight_layout(module, module_name) if weight is not None else "out_in"
+                hook = DeltaHook(
+                    module_name, patch, broadcast, any_length, weight=weight, layout=layout, bias=deltas.get("bias")
+                )
+            handles.append(module.register_forward_hook(hook.after))
         for module_name, delta in inputs.items():
-            hook = _InputHook(module_name, delta, patch, broadcast, any_length)
-            handles.append(model.get_submodule(module_name).register_forward_pre_hook(hook, with_kwargs=True))
+            hook = DeltaHook(module_name, patch, broadcast, any_length, weight=delta)
+            handles.append(model.get_submodule(module_name).register_forward_pre_hook(hook.before, with_kwargs=True))
         yield
     finally:
         for handle in handles:
             handle.remove()
 
 
-def patched_run(run, model: nn.Module, patch: Patch, *args, broadcast: bool = False, any_length: bool = False,
-                **kwargs):
+def patched_run(
+    run, model: nn.Module, patch: Patch, *args, broadcast: bool = False, any_length: bool = False, **kwargs
+):
     """``run(*args, **kwargs)`` with ``patch``'s hooks on ``model`` (checked against it first)."""
     patch.check_model(model)
     with hooked(model, patch, broadcast, any_length):
         return run(*args, **kwargs)
 
 
-def functional_call(model: nn.Module, patch: Patch, *args, broadcast: bool = False, any_length: bool = False,
-                    **kwargs):
+def functional_call(model: nn.Module, patch: Patch, *args, broadcast: bool = False, any_length: bool = False, **kwargs):
     """``model(*args, **kwargs)`` with ``patch`` applied in the forward, nothing mutated.
 
     Each patched linear computes ``W x + b + u (v . x) + db`` (factors never multiplied out).

@@ -45,8 +45,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tokenpatch.patch import LowRank
 from tokenpatch.errors import InputError, ZeroAnchorError
+from tokenpatch.lowrank import LowRank
 
 __all__ = [
     "work_dtype",
@@ -126,8 +126,10 @@ def minimal_patch(r: Tensor, anchor: Tensor) -> LowRank:
     v = a / torch.where(zero[..., None], torch.ones_like(sq), sq) / c  # [*lead, cols]  anchor / |anchor|^2
     if not torch.isfinite(v).all():
         small = float(scale[~torch.isfinite(v).all(-1)].min())
-        raise InputError(f"an anchor vector has max |entry| {small:.1e}: 1/|anchor| overflows {dtype}; "
-                         "compute in float64 (model.double())")
+        raise InputError(
+            f"an anchor vector has max |entry| {small:.1e}: 1/|anchor| overflows {dtype}; "
+            "compute in float64 (model.double())"
+        )
     return LowRank(r.unsqueeze(-2), v.unsqueeze(-2))
 
 
@@ -158,8 +160,10 @@ def input_patch(weight: Tensor, s_ctx: Tensor, s_anchor: Tensor, layout: str = "
     dtype = work_dtype(weight, s_ctx, s_anchor)
     cols = weight.shape[-1] if layout == "out_in" else weight.shape[0]
     if s_ctx.shape != s_anchor.shape or s_ctx.shape[-1] != cols:
-        raise InputError(f"weight {tuple(weight.shape)} ({layout}) cannot read s_ctx {tuple(s_ctx.shape)} / "
-                         f"s_anchor {tuple(s_anchor.shape)}")
+        raise InputError(
+            f"weight {tuple(weight.shape)} ({layout}) cannot read s_ctx {tuple(s_ctx.shape)} / "
+            f"s_anchor {tuple(s_anchor.shape)}"
+        )
     diff = s_ctx.to(dtype) - s_anchor.to(dtype)  # [*lead, cols]
     r = apply_weight(weight, diff, layout)  # [*lead, rows]  W (s_C - s_0)
     return minimal_patch(r, s_anchor)
@@ -179,8 +183,9 @@ def output_patch(m_ctx: Tensor, m_anchor: Tensor, hidden_ctx: Tensor) -> LowRank
     return minimal_patch(output_shift(m_ctx, m_anchor), hidden_ctx)
 
 
-def output_patch_scaled(out_ctx: Tensor, m_ctx: Tensor, m_anchor: Tensor, down_ctx: Tensor, hidden_ctx: Tensor,
-                        scale: Tensor, eps: float) -> tuple[LowRank, Tensor]:
+def output_patch_scaled(
+    out_ctx: Tensor, m_ctx: Tensor, m_anchor: Tensor, down_ctx: Tensor, hidden_ctx: Tensor, scale: Tensor, eps: float
+) -> tuple[LowRank, Tensor]:
     """Output side of a block whose MLP output passes a post-norm ``N(y) = scale * y / rms(y)``,
     ``rms(y) = sqrt(mean(y^2) + eps)`` (Gemma 2/3: ``scale = 1 + w``), before the residual add.
 

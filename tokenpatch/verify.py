@@ -5,6 +5,7 @@ The error metric and the one tolerance rule of the library live here (``docs/ver
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -12,26 +13,32 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for
-from tokenpatch.patch import Patch
 from tokenpatch.errors import InputError
-from tokenpatch.run import patched_run
+from tokenpatch.patch import Patch
 from tokenpatch.plans import Plan, at_queries, make_plan, strip
+from tokenpatch.run import patched_run
 
-__all__ = ["SiteError", "Verification", "TOLERANCES", "tolerance", "verify"]
+__all__ = ["SiteError", "Verification", "TOLERANCES", "REAL_MODEL_RULE", "tolerance", "verify"]
 
 # The one tolerance rule, by model dtype: (metric, bound). Equivalence is algebra, so float64
 # errors are rounding (~1e-15) and an absolute bound is meaningful; in lower precision the error
 # scales with the activations, so the bound is on the relative error.
+# One named rule beside them: real pretrained weights in float32, per layer. The one-token patched
+# pass amplifies rounding with depth (~100x by the last layer of SmolLM2-135M), so on real models the
+# per-layer relative error is held to 1e-3 (tests, ``tokenpatch verify --model``, the report).
 TOLERANCES: dict[str, tuple[str, float]] = {
     "float64": ("max_abs", 1e-10),
     "float32": ("max_rel", 1e-4),
     "float16": ("max_rel", 1e-2),
     "bfloat16": ("max_rel", 5e-2),
+    "float32_real_model": ("max_rel", 1e-3),
 }
+REAL_MODEL_RULE = "float32_real_model"
 
 
 def tolerance(dtype: torch.dtype | str) -> tuple[str, float]:
-    """``(metric, bound)`` of the tolerance rule for a model computing in ``dtype``."""
+    """``(metric, bound)`` of the tolerance rule for a model computing in ``dtype``, or of a rule by name
+    (``"float32_real_model"``)."""
     name = str(dtype).removeprefix("torch.")
     if name not in TOLERANCES:
         raise InputError(f"no tolerance is defined for {name}; known: {sorted(TOLERANCES)} (pass tol= explicitly)")
@@ -56,8 +63,6 @@ class SiteError:
     max_abs: float
     max_rel: float
     max_rel_unfloored: float
-
-
 
 
 @dataclass(frozen=True)
@@ -87,24 +92,33 @@ class Verification:
         metric, bound = tolerance(self.dtype)
         return f"{metric.replace('_', ' ')} <= {bound:g}"
 
-    def ok(self, tol: float | None = None) -> bool:
+    def ok(self, tol: float | None = None, rule: str | None = None) -> bool:
         """Whether the errors meet the tolerance rule of the model's dtype (``TOLERANCES``:
-        float64 max abs <= 1e-10, float32 max rel <= 1e-4, ...); ``tol`` replaces the bound."""
-        if tol is None:
-            metric, tol = tolerance(self.dtype)
-        else:
-            metric = TOLERANCES.get(self.dtype, ("max_rel", tol))[0]
-        return getattr(self, metric) <= tol
+        float64 max abs <= 1e-10, float32 max rel <= 1e-4, ...), or the rule named ``rule`` (e.g.
+        ``REAL_MODEL_RULE`` for real weights in float32); ``tol`` replaces the bound."""
+        name = rule or self.dtype
+        if tol is not None and name not in TOLERANCES:
+            return self.max_rel <= tol
+        metric, bound = tolerance(name)
+        return getattr(self, metric) <= (bound if tol is None else tol)
 
     def table(self) -> str:
         rows = [f"{'site':>10}  {'max abs':>10}  {'max rel':>10}  {'(unfloored)':>11}"]
-        rows += [f"{e.name:>10}  {e.max_abs:10.2e}  {e.max_rel:10.2e}  {e.max_rel_unfloored:11.2e}" for e in self.per_layer]
+        rows += [
+            f"{e.name:>10}  {e.max_abs:10.2e}  {e.max_rel:10.2e}  {e.max_rel_unfloored:11.2e}" for e in self.per_layer
+        ]
         return "\n".join(rows)
 
     def to_dict(self) -> dict:
-        return {"dtype": self.dtype, "n": self.n, "max_abs": self.max_abs, "max_rel": self.max_rel,
-                "max_rel_unfloored": self.max_rel_unfloored,
-                "per_layer": [asdict(e) for e in self.per_layer], "meta": self.meta}
+        return {
+            "dtype": self.dtype,
+            "n": self.n,
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "max_rel_unfloored": self.max_rel_unfloored,
+            "per_layer": [asdict(e) for e in self.per_layer],
+            "meta": self.meta,
+        }
 
     def __str__(self) -> str:
         return f"Verification({self.dtype}, {self.n} queries, max abs {self.max_abs:.2e}, max rel {self.max_rel:.2e})"
@@ -136,8 +150,12 @@ def _plan_for(patch: Patch, seq_len: int, query: Any, remove: Any) -> Plan:
 
 
 @torch.no_grad()
-def verify(model: nn.Module, inputs: Any, patch: Patch, query: Any = None, remove: Any = None) -> Verification:
+def verify(model: nn.Module, patch: Patch, inputs: Any, query: Any = None, remove: Any = None) -> Verification:
     """Run the with-context pass and the patched no-context pass; compare at every query.
+
+    ``verify(model, patch, inputs)``: the model, then the patch, then what it runs on, as in
+    ``functional_call(model, patch, ...)`` and ``apply(model, patch)``. (The 0.2 order
+    ``verify(model, inputs, patch)`` still works, with a ``DeprecationWarning``.)
 
     ``query`` / ``remove`` default to the ones recorded in the patch; the patch must hold one
     row per input sequence. Sites: the output hidden state of each layer (``layer 0 .. L-1``)
@@ -145,6 +163,18 @@ def verify(model: nn.Module, inputs: Any, patch: Patch, query: Any = None, remov
     model's own forward; the patched one goes through the hooks of ``functional_call``.
     ``result.ok()`` applies the library's tolerance rule for the model's dtype.
     """
+    if not isinstance(patch, Patch) and isinstance(inputs, Patch):  # the 0.2 order
+        warnings.warn(
+            "tp.verify(model, inputs, patch) is deprecated: the patch comes second, as in "
+            "functional_call: tp.verify(model, patch, inputs)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        patch, inputs = inputs, patch
+    if not isinstance(patch, Patch):
+        raise InputError(
+            f"verify(model, patch, inputs): the second argument must be a tp.Patch, got {type(patch).__name__}"
+        )
     adapter = adapter_for(model)
     inputs = adapter.check_inputs(model, inputs)
     seq_len, batch = adapter.seq_len(inputs), adapter.batch_size(inputs)
@@ -152,16 +182,22 @@ def verify(model: nn.Module, inputs: Any, patch: Patch, query: Any = None, remov
     if patch.lead != (batch, len(plan.query)):  # each row's patch is checked against that row
         rows = None if patch.rows is None else list(patch.rows)
         hint = f" (it holds the patches of rows {rows} of the batch it was made from)" if rows is not None else ""
-        raise InputError(f"patch holds [batch, query] = {list(patch.lead)} patches{hint}; inputs and query give "
-                         f"[{batch}, {len(plan.query)}]")
+        raise InputError(
+            f"patch holds [batch, query] = {list(patch.lead)} patches{hint}; inputs and query give "
+            f"[{batch}, {len(plan.query)}]"
+        )
     want = plan.positions if plan.mode == "chunk" else ()
     if patch.positions != want:
-        raise InputError(f"the patch acts {patch.where()} but this query/remove needs it to act "
-                         f"{'at positions ' + str(list(want)) if want else 'everywhere'}")
+        raise InputError(
+            f"the patch acts {patch.where()} but this query/remove needs it to act "
+            f"{'at positions ' + str(list(want)) if want else 'everywhere'}"
+        )
     out_c, hid_c = adapter.run(model, inputs)
     out_0, hid_0 = patched_run(lambda x: adapter.run(model, x), model, patch, strip(adapter, inputs, plan))
     q = list(plan.query)
-    errors = [site_error(f"layer {i}", at_queries(g, plan, batch), r[:, q]) for i, (g, r) in enumerate(zip(hid_0, hid_c))]
+    errors = [
+        site_error(f"layer {i}", at_queries(g, plan, batch), r[:, q]) for i, (g, r) in enumerate(zip(hid_0, hid_c))
+    ]
     errors.append(site_error("output", at_queries(out_0, plan, batch), out_c[:, q]))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return Verification(errors, dtype, batch * len(q), plan.describe())

@@ -1,4 +1,5 @@
-"""Model families as data: one ``Adapter`` per family (see ``base.py`` for the interface).
+"""Model families as data: one ``Adapter`` per family (see ``base.py`` for the interface: every
+method the rest of tokenpatch calls on a model family is declared there).
 
 ``adapter_for(model)`` picks the first registered adapter that matches; ``register`` adds one
 (a user's own family, or a built-in one overridden). Built in: our ``ICLTransformer`` / ``Block``.
@@ -8,13 +9,27 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenpatch.errors import UnsupportedModelError
-from tokenpatch.arch.base import WEIGHT_LAYOUTS, Adapter, Sites, weight_layout
+from tokenpatch.arch.base import WEIGHT_LAYOUTS, Adapter, OutputSite, Sites, weight_layout
 from tokenpatch.arch.families import FAMILIES
 from tokenpatch.arch.hf import HFAdapter
+from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.icl import ICLAdapter
+from tokenpatch.errors import UnsupportedModelError
 
-__all__ = ["Adapter", "ICLAdapter", "HFAdapter", "FAMILIES", "Sites", "ADAPTERS", "adapter_for", "register", "weight_layout", "WEIGHT_LAYOUTS"]
+__all__ = [
+    "Adapter",
+    "ICLAdapter",
+    "HFAdapter",
+    "FAMILIES",
+    "Sites",
+    "OutputSite",
+    "ADAPTERS",
+    "adapter_for",
+    "register",
+    "registered_hooks",
+    "weight_layout",
+    "WEIGHT_LAYOUTS",
+]
 
 ADAPTERS: list[Adapter] = [ICLAdapter(), HFAdapter()]
 

@@ -1,7 +1,10 @@
-"""The adapter interface: what the patch algorithm needs to know about a model family.
+"""The adapter interface: what tokenpatch needs to know about a model family.
 
-``patching.py`` reaches a model only through an ``Adapter``. The algorithm (``docs/deep-models.md``)
-needs, per layer ``i``:
+Everything outside ``tokenpatch.arch`` reaches a model only through the methods declared on
+``Adapter``; a family (a user's own, ``tokenpatch.arch.register``) implements those its callers
+need, and a caller of one it lacks gets an ``UnsupportedModelError`` naming the method (``require``).
+
+**The layer-by-layer passes** (``patching.py``, ``docs/deep-models.md``), per layer ``i``:
 
 * ``mix(model, i, h) -> (m, s)``: run the layer up to its MLP on hidden states ``h [N, T, d]``
   (any sequence: the full context, the query alone as a length-1 sequence, or the context with a
@@ -11,29 +14,78 @@ needs, per layer ``i``:
   MLP's output matrix and the layer output;
 * ``sites(model, i) -> Sites``: *where* the patch goes, as parameter names -- the matrices that
   read ``s`` (rank-1 input patches with a shared right factor: ``fc_in``; ``gate_proj`` and
-  ``up_proj`` of a gated MLP) and how the output side is absorbed (an output ``bias``, a rank-1
-  patch of the output ``matrix``, or nothing for a residual-free layer).
+  ``up_proj`` of a gated MLP) and how the output side is absorbed (``OutputSite``: an output
+  ``bias``, a rank-1 patch of the output ``matrix``, or nothing for a residual-free layer).
 
 plus the model's ends: ``embed`` (inputs -> h^0), ``run`` (the model's own forward, returning its
 output and every layer's output hidden state), ``strip`` (the inputs of the no-context pass),
 ``check_inputs``.
 
-An adapter with ``traced = True`` (Hugging Face models, ``hf.py``) runs both passes as the model's
-own forward instead, with hooks: ``trace`` records every layer's states at the queries in one
-with-context pass, ``anchors`` the no-context states; masks, positions, caches and routing stay
-the model's. Its block designs are data (``families.FAMILIES``).
+**The traced passes.** An adapter with ``traced = True`` (Hugging Face models, ``hf.py``) runs both
+passes as the model's own forward instead, with hooks: ``recording`` records every layer's states
+during any forward, ``trace`` is the with-context pass, ``anchors`` the no-context one; masks,
+positions, caches and routing stay the model's. ``tp.generate`` and the language-model thought
+patch use them too.
+
+**The module map** (interpretability and the baselines): ``layers`` (the decoder layers),
+``n_heads``, ``output_projections`` (the module whose input is the heads' outputs side by side),
+``attention_outputs`` and ``attention_norms`` (what the attention adds to the residual stream),
+``mlp_input_from_heads`` (the MLP input as a function of the heads) and ``attention_patterns``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
 from tokenpatch.errors import UnsupportedModelError
 
-__all__ = ["Sites", "Adapter", "WEIGHT_LAYOUTS", "weight_layout"]
+__all__ = ["OutputSite", "OUTPUT_KINDS", "Sites", "Adapter", "WEIGHT_LAYOUTS", "weight_layout"]
+
+OUTPUT_KINDS = ("bias", "matrix", "matrix+scale", "gated")
+
+
+@dataclass(frozen=True)
+class OutputSite:
+    """How a layer's patch absorbs the output side, ``m_C - m_0`` (``Sites.output``).
+
+    * ``"bias"``: add ``m_C - m_0`` to the MLP output bias ``name``;
+    * ``"matrix"``: the rank-1 ``(m_C - m_0) h_C^T / |h_C|^2`` on the output weight ``name``;
+    * ``"matrix+scale"``: a rank-1 patch of the output matrix ``name`` plus a dense delta of the scale
+      ``norm`` of the post-MLP norm (Gemma 2/3, ``solve.output_patch_scaled``);
+    * ``"gated"``: a rank-1 patch of the output matrix ``name`` whose output is scaled by a sigmoid gate
+      (a shared expert), the shift divided by the gate.
+
+    ``names``: the parameters it writes. Indexing (``site[0]``, ``site[1:]``) reads it as the tuple
+    ``(kind, name)`` or ``(kind, name, norm)`` of earlier versions; read the fields instead.
+    """
+
+    kind: Literal["bias", "matrix", "matrix+scale", "gated"]
+    name: str
+    norm: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in OUTPUT_KINDS:
+            raise UnsupportedModelError(f"OutputSite kind {self.kind!r} is not one of {OUTPUT_KINDS}")
+        if (self.norm is not None) != (self.kind == "matrix+scale"):
+            raise UnsupportedModelError(
+                f"OutputSite({self.kind!r}, {self.name!r}): a norm is given exactly with kind 'matrix+scale'"
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The parameter names the output side writes: ``(name,)`` or ``(name, norm)``."""
+        return (self.name,) if self.norm is None else (self.name, self.norm)
+
+    def __getitem__(self, index):
+        return (self.kind, *self.names)[index]
+
+    def __len__(self) -> int:
+        return 1 + len(self.names)
 
 
 @dataclass(frozen=True)
@@ -41,12 +93,8 @@ class Sites:
     """Parameter names a layer's patch writes to.
 
     ``inputs``: weight matrices that read the MLP input ``s`` (each gets ``W (s_C - s_0) s_0^T/|s_0|^2``).
-    ``output``: ``("bias", name)`` -- add ``m_C - m_0`` to the MLP output bias; ``("matrix", name)``
-    -- rank-1 ``(m_C - m_0) h_C^T / |h_C|^2`` on the output weight; ``None`` -- no residual term.
-
-    ``("matrix+scale", down, norm)`` -- a rank-1 patch of the output matrix ``down`` plus a dense
-    delta of the scale of the post-MLP ``norm`` (Gemma 2/3, ``solve.output_patch_scaled``).
-    A parallel (NeoX) block has no input sites: its MLP input is the same in both passes.
+    ``output``: an ``OutputSite`` (a tuple ``(kind, name[, norm])`` is converted), or ``None`` -- no
+    residual term. A parallel (NeoX) block has no input sites: its MLP input is the same in both passes.
 
     ``input_site``: a module whose input is ``s`` (the MLP). Then the input side is one delta
     ``"<input_site>:input"``, the change of that input ``s -> s + (s_C - s_0) (s_0 . s) / |s_0|^2``,
@@ -56,16 +104,26 @@ class Sites:
     """
 
     inputs: tuple[str, ...]
-    output: tuple[str, ...] | None
+    output: OutputSite | None
     input_site: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.output, tuple):
+            object.__setattr__(self, "output", OutputSite(*self.output))
+        elif self.output is not None and not isinstance(self.output, OutputSite):
+            raise UnsupportedModelError(f"Sites.output must be an OutputSite or None, got {type(self.output).__name__}")
 
 
 # How a module applies its ``weight`` to an input: "out_in" means ``y = x @ W.T`` (W stored
 # [out, in], torch's nn.Linear); "in_out" means ``y = x @ W`` (W stored [in, out], GPT-2's Conv1D).
 # Keyed by class name so optional libraries need not be imported.
-WEIGHT_LAYOUTS: dict[str, str] = {"Linear": "out_in", "Conv1D": "in_out",
-                                  # mixture-of-experts routers: a weight [experts, d] applied with F.linear
-                                  "Qwen2MoeTopKRouter": "out_in", "MixtralTopKRouter": "out_in"}
+WEIGHT_LAYOUTS: dict[str, str] = {
+    "Linear": "out_in",
+    "Conv1D": "in_out",
+    # mixture-of-experts routers: a weight [experts, d] applied with F.linear
+    "Qwen2MoeTopKRouter": "out_in",
+    "MixtralTopKRouter": "out_in",
+}
 
 
 def weight_layout(module: nn.Module, name: str = "") -> str:
@@ -79,9 +137,38 @@ def weight_layout(module: nn.Module, name: str = "") -> str:
     )
 
 
+# Who calls each declared method (named in the error of an adapter that lacks it).
+NEEDED_BY = {
+    "matches": "tokenpatch.arch.adapter_for",
+    "n_layers": "tp.token_patch",
+    "check_inputs": "tp.token_patch",
+    "seq_len": "tp.token_patch",
+    "batch_size": "tp.token_patch",
+    "strip": "tp.token_patch",
+    "embed": "tp.token_patch",
+    "mix": "tp.token_patch",
+    "finish": "tp.token_patch",
+    "sites": "tp.token_patch",
+    "run": "tp.verify",
+    "mix_prefixes": "tp.trajectory",
+    "recording": "tp.generate and tp.thought_patch on a language model",
+    "trace": "tp.token_patch and tp.interp.head_patches on a traced model",
+    "anchors": "tp.token_patch, tp.generate and tp.interp.head_patches on a traced model",
+    "layers": "tp.thought_patch on a language model, tp.interp.head_patches and the steering baselines",
+    "n_heads": "the head tools: tp.interp ablate_heads and head_patches, the head baselines",
+    "output_projections": "the head tools: tp.interp ablate_heads and head_patches, the head baselines",
+    "attention_outputs": "the steering baselines (tp.baselines)",
+    "attention_norms": "the function-vector baseline (tp.baselines)",
+    "mlp_input_from_heads": "tp.interp.head_patches",
+    "attention_patterns": "tp.interp.induction (attention patterns, head scores)",
+}
+
+
 class Adapter:
     """Base class; see the module docstring. Subclasses are stateless and registered in
-    ``tokenpatch.arch.ADAPTERS``."""
+    ``tokenpatch.arch.ADAPTERS``. Every method here that a subclass does not override raises an
+    ``UnsupportedModelError`` naming it and its callers (``mix_with_alone`` and ``describe`` have
+    defaults)."""
 
     name: str = "base"
     # Are the two passes the model's own forward, recorded by hooks (``trace`` and ``anchors``,
@@ -91,33 +178,68 @@ class Adapter:
     # the first layer's anchor comes from the no-context embedding, not the with-context one.
     position_dependent_embedding: bool = True
 
+    # ------------------------------------------------------------------------- what is implemented
+    def implements(self, method: str) -> bool:
+        """Whether this adapter's class overrides the declared ``method``."""
+        return getattr(type(self), method) is not getattr(Adapter, method)
+
+    def require(self, *methods: str, by: str) -> None:
+        """Raise ``UnsupportedModelError`` naming the first of ``methods`` this adapter lacks (``by``:
+        the caller, for the message)."""
+        for method in methods:
+            if not self.implements(method):
+                self._missing(method, by)
+
+    def _missing(self, method: str, by: str | None = None):
+        raise UnsupportedModelError(
+            f"the {self.name} adapter does not implement {method}() (needed by "
+            f"{by or NEEDED_BY.get(method, 'tokenpatch')}); see tokenpatch.arch.Adapter"
+        )
+
+    # ------------------------------------------------------------------------- basics
     def matches(self, model: nn.Module) -> bool:
-        raise NotImplementedError
+        """Whether this adapter handles ``model``."""
+        self._missing("matches")
 
     def n_layers(self, model: nn.Module) -> int:
-        raise NotImplementedError
+        self._missing("n_layers")
 
     def check_inputs(self, model: nn.Module, inputs: Any) -> Any:
         """Validate (shape, dtype, finiteness) and return the inputs."""
-        raise NotImplementedError
+        self._missing("check_inputs")
 
     def seq_len(self, inputs: Any) -> int:
-        raise NotImplementedError
+        self._missing("seq_len")
 
     def batch_size(self, inputs: Any) -> int:
-        raise NotImplementedError
+        self._missing("batch_size")
 
     def strip(self, inputs: Any, positions: Tensor, separate: bool) -> Any:
         """No-context inputs: the positions ``positions`` [K] of every sequence, either as one
         shorter sequence each (``separate=False``, [B, K, ...]) or each position as a sequence
         of its own (``separate=True``, [B*K, 1, ...], batch-major)."""
-        raise NotImplementedError
+        self._missing("strip")
 
+    def sites(self, model: nn.Module, i: int) -> Sites:
+        """Where layer ``i``'s patch goes (``Sites``)."""
+        self._missing("sites")
+
+    def run(self, model: nn.Module, inputs: Any) -> tuple[Tensor, list[Tensor]]:
+        """The model's own forward: ``(output [B, T, ...], [h^1 .. h^L] each [B, T, d])``."""
+        self._missing("run")
+
+    def describe(self, model: nn.Module) -> dict:
+        """JSON-able description stored in patch metadata."""
+        return {"class": type(model).__name__, "adapter": self.name}
+
+    # ------------------------------------------------------------------------- layer by layer
     def embed(self, model: nn.Module, inputs: Any) -> Tensor:
-        raise NotImplementedError
+        """The first layer's input ``h^0 [B, T, d]``."""
+        self._missing("embed")
 
     def mix(self, model: nn.Module, i: int, h: Tensor) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        """``(m, s)`` ``[N, T, d]`` each of layer ``i`` on ``h [N, T, d]`` (module docstring)."""
+        self._missing("mix")
 
     def mix_with_alone(self, model: nn.Module, i: int, h: Tensor, positions: list[int]):
         """``((m, s), (m0, s0))``: ``mix`` on the whole sequence ``h [B, T, d]``, and on each of
@@ -132,18 +254,73 @@ class Adapter:
         """``(m, s)`` of virtual query rows: row ``p`` of ``hq [B, P, d]`` placed right after the first
         ``lengths[p]`` positions of ``h [B, T, d]`` (``tp.trajectory``) -> ``[B, P, .]`` each; with
         ``with_alone`` also ``(m, s)`` of each row alone (the anchors): ``((m, s), (m0, s0))``."""
-        raise UnsupportedModelError(f"the {self.name} adapter cannot run virtual query rows (tp.trajectory)")
+        self._missing("mix_prefixes")
 
     def finish(self, model: nn.Module, i: int, m: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        """``(hidden, out)``: the input of layer ``i``'s MLP output matrix and the layer output."""
+        self._missing("finish")
 
-    def sites(self, model: nn.Module, i: int) -> Sites:
-        raise NotImplementedError
+    # ------------------------------------------------------------------------- traced passes
+    @contextlib.contextmanager
+    def recording(self, model: nn.Module, query: Tensor, every: bool = False) -> Iterator[list[dict[str, Tensor]]]:
+        """Hooks that record, during any forward of ``model`` inside the block, per layer the states at
+        positions ``query [Q]`` of the sequences run, each ``[B, Q, .]``: ``h`` (layer input), ``m``
+        (the residual value the MLP output is added to), ``s`` (MLP input), ``hidden`` (input of the
+        MLP output matrix), ``out`` (layer output), and where the output site needs them ``p`` (the MLP
+        output before a norm after it) and ``gate`` (a gate logit). ``every``: the query is every
+        position in order. The list (one dict per layer) is filled on exit."""
+        self._missing("recording")
+        yield []
 
-    def run(self, model: nn.Module, inputs: Any) -> tuple[Tensor, list[Tensor]]:
-        """The model's own forward: ``(output [B, T, ...], [h^1 .. h^L] each [B, T, d])``."""
-        raise NotImplementedError
+    def trace(self, model: nn.Module, inputs: Any, query: list[int]) -> list[dict[str, Tensor]]:
+        """The with-context pass: per layer the ``recording`` states at the query positions ``[B, Q, .]``."""
+        self._missing("trace")
 
-    def describe(self, model: nn.Module) -> dict:
-        """JSON-able description stored in patch metadata."""
-        return {"class": type(model).__name__, "adapter": self.name}
+    def anchors(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        query: list[int],
+        rec: list[dict[str, Tensor]],
+        kept: list[int] | None = None,
+    ) -> list[tuple[Tensor, Tensor]]:
+        """The no-context pass: per layer ``(m_0, s_0)`` at the queries ``[B, Q, d]``, each query alone
+        (``kept=None``) or the kept positions as one sequence (a chunk removed); the input of layer
+        ``i > 0`` at a query is its with-context state ``rec[i]["h"]``."""
+        self._missing("anchors")
+
+    # ------------------------------------------------------------------------- the module map
+    def layers(self, model: nn.Module) -> Sequence[nn.Module]:
+        """The ``n_layers`` layer modules in order; module ``i``'s input is ``h^i`` ``[B, T, d]`` and its
+        output (or the first element of it) the residual stream after layer ``i``."""
+        self._missing("layers")
+
+    def n_heads(self, model: nn.Module) -> int:
+        """Attention heads per layer ``H`` (query heads)."""
+        self._missing("n_heads")
+
+    def output_projections(self, model: nn.Module) -> list[nn.Module]:
+        """Per layer, the attention's output projection: its input is the heads' outputs side by side
+        ``z = [z_1 .. z_H]`` ``[B, T, H * dh]`` (head ``h``'s slice ``z_h``), its output ``W_O z (+ b)``."""
+        self._missing("output_projections")
+
+    def attention_outputs(self, model: nn.Module) -> list[nn.Module]:
+        """Per layer, the module whose output ``[B, T, d]`` is the attention's contribution to the
+        residual stream (after a norm that follows the output projection)."""
+        self._missing("attention_outputs")
+
+    def attention_norms(self, model: nn.Module) -> list[nn.Module | None]:
+        """Per layer, the norm between the output projection and the residual stream (Gemma 2/3's
+        post-attention norm), or ``None`` where the projection's output is added as it is."""
+        self._missing("attention_norms")
+
+    def mlp_input_from_heads(self, model: nn.Module, i: int, h: Tensor) -> Callable[[Tensor], Tensor]:
+        """``F``: layer ``i``'s MLP input ``s [..., d]`` as a function of the output projection's input
+        ``z [..., H * dh]``, with the layer input fixed at ``h [N, d]`` (one row per query), in float64
+        on copies of the weights whatever the model's dtype (``interp.head_patches`` takes its
+        Jacobian; ``tokenpatch.arch.float64``)."""
+        self._missing("mlp_input_from_heads")
+
+    def attention_patterns(self, model: nn.Module, inputs: Any) -> list[Tensor]:
+        """Every layer's attention probabilities ``[B, H, T, T]`` on ``inputs`` (one per query head)."""
+        self._missing("attention_patterns")

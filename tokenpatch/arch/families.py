@@ -23,8 +23,9 @@ read and where the output side goes; that is the ``Family`` record. Supported bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -72,23 +73,62 @@ class Family:
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
 FAMILIES: list[Family] = [
-    Family("llama", ("llama", "mistral", "qwen2", "qwen3", "gemma"), "layers", "post_attention_layernorm",
-           "self_attn", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj", lone_zero=_QK),
-    Family("gemma2", ("gemma2", "gemma3_text"), "layers", "pre_feedforward_layernorm", "self_attn",
-           ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.down_proj", out_norm="post_feedforward_layernorm",
-           lone_zero=_QK, attn_out="post_attention_layernorm"),
+    Family(
+        "llama",
+        ("llama", "mistral", "qwen2", "qwen3", "gemma"),
+        "layers",
+        "post_attention_layernorm",
+        "self_attn",
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.down_proj",
+        lone_zero=_QK,
+    ),
+    Family(
+        "gemma2",
+        ("gemma2", "gemma3_text"),
+        "layers",
+        "pre_feedforward_layernorm",
+        "self_attn",
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.down_proj",
+        out_norm="post_feedforward_layernorm",
+        lone_zero=_QK,
+        attn_out="post_attention_layernorm",
+    ),
     Family("gpt2", ("gpt2",), "h", "ln_2", "attn", ("mlp.c_fc.weight",), "mlp.c_proj", o_proj="attn.c_proj"),
-    Family("gpt_neox", ("gpt_neox",), "layers", "post_attention_layernorm", "attention", ("mlp.dense_h_to_4h.weight",),
-           "mlp.dense_4h_to_h", parallel=lambda config: bool(getattr(config, "use_parallel_residual", False)),
-           o_proj="attention.dense"),
+    Family(
+        "gpt_neox",
+        ("gpt_neox",),
+        "layers",
+        "post_attention_layernorm",
+        "attention",
+        ("mlp.dense_h_to_4h.weight",),
+        "mlp.dense_4h_to_h",
+        parallel=lambda config: bool(getattr(config, "use_parallel_residual", False)),
+        o_proj="attention.dense",
+    ),
     # Mixture of experts with a shared expert: the router and every expert read the MLP input (one
     # input change patches them all, so the same experts are chosen with the same weights); the
     # output shift goes into the shared expert's down_proj, divided by its sigmoid gate. Layers with
     # a plain MLP (``mlp_only_layers``) are patched as Llama's.
-    Family("qwen2_moe", ("qwen2_moe",), "layers", "post_attention_layernorm", "self_attn",
-           ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.shared_expert.gate_proj.weight",
-            "mlp.shared_expert.up_proj.weight", "mlp.shared_expert_gate.weight"),
-           "mlp.shared_expert.down_proj", down_gate="mlp.shared_expert_gate", dense="llama", lone_zero=_QK),
+    Family(
+        "qwen2_moe",
+        ("qwen2_moe",),
+        "layers",
+        "post_attention_layernorm",
+        "self_attn",
+        (
+            "mlp.gate.weight",
+            "mlp.experts.gate_up_proj",
+            "mlp.shared_expert.gate_proj.weight",
+            "mlp.shared_expert.up_proj.weight",
+            "mlp.shared_expert_gate.weight",
+        ),
+        "mlp.shared_expert.down_proj",
+        down_gate="mlp.shared_expert_gate",
+        dense="llama",
+        lone_zero=_QK,
+    ),
 ]
 
 
@@ -111,5 +151,7 @@ def scale_norm(module: nn.Module, name: str = "") -> tuple[Callable[[nn.Module, 
     for cls in type(module).__mro__:
         if cls.__name__ in SCALE_NORMS:
             return SCALE_NORMS[cls.__name__]
-    raise UnsupportedModelError(f"cannot patch the scale of {name or 'module'} ({type(module).__name__}): not a "
-                                f"known norm (known: {sorted(SCALE_NORMS)}); add it to tokenpatch.arch.families.SCALE_NORMS")
+    raise UnsupportedModelError(
+        f"cannot patch the scale of {name or 'module'} ({type(module).__name__}): not a "
+        f"known norm (known: {sorted(SCALE_NORMS)}); add it to tokenpatch.arch.families.SCALE_NORMS"
+    )

@@ -17,41 +17,26 @@ Both passes are the model's own forward, on unmodified ``transformers`` models:
 
 The input side of every layer is one change of the MLP input (``Sites.input_site``), which
 covers every parameter reading it, so the adapter needs to know only where ``m``, ``s`` and
-``hidden`` are read and where the output side goes: the ``Family`` records of ``arch.families``.
+``hidden`` are read and where the output side goes: the ``Family`` records of ``arch.families``,
+read by ``arch.hf_modules`` (the layers, sites, heads and attention outputs: ``HFModules``, the
+half of ``HFAdapter`` that names modules); this module adds the passes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from tokenpatch.arch.families import Family
+from tokenpatch.arch.hf_modules import HFModules
+from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.errors import InputError
-from tokenpatch.arch.base import Adapter, Sites
-from tokenpatch.arch.families import FAMILIES, Family
 
 __all__ = ["HFAdapter", "output_tensor", "registered_hooks"]
-
-
-def output_tensor(out: Any) -> Tensor:
-    """A module's output tensor (``transformers`` 5 returns a tensor, 4.x a tuple for some layers)."""
-    return out if isinstance(out, Tensor) else out[0]
-
-
-@contextlib.contextmanager
-def registered_hooks(pairs) -> Iterator[None]:
-    """Register ``(register_fn, hook)`` pairs for the block; removed on exit, errors included."""
-    handles = []
-    try:
-        for register, hook in pairs:
-            handles.append(register(hook))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def check_finite(rec: list[dict[str, Tensor]], padded: bool) -> None:
@@ -61,8 +46,11 @@ def check_finite(rec: list[dict[str, Tensor]], padded: bool) -> None:
         return
     for i, r in enumerate(rec):
         if not all(bool(torch.isfinite(t).all()) for t in r.values()):
-            hint = (" (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
-                    if padded else "")
+            hint = (
+                " (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
+                if padded
+                else ""
+            )
             raise InputError(f"the model's own forward gives non-finite states at the queries at layer {i}{hint}")
 
 
@@ -104,10 +92,7 @@ def _lone_pass(layers: nn.ModuleList, fam: Family) -> Iterator[None]:
                 setattr(layer.get_submodule(parent) if parent else layer, attr, module)
 
 
-_PREFIXES: "weakref.WeakKeyDictionary[nn.Module, tuple[nn.ModuleList, list[str]]]" = weakref.WeakKeyDictionary()
-
-
-class HFAdapter(Adapter):
+class HFAdapter(HFModules):
     """Hugging Face causal LMs of the ``FAMILIES`` block designs (see the module docstring).
 
     Inputs: token ids ``[batch, pos]``, or a mapping with ``input_ids`` and optionally
@@ -119,50 +104,32 @@ class HFAdapter(Adapter):
     name = "hf"
     traced = True  # token_patch runs ``trace`` and ``anchors`` instead of the layer-by-layer mix/finish
 
-    @staticmethod
-    def family(model: nn.Module) -> Family | None:
-        mt = getattr(getattr(model, "config", None), "model_type", None)
-        return next((f for f in FAMILIES if mt in f.model_types), None)
-
-    def matches(self, model: nn.Module) -> bool:
-        return self.family(model) is not None
-
-    def _layers(self, model: nn.Module) -> nn.ModuleList:
-        return getattr(model.base_model, self.family(model).layers)
-
-    def n_layers(self, model: nn.Module) -> int:
-        return len(self._layers(model))
-
-    def _prefix(self, model: nn.Module, i: int) -> str:
-        """The qualified name of decoder layer ``i`` in ``model``, with a trailing dot (found once per
-        model and layer list, then remembered)."""
-        layers = self._layers(model)
-        seen = _PREFIXES.get(model)
-        if seen is None or seen[0] is not layers:
-            where = {id(mod): name for name, mod in model.named_modules()}
-            seen = (layers, [where[id(layer)] + "." for layer in layers])
-            _PREFIXES[model] = seen
-        return seen[1][i]
-
     # ------------------------------------------------------------------------- inputs
     def check_inputs(self, model: nn.Module, inputs: Any) -> dict:
         """``{"input_ids" [B, T], "attention_mask" [B, T] or None, "position_ids" [B, T]}``."""
         if model.training:
-            raise InputError("the model is in training mode (dropout would make the two passes differ): call model.eval()")
+            raise InputError(
+                "the model is in training mode (dropout would make the two passes differ): call model.eval()"
+            )
         if isinstance(inputs, Tensor):
             inputs = {"input_ids": inputs}
         if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
-            raise InputError(f"inputs must be token ids [batch, pos] or a mapping with 'input_ids' (a tokenizer's "
-                             f"output), got {type(inputs).__name__}")
+            raise InputError(
+                f"inputs must be token ids [batch, pos] or a mapping with 'input_ids' (a tokenizer's "
+                f"output), got {type(inputs).__name__}"
+            )
         ids = inputs["input_ids"]
         if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise InputError(f"input_ids must be an integer tensor [batch, pos], got "
-                             f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}"
-                             f"{' ' + str(ids.dtype) if isinstance(ids, Tensor) else ''}")
+            raise InputError(
+                f"input_ids must be an integer tensor [batch, pos], got "
+                f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}"
+                f"{' ' + str(ids.dtype) if isinstance(ids, Tensor) else ''}"
+            )
         vocab = model.get_input_embeddings().num_embeddings
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise InputError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+            raise InputError(
+                f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got [{int(ids.min())}, {int(ids.max())}]"
+            )
         device = model.get_input_embeddings().weight.device
         mask = inputs.get("attention_mask")
         if mask is not None:
@@ -175,7 +142,11 @@ class HFAdapter(Adapter):
                 mask = None
         pos = inputs.get("position_ids")
         if pos is None:
-            pos = (mask.cumsum(-1) - 1).clamp_min(0) if mask is not None else torch.arange(ids.shape[1], device=device).expand(ids.shape)
+            pos = (
+                (mask.cumsum(-1) - 1).clamp_min(0)
+                if mask is not None
+                else torch.arange(ids.shape[1], device=device).expand(ids.shape)
+            )
         elif not isinstance(pos, Tensor) or pos.shape != ids.shape:
             raise InputError(f"position_ids must have the shape of input_ids {tuple(ids.shape)}")
         return {"input_ids": ids.to(device), "attention_mask": mask, "position_ids": pos.to(device)}
@@ -195,40 +166,28 @@ class HFAdapter(Adapter):
             ids = inputs["input_ids"][:, positions]
             # an explicit mask, even of ones: without one, transformers reads a jump in the position ids
             # (the removed chunk) as the start of another packed sequence and masks what came before
-            return {"input_ids": ids, "position_ids": inputs["position_ids"][:, positions],
-                    "attention_mask": torch.ones_like(ids) if mask is None else mask[:, positions]}
+            return {
+                "input_ids": ids,
+                "position_ids": inputs["position_ids"][:, positions],
+                "attention_mask": torch.ones_like(ids) if mask is None else mask[:, positions],
+            }
         if mask is not None and not bool(mask[:, positions].all()):
             rows = sorted({int(b) for b in (mask[:, positions] == 0).nonzero()[:, 0]})
-            raise InputError(f"a query position is padding in batch rows {rows[:5]}: pad on the left "
-                             "(tokenizer.padding_side = 'left') so the last position is a token in every row")
-        return {"input_ids": inputs["input_ids"][:, positions].reshape(-1, 1),
-                "position_ids": inputs["position_ids"][:, positions].reshape(-1, 1)}
+            raise InputError(
+                f"a query position is padding in batch rows {rows[:5]}: pad on the left "
+                "(tokenizer.padding_side = 'left') so the last position is a token in every row"
+            )
+        return {
+            "input_ids": inputs["input_ids"][:, positions].reshape(-1, 1),
+            "position_ids": inputs["position_ids"][:, positions].reshape(-1, 1),
+        }
 
     # ------------------------------------------------------------------------- the two passes
-    def _layer_family(self, model: nn.Module, i: int) -> Family:
-        """The family record of layer ``i``: the model's, or its ``dense`` one where the layer has a
-        plain MLP (a mixture-of-experts model's dense layers)."""
-        fam, layer = self.family(model), self._layers(model)[i]
-        try:
-            layer.get_submodule(fam.down)
-            return fam
-        except AttributeError:
-            if fam.dense is None:
-                raise
-            return next(f for f in FAMILIES if f.name == fam.dense)
-
-    def _sites_of(self, model: nn.Module, i: int) -> dict[str, nn.Module]:
-        fam, layer = self._layer_family(model, i), self._layers(model)[i]
-        out = {"layer": layer, "mlp_norm": layer.get_submodule(fam.mlp_norm), "attn": layer.get_submodule(fam.attn),
-               "down": layer.get_submodule(fam.down)}
-        if fam.down_gate is not None:
-            out["down_gate"] = layer.get_submodule(fam.down_gate)
-        return out
-
     @contextlib.contextmanager
     def recording(self, model: nn.Module, query: Tensor, every: bool = False) -> Iterator[list[dict[str, Tensor]]]:
         """Hooks that record, during any forward of ``model`` inside the block, per layer ``h, m, s,
-        hidden, out`` (and ``p``, the MLP output before a norm after it) at positions ``query`` of the sequence run ``[B, Q, .]`` (``every``: the query is
+        hidden, out`` (and ``p``, the MLP output before a norm after it; ``gate``, a shared expert's
+        gate logit) at positions ``query`` of the sequence run ``[B, Q, .]`` (``every``: the query is
         every position in order, kept without a copy); the list is filled on exit (``m`` of a
         parallel block is ``h`` plus the attention output)."""
         parallel = self.family(model).parallel(model.config)
@@ -245,12 +204,15 @@ class HFAdapter(Adapter):
                 if t.ndim == 2:  # a module run on the flattened tokens [batch * pos, .] (inside an MoE block)
                     t = t.view(*shape, -1)
                 rec[i][key] = t if every else t[:, query.to(t.device)]
+
             return hook
 
         pairs = []
         for i in range(len(rec)):
             site = self._sites_of(model, i)
-            pairs.append((lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True), grab(i, "h", True)))
+            pairs.append(
+                (lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True), grab(i, "h", True))
+            )
             pairs.append((site["layer"].register_forward_hook, grab(i, "out", False)))
             pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
             pairs.append((site["down"].register_forward_pre_hook, grab(i, "hidden", True)))
@@ -277,8 +239,14 @@ class HFAdapter(Adapter):
         check_finite(rec, inputs["attention_mask"] is not None)
         return rec
 
-    def anchors(self, model: nn.Module, inputs: dict, query: list[int], rec: list[dict[str, Tensor]],
-                kept: list[int] | None = None):
+    def anchors(
+        self,
+        model: nn.Module,
+        inputs: dict,
+        query: list[int],
+        rec: list[dict[str, Tensor]],
+        kept: list[int] | None = None,
+    ):
         """The no-context pass: per layer ``(m_0, s_0)`` at the queries ``[B, Q, .]``. Each query alone
         (``kept=None``), or the kept tokens as one sequence (a chunk removed). The input of layer
         ``i > 0`` at a query is the with-context state ``rec[i]["h"]`` (the patched layers below
@@ -299,22 +267,25 @@ class HFAdapter(Adapter):
                 else:
                     h = h.index_copy(1, at.to(h.device), rec[i]["h"].to(h.dtype))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+
             return hook
 
         def grab(i, key, take_input):
             def hook(module, args, *rest):
                 out[i][key] = pick(args[0] if take_input else output_tensor(rest[-1]))
+
             return hook
 
         def record(i):
             def hook(module, args, kwargs):
                 out[i]["h"] = pick(args[0] if args else kwargs["hidden_states"])
+
             return hook
 
         pairs = []
         for i in range(len(rec)):
             site = self._sites_of(model, i)
-            register = (lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True))
+            register = lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True)
             if i > 0:
                 pairs.append((register, swap(i)))
             elif parallel:
@@ -327,7 +298,7 @@ class HFAdapter(Adapter):
         stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
         # each layer's output is read only where the next layer's input is not replaced: with a chunk
         # removed the other kept tokens need the whole layer, each query alone needs no MLP at all
-        skip = _lone_pass(self._layers(model), self.family(model)) if kept is None else contextlib.nullcontext()
+        skip = _lone_pass(self.layers(model), self.family(model)) if kept is None else contextlib.nullcontext()
         with registered_hooks(pairs), skip:
             model.base_model(**stripped, use_cache=False)
         if parallel:  # m_0 = (the layer input) + (the lone token's attention output)
@@ -345,31 +316,12 @@ class HFAdapter(Adapter):
     def run(self, model: nn.Module, inputs: Any) -> tuple[Tensor, list[Tensor]]:
         """The model's own forward: ``(logits [B, T, vocab], [h^1 .. h^L] each [B, T, d])``."""
         if not isinstance(inputs, dict) or "attention_mask" not in inputs:
-            inputs = {**inputs, "attention_mask": None} if isinstance(inputs, dict) else self.check_inputs(model, inputs)
+            inputs = (
+                {**inputs, "attention_mask": None} if isinstance(inputs, dict) else self.check_inputs(model, inputs)
+            )
         hidden: list[Tensor] = []
-        layers = self._layers(model)
+        layers = self.layers(model)
         pairs = [(layer.register_forward_hook, lambda mod, a, o: hidden.append(output_tensor(o))) for layer in layers]
         with registered_hooks(pairs):
             logits = model(**self._forward_kwargs(inputs)).logits
         return logits, hidden
-
-    def sites(self, model: nn.Module, i: int) -> Sites:
-        fam, p = self._layer_family(model, i), self._prefix(model, i)
-        parallel = fam.parallel(model.config)
-        inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
-        down = self._sites_of(model, i)["down"]
-        if fam.down_gate is not None:
-            output = ("gated", f"{p}{fam.down}.weight")
-        elif fam.out_norm is not None:
-            output = ("matrix+scale", f"{p}{fam.down}.weight", f"{p}{fam.out_norm}.weight")
-        elif getattr(down, "bias", None) is not None:
-            output = ("bias", f"{p}{fam.down}.bias")
-        else:
-            output = ("matrix", f"{p}{fam.down}.weight")
-        return Sites(inputs=inputs, output=output, input_site=None if parallel else f"{p}{fam.mlp}")
-
-    def describe(self, model: nn.Module) -> dict:
-        c = model.config
-        return {**super().describe(model), "family": self.family(model).name, "model_type": c.model_type,
-                "n_layers": self.n_layers(model), "hidden_size": c.hidden_size,
-                "name_or_path": getattr(c, "name_or_path", "") or getattr(c, "_name_or_path", "")}

@@ -7,11 +7,17 @@ block ``T_W`` directly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import Tensor, nn
 
-from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.arch.base import Adapter, OutputSite, Sites
+from tokenpatch.arch.float64 import linear64, norm64
+from tokenpatch.arch.hooks import registered_hooks
+from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.models.icl import Block, ICLTransformer, check_inputs
-from tokenpatch.arch.base import Adapter, Sites
+from tokenpatch.solve import block_values
 
 
 class ICLAdapter(Adapter):
@@ -31,6 +37,9 @@ class ICLAdapter(Adapter):
 
     def n_layers(self, model) -> int:
         return len(self._blocks(model))
+
+    def layers(self, model) -> list[Block]:
+        return self._blocks(model)
 
     def check_inputs(self, model, inputs: Tensor) -> Tensor:
         return check_inputs(model, inputs)
@@ -69,20 +78,61 @@ class ICLAdapter(Adapter):
     def sites(self, model, i: int) -> Sites:
         block, p = self._blocks(model)[i], self._prefix(model, i)
         if block.mlp is None:
-            raise UnsupportedModelError(f"layer {i} has no MLP (an attention-only model): a token patch acts on MLP "
-                                        "weights, so there is nothing to patch; use a model with mlp=True")
+            raise UnsupportedModelError(
+                f"layer {i} has no MLP (an attention-only model): a token patch acts on MLP "
+                "weights, so there is nothing to patch; use a model with mlp=True"
+            )
         if not block.residual:
             output = None
         elif block.mlp.fc_out.bias is not None:
-            output = ("bias", f"{p}mlp.fc_out.bias")
+            output = OutputSite("bias", f"{p}mlp.fc_out.bias")
         else:
-            output = ("matrix", f"{p}mlp.fc_out.weight")
+            output = OutputSite("matrix", f"{p}mlp.fc_out.weight")
         return Sites(inputs=(f"{p}mlp.fc_in.weight",), output=output)
 
     def run(self, model, inputs: Tensor) -> tuple[Tensor, list[Tensor]]:
         if isinstance(model, ICLTransformer):
             return model(inputs, return_hidden=True)
         return model(inputs), []  # a bare block: its output is the model output
+
+    # ------------------------------------------------------------------------- heads and attention
+    def n_heads(self, model) -> int:
+        return self._attention(model)[0].n_heads
+
+    def output_projections(self, model) -> list[nn.Module]:
+        return [mixer.out for mixer in self._attention(model)]
+
+    def mlp_input_from_heads(self, model, i: int, h: Tensor) -> Callable[[Tensor], Tensor]:
+        """``F(z) = s`` of block ``i``, from float64 copies of its output matrix and norms (no hooks)."""
+        block = self._blocks(model)[i]
+        out = linear64(block.mixer.out)
+        ln1, ln2 = (norm64(block.ln1, "ln1"), norm64(block.ln2, "ln2")) if block.norm != "none" else (None, None)
+        return lambda z: block_values(block.norm, block.residual, h, out(z), ln1, ln2)[1]
+
+    def attention_patterns(self, model, inputs: Tensor) -> list[Tensor]:
+        """From the softmax attention layers' own ``pattern`` (an ``InputError`` for other layers)."""
+        blocks = self._blocks(model)
+        for i, b in enumerate(blocks):
+            if not hasattr(b.mixer, "pattern"):
+                raise InputError(f"layer {i} is {b.mixer.kind} attention; probes need softmax attention")
+        seen: list[Tensor] = []
+        with (
+            registered_hooks(
+                (b.mixer.register_forward_pre_hook, lambda m, args: seen.append(m.pattern(args[0]))) for b in blocks
+            ),
+            torch.no_grad(),
+        ):
+            model(inputs)
+        return seen
+
+    def _attention(self, model) -> list[nn.Module]:
+        """Every layer's attention (softmax or linear: heads with values and an output matrix)."""
+        mixers = [b.mixer for b in self._blocks(model)]
+        if not all(hasattr(m, "v") and hasattr(m, "out") for m in mixers):
+            raise UnsupportedModelError(
+                f"the heads need attention layers (softmax or linear): this model's layers are {model.config.layer!r}"
+            )
+        return mixers
 
     def describe(self, model) -> dict:
         return {**super().describe(model), "config": model.config.to_dict()}

@@ -4,7 +4,28 @@ context managers) and the vectors it injects (``vectors.py``: task vectors, func
 attention shift, the thought vector)."""
 
 from tokenpatch.baselines.steering import Steering, head_contribution, heads_set, recording_heads, site_modules, steer
-from tokenpatch.baselines.vectors import attention_shift, function_vectors, head_effects, mean_heads, pad_left, task_vectors, thought_vector
+from tokenpatch.baselines.vectors import (
+    attention_shift,
+    function_vectors,
+    head_effects,
+    mean_heads,
+    pad_left,
+    task_vectors,
+    thought_vector,
+)
 
-__all__ = ["Steering", "steer", "heads_set", "recording_heads", "head_contribution", "site_modules", "pad_left",
-           "task_vectors", "mean_heads", "head_effects", "function_vectors", "attention_shift", "thought_vector"]
+__all__ = [
+    "Steering",
+    "steer",
+    "heads_set",
+    "recording_heads",
+    "head_contribution",
+    "site_modules",
+    "pad_left",
+    "task_vectors",
+    "mean_heads",
+    "head_effects",
+    "function_vectors",
+    "attention_shift",
+    "thought_vector",
+]

@@ -18,50 +18,39 @@ the prompt is left-padded); ``"all"``: every position, generated tokens included
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for
-from tokenpatch.arch.hf import HFAdapter, output_tensor, registered_hooks
-from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.arch.hooks import output_tensor, registered_hooks
+from tokenpatch.errors import InputError
 
 SITES = ("residual", "attention")
 
 
-def _hf(model: nn.Module) -> HFAdapter:
-    adapter = adapter_for(model)
-    if not isinstance(adapter, HFAdapter):
-        raise UnsupportedModelError(f"steering baselines run on Hugging Face language models, not {type(model).__name__}")
-    return adapter
-
-
 def site_modules(model: nn.Module, site: str) -> list[nn.Module]:
-    """Per decoder layer, the module whose output is ``site`` (``"residual"`` or ``"attention"``)."""
-    adapter = _hf(model)
+    """Per decoder layer, the module whose output is ``site`` (``"residual"``: ``Adapter.layers``;
+    ``"attention"``: ``Adapter.attention_outputs``). The model's adapter must map both."""
+    adapter = adapter_for(model)
+    adapter.require("layers", "attention_outputs", by="the steering baselines (tp.baselines)")
     if site not in SITES:
         raise InputError(f"site must be one of {SITES}, got {site!r}")
-    layers = adapter._layers(model)
-    if site == "residual":
-        return list(layers)
-    fam = adapter.family(model)
-    if fam.parallel(model.config) and fam.attn_out is None:
-        return [layer.get_submodule(fam.attn) for layer in layers]
-    return [layer.get_submodule(fam.attn_out or fam.attn) for layer in layers]
+    return list(adapter.layers(model)) if site == "residual" else adapter.attention_outputs(model)
 
 
 def o_proj_modules(model: nn.Module) -> list[nn.Module]:
-    """Per decoder layer, the attention's output matrix (its input: the heads' outputs side by side)."""
-    adapter = _hf(model)
-    fam = adapter.family(model)
-    return [layer.get_submodule(fam.o_proj) for layer in adapter._layers(model)]
+    """Per decoder layer, the attention's output matrix (its input: the heads' outputs side by side;
+    ``Adapter.output_projections``)."""
+    return adapter_for(model).output_projections(model)
 
 
 def n_heads(model: nn.Module) -> int:
-    c = model.config
-    return int(getattr(c, "num_attention_heads", None) or getattr(c, "n_head"))
+    """Attention heads per layer (``Adapter.n_heads``)."""
+    return adapter_for(model).n_heads(model)
 
 
 @dataclass
@@ -77,16 +66,20 @@ class Steering:
 
     def __post_init__(self):
         if self.site not in SITES or self.mode not in ("add", "replace") or self.position not in ("last", "all"):
-            raise InputError(f"Steering(site={self.site!r}, mode={self.mode!r}, position={self.position!r}): site is one "
-                             f"of {SITES}, mode 'add' or 'replace', position 'last' or 'all'")
+            raise InputError(
+                f"Steering(site={self.site!r}, mode={self.mode!r}, position={self.position!r}): site is one "
+                f"of {SITES}, mode 'add' or 'replace', position 'last' or 'all'"
+            )
         if any(not isinstance(v, Tensor) or v.ndim != 1 for v in self.vectors.values()):
             raise InputError("Steering vectors must be 1-d tensors [d], one per layer")
 
-    def only(self, layer: int) -> "Steering":
+    def only(self, layer: int) -> Steering:
         """The same steering at one layer (a task or function vector at its chosen layer)."""
         if layer not in self.vectors:
             raise InputError(f"no vector at layer {layer}; layers: {sorted(self.vectors)}")
-        return Steering(self.site, {layer: self.vectors[layer]}, self.mode, self.position, {**self.meta, "layer": layer})
+        return Steering(
+            self.site, {layer: self.vectors[layer]}, self.mode, self.position, {**self.meta, "layer": layer}
+        )
 
     @property
     def nbytes(self) -> int:
@@ -116,12 +109,15 @@ def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = No
                 new = t + v if steering.mode == "add" else v.expand_as(t).clone()
                 if where is not None:
                     if where.shape != t.shape[:2]:
-                        raise InputError(f"steer: where has shape {tuple(where.shape)}, the batch run {tuple(t.shape[:2])}")
+                        raise InputError(
+                            f"steer: where has shape {tuple(where.shape)}, the batch run {tuple(t.shape[:2])}"
+                        )
                     new = torch.where(where.to(t.device)[..., None], new, t)
             else:
                 new = t.clone()
                 new[:, -1] = t[:, -1] + v if steering.mode == "add" else v
             return new if isinstance(out, Tensor) else (new, *out[1:])
+
         return hook
 
     with registered_hooks((modules[i].register_forward_hook, hook_for(v)) for i, v in steering.vectors.items()):
@@ -144,8 +140,9 @@ def heads_set(model: nn.Module, values: dict[tuple[int, int], Tensor]) -> Iterat
             z = args[0].clone()  # [B, T, H * dh]
             dh = z.shape[-1] // heads
             for h, v in edits.items():
-                z[:, -1, h * dh:(h + 1) * dh] = v.to(z.device, z.dtype)
+                z[:, -1, h * dh : (h + 1) * dh] = v.to(z.device, z.dtype)
             return (z, *args[1:])
+
         return hook
 
     with registered_hooks((o_projs[layer].register_forward_pre_hook, hook_for(e)) for layer, e in by_layer.items()):
@@ -163,6 +160,7 @@ def recording_heads(model: nn.Module) -> Iterator[list[Tensor]]:
         def hook(module, args):
             z = args[0][:, -1]  # [B, H * dh]
             rec[i] = z.reshape(z.shape[0], heads, -1).detach()
+
         return hook
 
     with registered_hooks((m.register_forward_pre_hook, hook_for(i)) for i, m in enumerate(o_projs)):
@@ -176,7 +174,7 @@ def head_contribution(model: nn.Module, layer: int, head: int, z: Tensor) -> Ten
     width = _in_features(o_proj)
     dh = width // heads
     full = z.new_zeros(2, width)
-    full[0, head * dh:(head + 1) * dh] = z
+    full[0, head * dh : (head + 1) * dh] = z
     with torch.no_grad():
         out = o_proj(full.to(_weight(o_proj).dtype))
     return (out[0] - out[1]).detach()  # [d]

@@ -23,18 +23,25 @@ query's tokens are the last ``n_query[b]`` of row ``b`` with and without the pro
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.progress import progress_bar
-from tokenpatch.arch.hf import output_tensor, registered_hooks
-from tokenpatch.errors import InputError
-from tokenpatch.baselines.steering import Steering, head_contribution, heads_set, n_heads, recording_heads, site_modules
+from tokenpatch.arch import adapter_for
 from tokenpatch.arch.families import scale_norm
-from tokenpatch.arch.hf import HFAdapter
-from tokenpatch.baselines.steering import o_proj_modules
+from tokenpatch.arch.hooks import output_tensor, registered_hooks
+from tokenpatch.baselines.steering import (
+    Steering,
+    head_contribution,
+    heads_set,
+    n_heads,
+    o_proj_modules,
+    recording_heads,
+    site_modules,
+)
+from tokenpatch.errors import InputError
+from tokenpatch.progress import progress_bar
 
 
 def pad_left(rows: Iterable[list[int]], pad_id: int) -> dict[str, Tensor]:
@@ -46,8 +53,8 @@ def pad_left(rows: Iterable[list[int]], pad_id: int) -> dict[str, Tensor]:
     ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, width - len(r):] = torch.tensor(r)
-        mask[b, width - len(r):] = 1
+        ids[b, width - len(r) :] = torch.tensor(r)
+        mask[b, width - len(r) :] = 1
     return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
 
 
@@ -68,6 +75,7 @@ def _states(model: nn.Module, batch: dict[str, Tensor], site: str, last: bool) -
         def hook(module, args, out):
             t = output_tensor(out).detach()
             rec[i] = t[:, -1] if last else t
+
         return hook
 
     with registered_hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():
@@ -85,8 +93,13 @@ def task_vectors(model: nn.Module, prompted: dict[str, Tensor]) -> Steering:
     """Every layer's candidate task vector: the mean residual state after the layer at the last
     position of the prompted batch (prompt + dummy query). ``.only(l)`` picks layer ``l``."""
     states = _states(model, prompted, "residual", last=True)  # L x [B, d]
-    return Steering("residual", {i: s.mean(0) for i, s in enumerate(states)}, "replace", "last",
-                    {"method": "task vector", "prompts": int(prompted["input_ids"].shape[0])})
+    return Steering(
+        "residual",
+        {i: s.mean(0) for i, s in enumerate(states)},
+        "replace",
+        "last",
+        {"method": "task vector", "prompts": int(prompted["input_ids"].shape[0])},
+    )
 
 
 def mean_heads(model: nn.Module, prompted: dict[str, Tensor]) -> Tensor:
@@ -96,8 +109,9 @@ def mean_heads(model: nn.Module, prompted: dict[str, Tensor]) -> Tensor:
     return torch.stack([z.mean(0) for z in rec])
 
 
-def head_effects(model: nn.Module, corrupted: dict[str, Tensor], answers: Tensor, means: Tensor,
-                 progress: bool | None = None) -> Tensor:
+def head_effects(
+    model: nn.Module, corrupted: dict[str, Tensor], answers: Tensor, means: Tensor, progress: bool | None = None
+) -> Tensor:
     """Average indirect effect ``[L, H]`` of every head: on the prompts with shuffled answers, the
     rise in the probability of the right first answer token when the head writes its mean output
     ``means[l, h]`` at the last position, averaged over the prompts.
@@ -108,13 +122,22 @@ def head_effects(model: nn.Module, corrupted: dict[str, Tensor], answers: Tensor
     batch = _on(model, corrupted)
     answers = answers.to(_device(model))
     if answers.shape != (batch["input_ids"].shape[0],):
-        raise InputError(f"answers must hold one token id per prompt [{batch['input_ids'].shape[0]}], got "
-                         f"{tuple(answers.shape)}")
+        raise InputError(
+            f"answers must hold one token id per prompt [{batch['input_ids'].shape[0]}], got {tuple(answers.shape)}"
+        )
     with torch.no_grad():
-        cache = model(input_ids=batch["input_ids"][:, :-1], attention_mask=batch["attention_mask"][:, :-1],
-                      position_ids=batch["position_ids"][:, :-1], use_cache=True, logits_to_keep=1).cache
-    last = {"input_ids": batch["input_ids"][:, -1:], "attention_mask": batch["attention_mask"],
-            "position_ids": batch["position_ids"][:, -1:]}
+        cache = model(
+            input_ids=batch["input_ids"][:, :-1],
+            attention_mask=batch["attention_mask"][:, :-1],
+            position_ids=batch["position_ids"][:, :-1],
+            use_cache=True,
+            logits_to_keep=1,
+        ).cache
+    last = {
+        "input_ids": batch["input_ids"][:, -1:],
+        "attention_mask": batch["attention_mask"],
+        "position_ids": batch["position_ids"][:, -1:],
+    }
 
     def p_answer() -> Tensor:
         run = copy.deepcopy(cache)  # the forward appends to it
@@ -132,8 +155,14 @@ def head_effects(model: nn.Module, corrupted: dict[str, Tensor], answers: Tensor
     return effects
 
 
-def function_vectors(model: nn.Module, prompted: dict[str, Tensor], corrupted: dict[str, Tensor], answers: Tensor,
-                     n_top: int = 10, progress: bool | None = None) -> Steering:
+def function_vectors(
+    model: nn.Module,
+    prompted: dict[str, Tensor],
+    corrupted: dict[str, Tensor],
+    answers: Tensor,
+    n_top: int = 10,
+    progress: bool | None = None,
+) -> Steering:
     """The function vector (the top ``n_top`` heads by AIE, their mean outputs summed through
     ``o_proj``, and through a norm after it at its mean gain: ``_norm_gain``) as a candidate at every
     layer; ``.only(l)`` picks the layer it is added after. ``meta`` keeps the ranked heads and the
@@ -145,11 +174,21 @@ def function_vectors(model: nn.Module, prompted: dict[str, Tensor], corrupted: d
     heads = n_heads(model)
     top = effects.flatten().argsort(descending=True)[: max(1, int(n_top))]
     chosen = [(int(i) // heads, int(i) % heads) for i in top]
-    fv = sum(head_contribution(model, layer, h, means[layer, h]) * _norm_gain(model, layer, rec[layer])
-             for layer, h in chosen)
-    return Steering("residual", {i: fv for i in range(means.shape[0])}, "add", "last",
-                    {"method": "function vector", "heads": [[layer, h, float(effects[layer, h])] for layer, h in chosen],
-                     "aie": effects.tolist()})
+    fv = sum(
+        head_contribution(model, layer, h, means[layer, h]) * _norm_gain(model, layer, rec[layer])
+        for layer, h in chosen
+    )
+    return Steering(
+        "residual",
+        {i: fv for i in range(means.shape[0])},
+        "add",
+        "last",
+        {
+            "method": "function vector",
+            "heads": [[layer, h, float(effects[layer, h])] for layer, h in chosen],
+            "aie": effects.tolist(),
+        },
+    )
 
 
 def _norm_gain(model: nn.Module, layer: int, z: Tensor) -> Tensor | float:
@@ -157,10 +196,9 @@ def _norm_gain(model: nn.Module, layer: int, z: Tensor) -> Tensor | float:
     a / rms(a)``) multiplies a head's term by: ``g / rms(a)``, ``a`` the attention output of the
     prompted rows at the last position (its mean RMS). The heads' terms then add up to the norm's
     output, as they add up to ``o_proj``'s where no norm follows (gain 1)."""
-    fam = HFAdapter.family(model)
-    if fam.attn_out is None:
+    norm = adapter_for(model).attention_norms(model)[layer]
+    if norm is None:
         return 1.0
-    norm = site_modules(model, "attention")[layer]
     unit, offset = scale_norm(norm)
     with torch.no_grad():
         a = o_proj_modules(model)[layer](z.flatten(1).to(next(norm.parameters()).dtype))  # [B, d]
@@ -168,18 +206,26 @@ def _norm_gain(model: nn.Module, layer: int, z: Tensor) -> Tensor | float:
         return ((offset + norm.weight.double()) / rms).to(a.dtype)  # [d]
 
 
-def attention_shift(model: nn.Module, prompted: dict[str, Tensor], plain: dict[str, Tensor], n_query: Tensor) -> Steering:
+def attention_shift(
+    model: nn.Module, prompted: dict[str, Tensor], plain: dict[str, Tensor], n_query: Tensor
+) -> Steering:
     """The attention-shift baseline: per layer, the mean of (attention output with the prompt) minus
     (without it) over the query positions, from one unsteered pass each."""
     with_p, without = _states(model, prompted, "attention", False), _states(model, plain, "attention", False)
     width = int(n_query.max())
     mask = _query_mask(n_query, width).to(with_p[0].device)  # [B, Tq]
-    return Steering("attention", {i: (c[:, -width:] - z[:, -width:])[mask].mean(0) for i, (c, z) in
-                                  enumerate(zip(with_p, without))}, "add", "all", {"method": "attention shift"})
+    return Steering(
+        "attention",
+        {i: (c[:, -width:] - z[:, -width:])[mask].mean(0) for i, (c, z) in enumerate(zip(with_p, without))},
+        "add",
+        "all",
+        {"method": "attention shift"},
+    )
 
 
-def thought_vector(model: nn.Module, prompted: dict[str, Tensor], plain: dict[str, Tensor], n_query: Tensor,
-                   skip: int = 0) -> Steering:
+def thought_vector(
+    model: nn.Module, prompted: dict[str, Tensor], plain: dict[str, Tensor], n_query: Tensor, skip: int = 0
+) -> Steering:
     """The thought vector: per layer ``v_l = mean(y_C - y_0)`` over the query positions, ``y_0`` the
     prompt-free residual stream after layer ``l`` with ``v_0 .. v_{l-1}`` already added. One pass:
     each layer's hook solves for its own ``v_l`` from what it sees and adds it before the next layer.
@@ -198,6 +244,7 @@ def thought_vector(model: nn.Module, prompted: dict[str, Tensor], plain: dict[st
             vectors[i] = v
             new = torch.where(where[..., None], t + v, t)
             return new if isinstance(out, Tensor) else (new, *out[1:])
+
         return hook
 
     with registered_hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():

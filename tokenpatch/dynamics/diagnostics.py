@@ -13,15 +13,24 @@ from tokenpatch.dynamics.trajectories import Trajectory
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank
 
-__all__ = ["step_norms", "total_norms", "decay_exponent", "step_alignment", "layer_alignment",
-           "effective_rank", "cosine"]
+__all__ = [
+    "step_norms",
+    "total_norms",
+    "decay_exponent",
+    "step_alignment",
+    "layer_alignment",
+    "effective_rank",
+    "cosine",
+]
 
 
 def _matrix(traj: Trajectory, name: str) -> LowRank:
     d = traj.patches[name]
     if not isinstance(d, LowRank):
-        raise InputError(f"{name} is a dense (vector) delta; the diagnostics take a matrix of "
-                         f"{[n for n, x in traj.patches.items() if isinstance(x, LowRank)]}")
+        raise InputError(
+            f"{name} is a dense (vector) delta; the diagnostics take a matrix of "
+            f"{[n for n, x in traj.patches.items() if isinstance(x, LowRank)]}"
+        )
     return d.to(torch.promote_types(d.dtype, torch.float64))
 
 

@@ -24,15 +24,15 @@ what fine-tuning changes.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.progress import progress_bar
 from tokenpatch.arch import adapter_for, weight_layout
 from tokenpatch.errors import InputError
+from tokenpatch.progress import progress_bar
 
 __all__ = ["FineTune", "finetune", "finetuned", "simaou", "OPTIMIZERS"]
 
@@ -69,8 +69,9 @@ class FineTune:
         """The deltas after ``step`` steps (default: the last); ``step`` must have been recorded."""
         step = self.steps if step is None else step
         if step not in self.deltas:
-            raise InputError(f"step {step} was not recorded; recorded: {sorted(self.deltas)} "
-                             "(pass record=[...] to tp.finetune)")
+            raise InputError(
+                f"step {step} was not recorded; recorded: {sorted(self.deltas)} (pass record=[...] to tp.finetune)"
+            )
         return self.deltas[step]
 
 
@@ -105,8 +106,10 @@ class _DenseHook:
     def __call__(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
         x = args[0]
         if x.shape[0] % self.runs:
-            raise InputError(f"{self.name}: the input batch {x.shape[0]} is not a multiple of the {self.runs} "
-                             "fine-tuning runs (each run's sequences must be consecutive)")
+            raise InputError(
+                f"{self.name}: the input batch {x.shape[0]} is not a multiple of the {self.runs} "
+                "fine-tuning runs (each run's sequences must be consecutive)"
+            )
         y = out.reshape(self.runs, -1, out.shape[-1])  # [R, k*T, out]
         if self.weight is not None:  # "out_in": y = x W^T; "in_out": y = x W
             w = self.weight.transpose(-1, -2) if self.layout == "out_in" else self.weight  # [R, in, out]
@@ -156,10 +159,21 @@ def _mse(pred: Tensor, target: Tensor) -> Tensor:
     return ((pred - target) ** 2).flatten(1).mean(1)
 
 
-def finetune(model: nn.Module, examples: Tensor, targets: Tensor, *, layers: int | list[int] | None = None,
-             output: bool = False, optimizer: str = "sgd", lr: float | None = None, steps: int = 64,
-             batch_size: int | None = None, record: list[int] | tuple[int, ...] = (),
-             loss: Callable[[Tensor, Tensor], Tensor] | None = None, progress: bool | None = None) -> FineTune:
+def finetune(
+    model: nn.Module,
+    examples: Tensor,
+    targets: Tensor,
+    *,
+    layers: int | list[int] | None = None,
+    output: bool = False,
+    optimizer: str = "sgd",
+    lr: float | None = None,
+    steps: int = 64,
+    batch_size: int | None = None,
+    record: list[int] | tuple[int, ...] = (),
+    loss: Callable[[Tensor, Tensor], Tensor] | None = None,
+    progress: bool | None = None,
+) -> FineTune:
     """Fine-tune the parameters a token patch touches on no-context examples, ``R`` runs at once.
 
     ``examples [R, n, T, d_in]``: run ``r``'s ``n`` training sequences (no context: for linear
@@ -185,16 +199,21 @@ def finetune(model: nn.Module, examples: Tensor, targets: Tensor, *, layers: int
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be an int >= 1, got {steps!r}")
     if not isinstance(examples, Tensor) or examples.ndim != 4:
-        raise InputError("examples must be a tensor [runs, n, pos, d_in] (one no-context training sequence per "
-                         f"example), got {tuple(examples.shape) if isinstance(examples, Tensor) else type(examples).__name__}")
+        raise InputError(
+            "examples must be a tensor [runs, n, pos, d_in] (one no-context training sequence per "
+            f"example), got {tuple(examples.shape) if isinstance(examples, Tensor) else type(examples).__name__}"
+        )
     runs, n = examples.shape[:2]
     if runs == 0 or n == 0:
         raise InputError(f"examples are empty: shape {tuple(examples.shape)}")
     if not isinstance(targets, Tensor) or tuple(targets.shape[:2]) != (runs, n) or targets.ndim not in (2, 3):
-        raise InputError(f"targets must be [runs, n, d_out] = [{runs}, {n}, d_out] (or [runs, n]) to match the "
-                         f"examples, got {tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or not 1 <= batch_size <= n):
+        raise InputError(
+            f"targets must be [runs, n, d_out] = [{runs}, {n}, d_out] (or [runs, n]) to match the "
+            f"examples, got {tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}"
+        )
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= n
+    ):
         raise InputError(f"batch_size must be an int in 1..{n} (the examples per run), got {batch_size!r}")
     record = sorted(set(record))
     if any(isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= steps for s in record):
@@ -204,8 +223,10 @@ def finetune(model: nn.Module, examples: Tensor, targets: Tensor, *, layers: int
     loss = _mse if loss is None else loss
     names = _names(model, layers, output)
     params = dict(model.named_parameters())
-    leaves = {nm: torch.zeros(runs, *params[nm].shape, dtype=params[nm].dtype, device=params[nm].device,
-                              requires_grad=True) for nm in names}
+    leaves = {
+        nm: torch.zeros(runs, *params[nm].shape, dtype=params[nm].dtype, device=params[nm].device, requires_grad=True)
+        for nm in names
+    }
     opt = opt_cls(list(leaves.values()), lr=lr)
     xs = flat.reshape(runs, n, *flat.shape[1:])  # [R, n, T, d]
 
@@ -232,8 +253,15 @@ def finetune(model: nn.Module, examples: Tensor, targets: Tensor, *, layers: int
                 kept[step + 1] = {nm: t.detach().clone() for nm, t in leaves.items()}
         with torch.no_grad():
             losses.append(forward(None))
-    meta = {"optimizer": optimizer, "lr": lr, "steps": steps, "batch_size": batch_size or n, "examples": n,
-            "runs": runs, "names": names}
+    meta = {
+        "optimizer": optimizer,
+        "lr": lr,
+        "steps": steps,
+        "batch_size": batch_size or n,
+        "examples": n,
+        "runs": runs,
+        "names": names,
+    }
     return FineTune(kept, torch.stack(losses, 1), meta)
 
 

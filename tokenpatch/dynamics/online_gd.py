@@ -49,8 +49,10 @@ class Replay:
 
     def __repr__(self) -> str:
         batch, steps = self.e.shape[:2]
-        return (f"Replay({batch} sequence{'s' * (batch != 1)} x {steps} steps, max deviation from the trajectory "
-                f"{float(self.deviation.max()):.2e}; .patch(i), .e, .v, .deviation)")
+        return (
+            f"Replay({batch} sequence{'s' * (batch != 1)} x {steps} steps, max deviation from the trajectory "
+            f"{float(self.deviation.max()):.2e}; .patch(i), .e, .v, .deviation)"
+        )
 
 
 def replay(traj: Trajectory, name: str) -> Replay:
@@ -58,8 +60,10 @@ def replay(traj: Trajectory, name: str) -> Replay:
     factors ``u = r_i``, ``v = a_i / |a_i|^2``) as online NLMS steps; see the module docstring."""
     delta = traj.patches[name]
     if not isinstance(delta, LowRank) or delta.rank != 1:
-        raise InputError(f"{name} is not a rank-1 matrix delta of the trajectory; replay one of "
-                         f"{[n for n, d in traj.patches.items() if isinstance(d, LowRank)]}")
+        raise InputError(
+            f"{name} is not a rank-1 matrix delta of the trajectory; replay one of "
+            f"{[n for n, d in traj.patches.items() if isinstance(d, LowRank)]}"
+        )
     r = delta.u[:, 1:, 0].double()  # [B, N, rows]  r_i = W (s_i - a_i), prefixes 1..N
     v = delta.v[:, 1:, 0].double()  # [B, N, cols]  a_i / |a_i|^2
     a = v / (v * v).sum(-1, keepdim=True)  # [B, N, cols]  a_i

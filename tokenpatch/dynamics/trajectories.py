@@ -27,13 +27,13 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import files
-from tokenpatch.progress import progress_bar
 from tokenpatch.arch import adapter_for
-from tokenpatch.patch import Delta, Patch
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.lowrank import LowRank
+from tokenpatch.patch import Delta, Patch
 from tokenpatch.patching import layer_patch, token_patch
 from tokenpatch.plans import Plan
+from tokenpatch.progress import progress_bar
 
 __all__ = ["Trajectory", "trajectory"]
 
@@ -59,14 +59,21 @@ class Trajectory:
     def _prefix(self, i: Any) -> int:
         i = operator.index(i)
         if not 0 <= i <= self.query:
-            raise InputError(f"prefix {i} does not exist: the query follows {self.query} context tokens (0..{self.query})")
+            raise InputError(
+                f"prefix {i} does not exist: the query follows {self.query} context tokens (0..{self.query})"
+            )
         return i
 
     def _prefix_patch(self, deltas: Patch, i: int, removed: list[int] | None) -> Patch:
         """Index ``i`` of ``deltas``, as the token patch of prefix ``i`` (``removed``: the chunk removed)."""
         plan = Plan.from_meta({"seq_len": i + 1, "query": [i], "removed": removed})
-        return Patch({n: _at(d, i) for n, d in deltas.items()}, plan.positions if removed else None,
-                     {**self.meta, "prefix": i}, plan=plan, readers=deltas.readers)
+        return Patch(
+            {n: _at(d, i) for n, d in deltas.items()},
+            plan.positions if removed else None,
+            {**self.meta, "prefix": i},
+            plan=plan,
+            readers=deltas.readers,
+        )
 
     def patch(self, i: int) -> Patch:
         """The token patch of prefix ``i`` (all its context removed): a ``Patch`` ``[batch, 1]`` that
@@ -125,8 +132,9 @@ def _query_position(query: Any, seq_len: int) -> int:
 
 
 @torch.no_grad()
-def trajectory(model: nn.Module, inputs: Any, query: int = -1, *, steps: bool = False,
-               progress: bool | None = None) -> Trajectory:
+def trajectory(
+    model: nn.Module, inputs: Any, query: int = -1, *, steps: bool = False, progress: bool | None = None
+) -> Trajectory:
     """Token patches of every context prefix at every layer, from one pass (module docstring).
 
     ``inputs [batch, pos, d]``; ``query``: the position whose output the patches reproduce (the
@@ -140,8 +148,9 @@ def trajectory(model: nn.Module, inputs: Any, query: int = -1, *, steps: bool = 
     if adapter.traced:
         return _traced_trajectory(model, adapter, inputs, query, steps, progress)
     if adapter.position_dependent_embedding:
-        raise UnsupportedModelError(f"tp.trajectory needs position-free embeddings; the {adapter.name} adapter has "
-                                    "position-dependent ones")
+        raise UnsupportedModelError(
+            f"tp.trajectory needs position-free embeddings; the {adapter.name} adapter has position-dependent ones"
+        )
     q = _query_position(query, adapter.seq_len(inputs))
     h = adapter.embed(model, inputs)  # [B, T, d]
     batch, _, width = h.shape
@@ -163,22 +172,29 @@ def trajectory(model: nn.Module, inputs: Any, query: int = -1, *, steps: bool = 
         if i + 1 < adapter.n_layers(model):
             ctx = adapter.finish(model, i, *adapter.mix(model, i, ctx))[1]
         rows = out_rows
-    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "batch": batch,
-            "model_dtype": str(h.dtype).removeprefix("torch.")}
+    meta = {
+        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+        "batch": batch,
+        "model_dtype": str(h.dtype).removeprefix("torch."),
+    }
     record = {**meta, "trajectory": {"query": q, "n_context": q}}
-    return Trajectory(Patch(_zero_first(deltas), None, record),
-                      Patch(increments, None, record) if steps else None, q, meta)
+    return Trajectory(
+        Patch(_zero_first(deltas), None, record), Patch(increments, None, record) if steps else None, q, meta
+    )
 
 
 def _pad_first(d: Delta) -> Delta:
     """Prepend an exact zero at index 0 of the prefix dim (no step reaches prefix 0)."""
     if isinstance(d, LowRank):
-        return LowRank(torch.cat([torch.zeros_like(d.u[:, :1]), d.u], 1), torch.cat([torch.zeros_like(d.v[:, :1]), d.v], 1))
+        return LowRank(
+            torch.cat([torch.zeros_like(d.u[:, :1]), d.u], 1), torch.cat([torch.zeros_like(d.v[:, :1]), d.v], 1)
+        )
     return torch.cat([torch.zeros_like(d[:, :1]), d], 1)
 
 
-def _traced_trajectory(model: nn.Module, adapter, inputs: dict, query: Any, steps: bool, progress,
-                       chunk: int = 64) -> Trajectory:
+def _traced_trajectory(
+    model: nn.Module, adapter, inputs: dict, query: Any, steps: bool, progress, chunk: int = 64
+) -> Trajectory:
     """``trajectory`` for a language model: prefix ``i`` is the sequence ``[c_1..c_i, x]`` with the query
     at position ``i``, run by the model's own forward as one row of a left-padded batch (``N + 1`` rows
     per sequence, ``chunk`` rows per forward pass), and patched by ``token_patch``. The increments
@@ -198,16 +214,29 @@ def _traced_trajectory(model: nn.Module, adapter, inputs: dict, query: Any, step
 
     def patches(remove) -> dict[str, Delta]:
         """Every row's patch, leads ``[B, n]``."""
-        parts = [token_patch(model, {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]},
-                             remove=remove, progress=False)
-                 for a in progress_bar(range(0, batch * n, chunk), progress, desc="trajectory", unit="chunk")]
+        parts = [
+            token_patch(
+                model,
+                {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]},
+                remove=remove,
+                progress=False,
+            )
+            for a in progress_bar(range(0, batch * n, chunk), progress, desc="trajectory", unit="chunk")
+        ]
         flat = Patch.stack(parts, "batch") if len(parts) > 1 else parts[0]  # [B * n, 1]
-        return {name: LowRank(d.u.reshape(batch, n, *d.u.shape[2:]), d.v.reshape(batch, n, *d.v.shape[2:]))
-                if isinstance(d, LowRank) else d.reshape(batch, n, *d.shape[2:]) for name, d in flat.items()}, flat
+        return {
+            name: LowRank(d.u.reshape(batch, n, *d.u.shape[2:]), d.v.reshape(batch, n, *d.v.shape[2:]))
+            if isinstance(d, LowRank)
+            else d.reshape(batch, n, *d.shape[2:])
+            for name, d in flat.items()
+        }, flat
 
     deltas, flat = patches(None)
-    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "batch": batch,
-            "model_dtype": str(flat.dtype).removeprefix("torch.")}
+    meta = {
+        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+        "batch": batch,
+        "model_dtype": str(flat.dtype).removeprefix("torch."),
+    }
     record = {**meta, "trajectory": {"query": q, "n_context": q}}
     increments = None
     if steps:  # c_i sits right before the query in every row (row 0: a masked pad; its step is 0)

@@ -19,23 +19,33 @@ layer range.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import combinations
 from math import comb
 from numbers import Integral
-from typing import Iterator
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tokenpatch.arch import adapter_for
+from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError
-from tokenpatch.baselines.steering import n_heads, o_proj_modules
 
-__all__ = ["head_sites", "select_heads", "outside_top", "control_pool", "random_sets", "ablate_heads", "active_modes", "MODES"]
+__all__ = [
+    "head_sites",
+    "select_heads",
+    "outside_top",
+    "control_pool",
+    "random_sets",
+    "ablate_heads",
+    "active_modes",
+    "MODES",
+]
 
 MODES = ("zero", "mean", "resample")
-_ACTIVE: "weakref.WeakKeyDictionary[nn.Module, list[str]]" = weakref.WeakKeyDictionary()  # model -> modes in force
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()  # model -> modes in force
 
 
 def active_modes(model: nn.Module) -> tuple[str, ...]:
@@ -50,10 +60,16 @@ def as_heads(heads) -> list[tuple[int, int]]:
     out = []
     for item in heads:
         pair = (item.get("layer"), item.get("head")) if isinstance(item, dict) else item
-        if (isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2
-                or not all(isinstance(v, Integral) and not isinstance(v, bool) for v in pair)):
-            raise InputError(f"heads must be (layer, head) pairs of ints (or rank_heads rows), e.g. [(17, 3)]; "
-                             f"got the entry {item!r}")
+        if (
+            isinstance(pair, (str, bytes))
+            or not hasattr(pair, "__len__")
+            or len(pair) != 2
+            or not all(isinstance(v, Integral) and not isinstance(v, bool) for v in pair)
+        ):
+            raise InputError(
+                f"heads must be (layer, head) pairs of ints (or rank_heads rows), e.g. [(17, 3)]; "
+                f"got the entry {item!r}"
+            )
         out.append((int(pair[0]), int(pair[1])))
     return out
 
@@ -65,23 +81,25 @@ def _check_count(n) -> int:
 
 
 def head_sites(model: nn.Module) -> tuple[list[nn.Module], int]:
-    """``(modules, n_heads)``: per layer, the module whose input is ``z``, and the heads per layer."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is not None and all(hasattr(b, "mixer") and hasattr(b.mixer, "out") for b in blocks):
-        return [b.mixer.out for b in blocks], blocks[0].mixer.n_heads
-
-    return o_proj_modules(model), n_heads(model)
+    """``(modules, n_heads)``: per layer, the module whose input is ``z``, and the heads per layer
+    (``Adapter.output_projections``, ``Adapter.n_heads``)."""
+    adapter = adapter_for(model)
+    return adapter.output_projections(model), adapter.n_heads(model)
 
 
 def outside_top(ranked: list[dict], exclude_top: int = 50, layers=None) -> list[tuple[int, int]]:
     """The heads of ``ranked`` outside its first ``exclude_top``, within ``layers``: the random control's pool."""
     top = {(r["layer"], r["head"]) for r in ranked[:exclude_top]}
-    return [(r["layer"], r["head"]) for r in ranked
-            if (layers is None or r["layer"] in layers) and (r["layer"], r["head"]) not in top]
+    return [
+        (r["layer"], r["head"])
+        for r in ranked
+        if (layers is None or r["layer"] in layers) and (r["layer"], r["head"]) not in top
+    ]
 
 
-def select_heads(ranked: list[dict], n: int, how: str = "top", exclude_top: int = 50, layers=None,
-                 seed: int = 0) -> list[tuple[int, int]]:
+def select_heads(
+    ranked: list[dict], n: int, how: str = "top", exclude_top: int = 50, layers=None, seed: int = 0
+) -> list[tuple[int, int]]:
     """``n`` heads from ``ranked`` (rows ``{"layer", "head", ...}``, best first, as ``rank_heads`` gives):
     the first ``n`` (``how="top"``) or ``n`` drawn at random (seeded) from those outside the first
     ``exclude_top`` (``"random"``); ``layers``: only heads whose layer is in it (e.g. ``range(0, 6)``)."""
@@ -130,14 +148,11 @@ def random_sets(ranked: list[dict], n: int, exclude_top: int = 50, draws: int = 
 
 def _record(model: nn.Module, modules: list[nn.Module], layers: set[int], reference) -> dict[int, Tensor]:
     seen: dict[int, Tensor] = {}
-    handles = [modules[l].register_forward_pre_hook(lambda m, a, l=l: seen.__setitem__(l, a[0].detach()))
-               for l in layers]
-    try:
-        with torch.no_grad():
-            model(reference)
-    finally:
-        for h in handles:
-            h.remove()
+    pairs = [
+        (modules[l].register_forward_pre_hook, lambda m, a, l=l: seen.__setitem__(l, a[0].detach())) for l in layers
+    ]
+    with registered_hooks(pairs), torch.no_grad():
+        model(reference)
     return seen
 
 
@@ -165,7 +180,9 @@ def ablate_heads(model: nn.Module, heads, mode: str = "zero", reference=None, se
     ref = _record(model, modules, set(by_layer), reference) if mode != "zero" else {}
     gen = np.random.default_rng(seed)
     first = min(by_layer, default=None)
-    donors: dict[str, Tensor] = {}  # this forward's reference rows, drawn by the first ablated layer (layers run in order)
+    donors: dict[
+        str, Tensor
+    ] = {}  # this forward's reference rows, drawn by the first ablated layer (layers run in order)
 
     def hook_for(layer: int):
         mine = by_layer[layer]
@@ -189,25 +206,26 @@ def ablate_heads(model: nn.Module, heads, mode: str = "zero", reference=None, se
                 else:
                     z[..., sl] = donor[..., sl]
             return (z, *args[1:])
+
         return hook
 
     def refuse_cached(module, args, kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 4.x / 5.x names
         if cache is not None and getattr(cache, "get_seq_length", lambda: 0)() > 0:
-            raise InputError("resample ablation aligns the reference by position, which cached decoding (generate) "
-                             "does not give; use mode='zero' or 'mean', or call generate(..., use_cache=False)")
+            raise InputError(
+                "resample ablation aligns the reference by position, which cached decoding (generate) "
+                "does not give; use mode='zero' or 'mean', or call generate(..., use_cache=False)"
+            )
 
-    handles = []
+    pairs = (
+        [(lambda h: model.register_forward_pre_hook(h, with_kwargs=True), refuse_cached)] if mode == "resample" else []
+    )
+    pairs += [(modules[layer].register_forward_pre_hook, hook_for(layer)) for layer in sorted(by_layer)]
     _ACTIVE.setdefault(model, []).append(mode)
     try:
-        if mode == "resample":
-            handles.append(model.register_forward_pre_hook(refuse_cached, with_kwargs=True))
-        for layer in sorted(by_layer):
-            handles.append(modules[layer].register_forward_pre_hook(hook_for(layer)))
-        yield model
+        with registered_hooks(pairs):
+            yield model
     finally:
-        for h in handles:
-            h.remove()
         _ACTIVE[model].pop()
         if not _ACTIVE[model]:
             del _ACTIVE[model]

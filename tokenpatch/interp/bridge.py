@@ -22,13 +22,14 @@ import copy
 import numpy as np
 import torch
 
+from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.dynamics import diagnostics
 from tokenpatch.dynamics.trajectories import trajectory
-from tokenpatch.models.markov import model_inputs
+from tokenpatch.interp.circuits import phi
 from tokenpatch.models.icl import ICLTransformer
+from tokenpatch.models.markov import model_inputs
 from tokenpatch.tasks.markov import STREAMS, encode
 from tokenpatch.thought.front import thought_patch
-from tokenpatch.interp.circuits import phi
 
 __all__ = ["phase_bridge"]
 
@@ -47,11 +48,8 @@ def phase_bridge(model: ICLTransformer, task, sequences: int = 32, seed: int = 0
     last = len(model.blocks) - 1
     seen = []
     mixer = model.blocks[last].mixer
-    handle = mixer.register_forward_pre_hook(lambda m, args: seen.append(args[0][:, -1]))
-    try:
+    with registered_hooks([(mixer.register_forward_pre_hook, lambda m, args: seen.append(args[0][:, -1]))]):
         f = phi(model, x)  # [S, d]
-    finally:
-        handle.remove()
     with torch.no_grad():
         context = f - mixer.alone(seen[0])  # [S, d]  dA = A(C, x) - A(x): the token patch's context vector
     n = states.shape[1]
@@ -71,9 +69,11 @@ def phase_bridge(model: ICLTransformer, task, sequences: int = 32, seed: int = 0
     expo = [diagnostics.decay_exponent(diagnostics.step_norms(traj, name)).mean().item() for name in names]
     return {
         "sequences": sequences,
-        "phi_cosine": {"raw": _cos(f, v).mean().item(),
-                       "centred": _cos(f - f.mean(0), v - v.mean(0)).mean().item(),
-                       "context_vector": _cos(context, v).mean().item()},
+        "phi_cosine": {
+            "raw": _cos(f, v).mean().item(),
+            "centred": _cos(f - f.mean(0), v - v.mean(0)).mean().item(),
+            "context_vector": _cos(context, v).mean().item(),
+        },
         "update_norm": norms,
         "step_exponent": expo,
     }

@@ -21,14 +21,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tokenpatch.arch import adapter_for
+from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError, UnsupportedModelError
-from tokenpatch.models.markov import log_probs, model_inputs
-from tokenpatch.models.icl import ICLTransformer
-from tokenpatch.tasks.markov import STREAMS, sample_sequences
 from tokenpatch.interp.ablation import ablate_heads
+from tokenpatch.models.icl import ICLTransformer
+from tokenpatch.models.markov import log_probs, model_inputs
+from tokenpatch.tasks.markov import STREAMS, sample_sequences
 
-__all__ = ["attention_patterns", "mixer_outputs", "previous_token_score", "statistical_induction_score",
-           "ablated", "replaced_mixer", "phi", "chain_probe", "phi_patching"]
+__all__ = [
+    "attention_patterns",
+    "mixer_outputs",
+    "previous_token_score",
+    "statistical_induction_score",
+    "ablated",
+    "replaced_mixer",
+    "phi",
+    "chain_probe",
+    "phi_patching",
+]
 
 
 def _layer(model: ICLTransformer, layer: int) -> int:
@@ -45,31 +56,19 @@ def _check(model: ICLTransformer, layer: int) -> int:
     return layer
 
 
-@contextmanager
-def _hooks(handles: list):
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def attention_patterns(model: ICLTransformer, inputs: Tensor) -> list[Tensor]:
-    """Every layer's attention probabilities ``[B, H, T, T]`` on ``inputs [B, T, d_in]``."""
-    for i in range(len(model.blocks)):
-        _check(model, i)
-    seen: list[Tensor] = []
-    handles = [b.mixer.register_forward_pre_hook(lambda m, args: seen.append(m.pattern(args[0]))) for b in model.blocks]
-    with _hooks(handles), torch.no_grad():
-        model(inputs)
-    return seen
+    """Every layer's attention probabilities ``[B, H, T, T]`` on ``inputs [B, T, d_in]``
+    (``Adapter.attention_patterns``: softmax attention layers only)."""
+    return adapter_for(model).attention_patterns(model, inputs)
 
 
 def mixer_outputs(model: ICLTransformer, inputs: Tensor) -> list[Tensor]:
     """Every layer's attention output ``A(LN(h))`` ``[B, T, d]`` (before the residual add)."""
     seen: list[Tensor] = []
-    handles = [b.mixer.register_forward_hook(lambda m, args, out: seen.append(out)) for b in model.blocks]
-    with _hooks(handles), torch.no_grad():
+    with (
+        registered_hooks((b.mixer.register_forward_hook, lambda m, args, out: seen.append(out)) for b in model.blocks),
+        torch.no_grad(),
+    ):
         model(inputs)
     return seen
 
@@ -84,7 +83,7 @@ def statistical_induction_score(pattern: Tensor, states: Tensor) -> tuple[Tensor
     ``1 <= s <= t`` with ``x_{s-1} = x_t``; ``baseline``: that mass under uniform causal attention,
     ``mean_t #{s: x_{s-1} = x_t} / (t + 1)``."""
     b, t = states.shape
-    match = (states[:, None, :-1] == states[:, 1:, None])  # [B, T-1, T-1]  (query t>=1, key s>=1) x_{s-1} == x_t
+    match = states[:, None, :-1] == states[:, 1:, None]  # [B, T-1, T-1]  (query t>=1, key s>=1) x_{s-1} == x_t
     keys = torch.zeros(b, t, t, dtype=torch.bool)
     keys[:, 1:, 1:] = match
     keys &= torch.ones(t, t, dtype=torch.bool).tril()  # s <= t
@@ -111,18 +110,23 @@ def ablated(model: ICLTransformer, heads=(), mlps=(), mode: str = "zero", refere
         raise UnsupportedModelError(f"cannot ablate the MLPs of layers {mlps}: the model is attention-only (no MLPs)")
     means: dict[int, Tensor] = {}
     if mode == "mean" and mlps:
-        rec = [model.blocks[l].mlp.fc_out.register_forward_hook(lambda m, a, o, l=l: means.__setitem__(l, o.mean((0, 1))))
-               for l in mlps]
-        with _hooks(rec), torch.no_grad():
+        rec = [
+            (
+                model.blocks[l].mlp.fc_out.register_forward_hook,
+                lambda m, a, o, l=l: means.__setitem__(l, o.mean((0, 1))),
+            )
+            for l in mlps
+        ]
+        with registered_hooks(rec), torch.no_grad():
             model(reference)
 
     def mlp_hook(l):
-        return model.blocks[l].mlp.fc_out.register_forward_hook(
-            lambda m, a, out: torch.zeros_like(out) if mode == "zero" else means[l].expand_as(out))
+        return lambda m, a, out: torch.zeros_like(out) if mode == "zero" else means[l].expand_as(out)
 
-    handles: list = []
-    with ablate_heads(model, heads, mode, reference), _hooks(handles):
-        handles += [mlp_hook(l) for l in mlps]
+    with (
+        ablate_heads(model, heads, mode, reference),
+        registered_hooks((model.blocks[l].mlp.fc_out.register_forward_hook, mlp_hook(l)) for l in mlps),
+    ):
         yield model
 
 
@@ -136,7 +140,7 @@ def replaced_mixer(model: ICLTransformer, layer: int, value: Tensor, position: i
         out[:, position] = value.to(out.dtype)
         return out
 
-    with _hooks([model.blocks[layer].mixer.register_forward_hook(hook)]):
+    with registered_hooks([(model.blocks[layer].mixer.register_forward_hook, hook)]):
         yield model
 
 
@@ -145,8 +149,9 @@ def phi(model: ICLTransformer, inputs: Tensor, layer: int = -1, position: int = 
     return mixer_outputs(model, inputs)[_check(model, layer)][:, position]
 
 
-def chain_probe(features: Tensor, labels: Tensor, train_fraction: float = 0.5, ridge: float = 1e-3,
-                seed: int = 0) -> dict:
+def chain_probe(
+    features: Tensor, labels: Tensor, train_fraction: float = 0.5, ridge: float = 1e-3, seed: int = 0
+) -> dict:
     """A linear probe for chain identity: ridge least squares from ``[features; 1]`` onto one-hot
     labels on a random ``train_fraction``, argmax accuracy on the rest (beside chance, the
     most frequent held-out label's share)."""
@@ -188,8 +193,10 @@ def phi_patching(model: ICLTransformer, task, pairs: int = 256, seed: int = 0, l
     rec = sample_sequences(chains, b, task.length, rng)
     don = sample_sequences(chains, a, task.length, rng)
     same = sample_sequences(chains, b, task.length, rng)
-    phis = {name: phi(model, model_inputs(model, task, s), layer) for name, s in
-            (("recipient", rec), ("donor", don), ("same_chain", same))}
+    phis = {
+        name: phi(model, model_inputs(model, task, s), layer)
+        for name, s in (("recipient", rec), ("donor", don), ("same_chain", same))
+    }
     gen = torch.Generator().manual_seed(seed)
     noise = torch.randn(phis["recipient"].shape, generator=gen, dtype=phis["recipient"].dtype)
     values = {

@@ -28,6 +28,10 @@ norm-free block) ``F`` is affine and ``ds_h = W_O P_h dz`` for any nodes: the li
 context vector ``dA = W_O dz``. The common **first-order split**, ``J_F(z_0) P_h dz`` (the norm
 linearised at the anchor), does not sum to ``ds``; its miss ``linear_error`` is reported beside it.
 
+``F`` and the output projections come from the model's adapter (``Adapter.mlp_input_from_heads``,
+``Adapter.output_projections``); the states from its passes (``trace`` and ``anchors`` for a traced
+adapter, else ``run`` and ``mix``).
+
 Per layer, query and head: ``share_h = <ds_h, ds> / |ds|^2`` (sums to 1 over heads; a head working
 against the others has a negative share) and ``norm_h = |ds_h| / |s_0| = |D_h|_F``, the Frobenius
 norm of that head's part of the patch. Computed in float64 on copies of the few weights ``F``
@@ -36,31 +40,25 @@ needs, whatever the model's dtype.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as Fn
 from torch import Tensor, nn
 
-from tokenpatch.progress import progress_bar
-from tokenpatch.solve import block_values
 from tokenpatch.arch import adapter_for
-from tokenpatch.arch.families import SCALE_NORMS
-from tokenpatch.arch.hf import HFAdapter
-from tokenpatch.errors import InputError, UnsupportedModelError
-from tokenpatch.plans import make_plan
+from tokenpatch.arch.float64 import RMS_OFFSETS
+from tokenpatch.arch.hooks import registered_hooks
+from tokenpatch.errors import InputError
 from tokenpatch.interp.ablation import active_modes, head_sites
+from tokenpatch.plans import make_plan
+from tokenpatch.progress import progress_bar
 
-__all__ = ["HeadPatches", "head_patches", "split_by_heads", "pooled_share"]
+__all__ = ["HeadPatches", "head_patches", "split_by_heads", "pooled_share", "RMS_OFFSETS"]
 
 NODES = 32
-# RMSNorms: ``out = (offset + w) * x / sqrt(mean(x^2) + eps)``; class name -> offset.
-RMS_OFFSETS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
-               "GemmaRMSNorm": 1.0, **{name: offset for name, (_, offset) in SCALE_NORMS.items()}}
 
 
 @dataclass
@@ -89,8 +87,9 @@ def _nodes(n: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy((t + 1) / 2), torch.from_numpy(w / 2)  # on [0, 1]
 
 
-def split_by_heads(f: Callable[[Tensor], Tensor], z0: Tensor, zc: Tensor, n_heads: int,
-                   nodes: int = NODES) -> tuple[Tensor, Tensor]:
+def split_by_heads(
+    f: Callable[[Tensor], Tensor], z0: Tensor, zc: Tensor, n_heads: int, nodes: int = NODES
+) -> tuple[Tensor, Tensor]:
     """``(exact [N, H, d], first_order [N, H, d])``: each head's part of ``f(zc) - f(z0)``.
 
     ``f`` maps rows ``[..., H * dh] -> [..., d]``; ``z0, zc [N, H * dh]``. ``exact[:, h] =
@@ -106,7 +105,7 @@ def split_by_heads(f: Callable[[Tensor], Tensor], z0: Tensor, zc: Tensor, n_head
     exact, first = [], []
     for h in range(n_heads):
         v = torch.zeros_like(dz)
-        v[:, h * dh:(h + 1) * dh] = dz[:, h * dh:(h + 1) * dh]  # P_h dz
+        v[:, h * dh : (h + 1) * dh] = dz[:, h * dh : (h + 1) * dh]  # P_h dz
         with warnings.catch_warnings():  # torch scripts its forward-AD decompositions on first use (its own warning)
             warnings.simplefilter("ignore", DeprecationWarning)
             _, jv = torch.func.jvp(f, (start,), (v.expand_as(start),))  # [1 + K, N, d]
@@ -115,79 +114,34 @@ def split_by_heads(f: Callable[[Tensor], Tensor], z0: Tensor, zc: Tensor, n_head
     return torch.stack(exact, 1), torch.stack(first, 1)  # [N, H, d] each
 
 
-# --------------------------------------------------------------------------- F per architecture
-def _linear64(module: nn.Module) -> Callable[[Tensor], Tensor]:
-    """A float64 copy of a ``Linear`` or GPT-2 ``Conv1D`` as a function."""
-    w = module.weight.detach().double()
-    b = None if getattr(module, "bias", None) is None else module.bias.detach().double()
-    if type(module).__name__ == "Conv1D":  # stored [in, out]
-        return lambda x: x @ w + (0 if b is None else b)
-    return lambda x: Fn.linear(x, w, b)
-
-
-def _norm64(module: nn.Module, where: str) -> Callable[[Tensor], Tensor]:
-    """A float64 copy of a LayerNorm or a known RMSNorm as a function (HF RMSNorms compute in float32)."""
-    if isinstance(module, nn.LayerNorm):
-        w = None if module.weight is None else module.weight.detach().double()
-        b = None if module.bias is None else module.bias.detach().double()
-        return lambda x: Fn.layer_norm(x, module.normalized_shape, w, b, module.eps)
-    offset = next((RMS_OFFSETS[c.__name__] for c in type(module).__mro__ if c.__name__ in RMS_OFFSETS), None)
-    if offset is None:
-        raise UnsupportedModelError(f"{where}: cannot split by heads through a {type(module).__name__}; known norms: "
-                                    f"LayerNorm and {sorted(RMS_OFFSETS)} (add it to head_patches.RMS_OFFSETS)")
-    scale = offset + module.weight.detach().double()
-    eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-    return lambda x: scale * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-
-
-def _hf_f(model: nn.Module, layer: nn.Module, h: Tensor) -> Callable[[Tensor], Tensor]:
-    fam = HFAdapter.family(model)
-    if fam.parallel(model.config):
-        raise UnsupportedModelError(f"{fam.name} with a parallel block: its MLP reads the layer input, which the "
-                                    "context does not change, so the heads carry none of the input patch")
-    o_proj = _linear64(layer.get_submodule(fam.o_proj))
-    post = _norm64(layer.get_submodule(fam.attn_out), fam.attn_out) if fam.attn_out else (lambda a: a)
-    mlp_norm = _norm64(layer.get_submodule(fam.mlp_norm), fam.mlp_norm)
-    return lambda z: mlp_norm(h + post(o_proj(z)))
-
-
-def _ours_f(block: nn.Module, h: Tensor) -> Callable[[Tensor], Tensor]:
-    """``F(z) = s`` of one of our blocks, from float64 copies of its output matrix and norms (no hooks)."""
-    out = _linear64(block.mixer.out)
-    ln1, ln2 = (_norm64(block.ln1, "ln1"), _norm64(block.ln2, "ln2")) if block.norm != "none" else (None, None)
-    return lambda z: block_values(block.norm, block.residual, h, out(z), ln1, ln2)[1]
-
-
 # --------------------------------------------------------------------------- recording z
-@contextlib.contextmanager
 def _grab(modules: list[nn.Module], store: dict):
     """Pre-hooks recording module ``i``'s input as ``store[i]`` while the block runs (removed on exit)."""
-    handles = [m.register_forward_pre_hook(lambda mod, args, i=i: store.__setitem__(i, args[0].detach()))
-               for i, m in enumerate(modules)]
-    try:
-        yield
-    finally:
-        for hd in handles:
-            hd.remove()
+    return registered_hooks(
+        (m.register_forward_pre_hook, lambda mod, args, i=i: store.__setitem__(i, args[0].detach()))
+        for i, m in enumerate(modules)
+    )
 
 
-def _states_ours(model, inputs: Tensor, query: list[int]):
-    """Per layer ``(h, z_C, z_0)`` at the queries ``[B, Q, .]`` for an ``ICLTransformer``."""
+def _states_mixed(model, adapter, inputs, query: list[int], o_projs: list[nn.Module]):
+    """Per layer ``(h, z_C, z_0)`` at the queries ``[B, Q, .]`` for a layer-by-layer adapter: the model's own
+    forward (``Adapter.run``) with each layer's input and its output projection's input recorded, then each
+    query alone through the layer up to its MLP (``Adapter.mix``; a lone token's weight is 1 on its own value),
+    through the output projections' hooks (an ablation) as in the full pass."""
     z, h = {}, {}
-    blocks = list(model.blocks)
-    with _grab(blocks, h), _grab([b.mixer.out for b in blocks], z), torch.no_grad():
-        model(inputs)  # h[i]: block i's input, z[i]: its heads' outputs  [B, T, d]
+    with _grab(list(adapter.layers(model)), h), _grab(o_projs, z), torch.no_grad():
+        adapter.run(model, inputs)  # h[i]: layer i's input, z[i]: its heads' outputs  [B, T, d]
     out = []
-    for i, b in enumerate(blocks):
+    for i in range(len(o_projs)):
         hq = h[i][:, query]  # [B, Q, d]
         z0: dict = {}
-        with _grab([b.mixer.out], z0), torch.no_grad():  # a lone token: weight 1 on its own value, through
-            b.mixer.out(b.mixer.v(b.mixer_input(hq)))  # the output matrix's hooks (an ablation) as in the full pass
-        out.append((hq, z[i][:, query], z0[0]))
+        with _grab(o_projs[i : i + 1], z0), torch.no_grad():
+            adapter.mix(model, i, hq.reshape(-1, 1, hq.shape[-1]))  # each query a sequence of its own
+        out.append((hq, z[i][:, query], z0[0].reshape(*hq.shape[:2], -1)))
     return out
 
 
-def _states_hf(model, adapter, inputs: dict, query: list[int], o_projs: list[nn.Module]):
+def _states_traced(model, adapter, inputs, query: list[int], o_projs: list[nn.Module]):
     """Per layer ``(h, z_C, z_0)`` at the queries ``[B, Q, .]``: the with-context pass and the lone-query pass
     of ``token_patch`` (``adapter.trace`` / ``adapter.anchors``), with the output projections' inputs recorded."""
     zc, z0 = {}, {}
@@ -195,9 +149,10 @@ def _states_hf(model, adapter, inputs: dict, query: list[int], o_projs: list[nn.
         rec = adapter.trace(model, inputs, query)
     with _grab(o_projs, z0), torch.no_grad():
         adapter.anchors(model, inputs, query, rec)
-    batch, q = len(inputs["input_ids"]), torch.tensor(query)
-    return [(rec[i]["h"], zc[i][:, q.to(zc[i].device)], z0[i].reshape(batch, len(query), -1))
-            for i in range(len(o_projs))]
+    batch, q = adapter.batch_size(inputs), torch.tensor(query)
+    return [
+        (rec[i]["h"], zc[i][:, q.to(zc[i].device)], z0[i].reshape(batch, len(query), -1)) for i in range(len(o_projs))
+    ]
 
 
 @torch.no_grad()
@@ -211,31 +166,34 @@ def head_patches(model: nn.Module, inputs, query=-1, nodes: int = NODES, progres
     not keep, so it is refused. Where a layer's patch is zero (``ds = 0``, e.g. the first position)
     every share is 0."""
     if "resample" in active_modes(model):
-        raise InputError("head_patches inside a resample ablation: the lone-query pass cannot be aligned with the "
-                         "reference by position; ablate with mode='zero' or 'mean'")
+        raise InputError(
+            "head_patches inside a resample ablation: the lone-query pass cannot be aligned with the "
+            "reference by position; ablate with mode='zero' or 'mean'"
+        )
     adapter = adapter_for(model)
+    passes = ("trace", "anchors", "batch_size") if adapter.traced else ("layers", "run", "mix")
+    adapter.require(
+        "check_inputs",
+        "seq_len",
+        "sites",
+        "n_heads",
+        "output_projections",
+        "mlp_input_from_heads",
+        *passes,
+        by="tp.interp.head_patches",
+    )
     inputs = adapter.check_inputs(model, inputs)
     plan = make_plan(adapter.seq_len(inputs), query)
     q = list(plan.query)
-    if not isinstance(adapter, HFAdapter):
-        adapter.sites(model, 0)  # an attention-only model has no patch to split
-    if not isinstance(adapter, HFAdapter) and not all(hasattr(b.mixer, "v") for b in model.blocks):
-        raise UnsupportedModelError("head_patches needs attention layers (softmax or linear): "
-                                    f"this model's layers are {model.config.layer!r}")
+    adapter.sites(model, 0)  # an attention-only model has no patch to split
     modules, n_heads = head_sites(model)
-    if isinstance(adapter, HFAdapter):
-        states = _states_hf(model, adapter, inputs, q, modules)
-        layers = list(getattr(model.base_model, HFAdapter.family(model).layers))
-        make_f = lambda i, h: _hf_f(model, layers[i], h)  # noqa: E731
-    else:
-        states = _states_ours(model, inputs, q)
-        make_f = lambda i, h: _ours_f(model.blocks[i], h)  # noqa: E731
+    states = (_states_traced if adapter.traced else _states_mixed)(model, adapter, inputs, q, modules)
     rows = {k: [] for k in ("share", "norm", "patch_norm", "closure", "linear_error", "delta")}
     for i in progress_bar(range(len(states)), progress, desc="head patches", unit="layer"):
         h, zc, z0 = (t.double() for t in states[i])  # [B, Q, .]
         lead = h.shape[:2]
         n = lead.numel()
-        f = make_f(i, h.reshape(n, -1))  # F(z) at each query's own h  [N, d]
+        f = adapter.mlp_input_from_heads(model, i, h.reshape(n, -1))  # F(z) at each query's own h  [N, d]
         zc, z0 = zc.reshape(n, -1), z0.reshape(n, -1)
         s_c, s_0 = f(zc), f(z0)  # [N, d]
         ds = s_c - s_0

@@ -21,11 +21,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError
-from tokenpatch.interp.circuits import attention_patterns as ours
 
-__all__ = ["repeated_tokens", "detection_pattern", "detector_score", "diagonal_score", "KINDS", "rank_heads",
-           "attention_patterns", "kv_group", "head_scores"]
+__all__ = [
+    "repeated_tokens",
+    "detection_pattern",
+    "detector_score",
+    "diagonal_score",
+    "KINDS",
+    "rank_heads",
+    "attention_patterns",
+    "kv_group",
+    "head_scores",
+]
 
 KINDS = ("previous_token", "duplicate_token", "induction")
 
@@ -75,8 +84,13 @@ def _check(pattern: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
     return pattern, tokens
 
 
-def detector_score(pattern: Tensor, tokens: Tensor, kind: str = "induction", exclude_bos: bool = False,
-                   exclude_current_token: bool = False) -> Tensor:
+def detector_score(
+    pattern: Tensor,
+    tokens: Tensor,
+    kind: str = "induction",
+    exclude_bos: bool = False,
+    exclude_current_token: bool = False,
+) -> Tensor:
     """``mean_seq sum(A * D) / sum(A)`` per head -> ``[H]`` (module docstring; ``A`` is not modified).
 
     A sequence where the head has no attention left (all of it on BOS with ``exclude_bos``, or on
@@ -103,40 +117,30 @@ def diagonal_score(pattern: Tensor, length: int, bos: bool = True) -> Tensor:
         raise InputError(f"patterns of length {t} are not [BOS] + 2 x {length} tokens")
     start = length + int(bos)  # first query of the second copy
     diag = pattern.diagonal(1 - length, -2, -1)  # [S, H, T - L + 1]: entry i is A[L - 1 + i, i]
-    return diag[..., start - (length - 1):].double().mean((0, -1))
+    return diag[..., start - (length - 1) :].double().mean((0, -1))
 
 
 def rank_heads(scores: dict[str, Tensor], by: str = "diagonal") -> list[dict]:
     """``[{"layer", "head", <score names>...}]`` from per-kind ``[layers, heads]`` tensors, sorted by
     ``by``, descending (ties by layer, then head)."""
     ref = scores[by]
-    rows = [{"layer": l, "head": h, **{k: float(v[l, h]) for k, v in scores.items()}}
-            for l in range(ref.shape[0]) for h in range(ref.shape[1])]
+    rows = [
+        {"layer": l, "head": h, **{k: float(v[l, h]) for k, v in scores.items()}}
+        for l in range(ref.shape[0])
+        for h in range(ref.shape[1])
+    ]
     return sorted(rows, key=lambda r: (-r[by], r["layer"], r["head"]))
 
 
 def attention_patterns(model, inputs: Tensor) -> list[Tensor]:
     """Every layer's attention probabilities ``[B, H, T, T]`` (one per query head; under GQA, query
-    head ``h`` reads KV group ``h // (H / H_kv)``, ``kv_group``).
+    head ``h`` reads KV group ``h // (H / H_kv)``, ``kv_group``), from the model's adapter
+    (``Adapter.attention_patterns``).
 
-    Our models: from the attention layers (``interp.circuits``). Hugging Face models: one forward
-    with ``output_attentions=True`` under eager attention (fused kernels return no probabilities),
-    the model's own implementation restored afterwards, errors included."""
-    if hasattr(model, "blocks"):
-        return ours(model, inputs)
-    config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
-    if before is None:
-        raise InputError(f"{type(model).__name__} exposes no attention implementation to switch to eager")
-    try:
-        if before != "eager":
-            model.set_attn_implementation("eager")
-        with torch.no_grad():
-            out = model(inputs, output_attentions=True)
-    finally:
-        if before != "eager":
-            model.set_attn_implementation(before)
-    return [a.detach() for a in out.attentions]
+    Our models: from the softmax attention layers. Hugging Face models: one forward with
+    ``output_attentions=True`` under eager attention (fused kernels return no probabilities), the
+    model's own implementation restored afterwards, errors included."""
+    return adapter_for(model).attention_patterns(model, inputs)
 
 
 def kv_group(model, head: int) -> int:
@@ -147,8 +151,9 @@ def kv_group(model, head: int) -> int:
     return head if not heads else head // (heads // kv)
 
 
-def head_scores(model, length: int = 50, sequences: int = 20, seed: int = 0, pool=None, bos: int | None = None,
-                inputs_of=None) -> list[dict]:
+def head_scores(
+    model, length: int = 50, sequences: int = 20, seed: int = 0, pool=None, bos: int | None = None, inputs_of=None
+) -> list[dict]:
     """Every head's scores on ``[BOS, r_1..r_L, r_1..r_L]`` (``repeated_tokens``), ranked by ``diagonal``:
     ``{"layer", "head", "kv_group", "diagonal", "detector", "previous_token", "duplicate_token"}``.
 
@@ -162,7 +167,9 @@ def head_scores(model, length: int = 50, sequences: int = 20, seed: int = 0, poo
         "diagonal": torch.stack([diagonal_score(p, length, has_bos) for p in pats]),
         "detector": torch.stack([detector_score(p, tokens, "induction", exclude_bos=has_bos) for p in pats]),
         "previous_token": torch.stack([detector_score(p, tokens, "previous_token", exclude_bos=has_bos) for p in pats]),
-        "duplicate_token": torch.stack([detector_score(p, tokens, "duplicate_token", exclude_bos=has_bos) for p in pats]),
+        "duplicate_token": torch.stack(
+            [detector_score(p, tokens, "duplicate_token", exclude_bos=has_bos) for p in pats]
+        ),
     }
     rows = rank_heads(scores)
     for r in rows:

@@ -57,9 +57,17 @@ def _mem_rows(states: Tensor, chains: Tensor, logw: Tensor) -> Tensor:
     return _log(rows)
 
 
-def predictors(states: Tensor, chains: Tensor, alpha: float, *, prior: Tensor | None = None,
-               rule: str = "row", unigram: str = "counts", true_chains: Tensor | None = None,
-               chain: Tensor | None = None) -> dict[str, Tensor]:
+def predictors(
+    states: Tensor,
+    chains: Tensor,
+    alpha: float,
+    *,
+    prior: Tensor | None = None,
+    rule: str = "row",
+    unigram: str = "counts",
+    true_chains: Tensor | None = None,
+    chain: Tensor | None = None,
+) -> dict[str, Tensor]:
     """Log-probabilities ``[B, N, C]`` of every predictor in ``PREDICTORS`` at every position.
 
     ``states [B, N]`` long; ``chains [K, C, C]``: the training chains the ``mem`` predictors know;
@@ -81,9 +89,19 @@ def predictors(states: Tensor, chains: Tensor, alpha: float, *, prior: Tensor | 
         raise InputError(f"alpha must be > 0, got {alpha}")
     step = max(1, CHUNK // max(1, states.shape[1] * c * c))  # sequences per chunk: [b, N, C, C] stays small
     if states.shape[0] > step:
-        parts = [predictors(states[i:i + step], chains, alpha, prior=prior, rule=rule, unigram=unigram,
-                            true_chains=true_chains, chain=None if chain is None else chain[i:i + step])
-                 for i in range(0, states.shape[0], step)]
+        parts = [
+            predictors(
+                states[i : i + step],
+                chains,
+                alpha,
+                prior=prior,
+                rule=rule,
+                unigram=unigram,
+                true_chains=true_chains,
+                chain=None if chain is None else chain[i : i + step],
+            )
+            for i in range(0, states.shape[0], step)
+        ]
         return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
     chains = chains.to(torch.float64)
     b, n = states.shape
@@ -104,7 +122,11 @@ def predictors(states: Tensor, chains: Tensor, alpha: float, *, prior: Tensor | 
         out["1-gen"] = _log(stationary(est))
 
     prior = torch.full((k,), 1.0 / k, dtype=torch.float64) if prior is None else prior.to(torch.float64)
-    if prior.shape != (k,) or (prior < 0).any() or not torch.isclose(prior.sum(), torch.tensor(1.0, dtype=torch.float64)):
+    if (
+        prior.shape != (k,)
+        or (prior < 0).any()
+        or not torch.isclose(prior.sum(), torch.tensor(1.0, dtype=torch.float64))
+    ):
         raise InputError(f"prior must be a probability vector of length K={k}")
     log_pi = _log(stationary(chains))  # [K, C]
     log_t = _log(chains)  # [K, C, C]
@@ -142,7 +164,9 @@ def phase_label(kl: dict[str, float], margin: float = 0.01) -> str:
     return LABELS[best]
 
 
-def mixture_fit(logp_model: Tensor, refs: dict[str, Tensor], iters: int = 500, tol: float = 1e-10) -> tuple[dict[str, float], float]:
+def mixture_fit(
+    logp_model: Tensor, refs: dict[str, Tensor], iters: int = 500, tol: float = 1e-10
+) -> tuple[dict[str, float], float]:
     """The convex mixture of ``refs`` closest to the model: ``min_w E_ctx KL(p_model || sum_P w_P p_P)``.
 
     The objective is convex in ``w`` on the simplex; the EM update

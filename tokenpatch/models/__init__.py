@@ -21,5 +21,17 @@ from tokenpatch.models.icl import (
 )
 from tokenpatch.models.layers import LAYERS, make_layer
 
-__all__ = ["ICLConfig", "ICLTransformer", "Block", "load_model", "save_model", "read_checkpoint", "SHIPPED",
-           "as_dtype", "as_device", "check_inputs", "LAYERS", "make_layer"]
+__all__ = [
+    "ICLConfig",
+    "ICLTransformer",
+    "Block",
+    "load_model",
+    "save_model",
+    "read_checkpoint",
+    "SHIPPED",
+    "as_dtype",
+    "as_device",
+    "check_inputs",
+    "LAYERS",
+    "make_layer",
+]

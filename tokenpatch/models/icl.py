@@ -58,10 +58,19 @@ __all__ = [
 MODEL_FORMAT = "tokenpatch.model/1"
 DEFAULT_CHECKPOINT = "linreg-pre10.safetensors"
 # Shipped checkpoints (tokenpatch/models/data/), one per contextual layer: the same recipe, only the layer differs.
-SHIPPED = {"softmax": DEFAULT_CHECKPOINT, **{k: f"linreg-{k}-pre10.safetensors" for k in ("linear", "rnn", "gru", "lstm")}}
+SHIPPED = {
+    "softmax": DEFAULT_CHECKPOINT,
+    **{k: f"linreg-{k}-pre10.safetensors" for k in ("linear", "rnn", "gru", "lstm")},
+}
 NORMS = ("none", "pre", "post")
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
-LAYER_NAMES = {"softmax": "softmax-attention", "linear": "linear-attention", "rnn": "Elman-RNN", "gru": "GRU", "lstm": "LSTM"}
+LAYER_NAMES = {
+    "softmax": "softmax-attention",
+    "linear": "linear-attention",
+    "rnn": "Elman-RNN",
+    "gru": "GRU",
+    "lstm": "LSTM",
+}
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,7 @@ class ICLConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ICLConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ICLConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -248,7 +257,9 @@ def read_checkpoint(path) -> tuple[ICLTransformer, dict[str, Any], dict[str, Ten
         raise FileFormatError(f"{path} does not match its config: missing {missing}, unexpected {unexpected}")
     for name, t in state.items():
         if t.shape != expected[name].shape:
-            raise FileFormatError(f"{path}: {name} has shape {tuple(t.shape)}, config needs {tuple(expected[name].shape)}")
+            raise FileFormatError(
+                f"{path}: {name} has shape {tuple(t.shape)}, config needs {tuple(expected[name].shape)}"
+            )
     model = model.to(state[next(iter(state))].dtype)
     model.load_state_dict(state)
     model.meta = doc.get("meta", {})
@@ -256,8 +267,13 @@ def read_checkpoint(path) -> tuple[ICLTransformer, dict[str, Any], dict[str, Ten
     return model.eval(), doc, extra
 
 
-def load_model(path=None, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, *,
-               layer: str | None = None) -> ICLTransformer:
+def load_model(
+    path=None,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    *,
+    layer: str | None = None,
+) -> ICLTransformer:
     """Load a checkpoint (default: one shipped with tokenpatch) in eval mode.
 
     ``path``: a file written by ``save_model`` / ``tokenpatch train``; without it, the shipped model
@@ -282,8 +298,15 @@ def load_model(path=None, dtype: torch.dtype | str | None = None, device: torch.
     return model.to(device=device, dtype=dtype)
 
 
-_DTYPES = {"float64": torch.float64, "double": torch.float64, "float32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float64": torch.float64,
+    "double": torch.float64,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

@@ -151,8 +151,12 @@ class SoftmaxAttention(_Attention):
     def _attend_prefix(self, q, k, v, k_self, v_self, lengths) -> Tensor:
         scale = q.shape[-1] ** -0.5
         rows = q.shape[2]
-        if (_FLASH_CPU is not None and q.device.type == "cpu" and 1 < rows <= k.shape[2] + 1
-                and torch.equal(lengths.cpu(), torch.arange(rows))):
+        if (
+            _FLASH_CPU is not None
+            and q.device.type == "cpu"
+            and 1 < rows <= k.shape[2] + 1
+            and torch.equal(lengths.cpu(), torch.arange(rows))
+        ):
             # row p >= 1 sees keys 0..p-1: causal attention of rows 1.. over the first rows-1 keys, fused;
             # then its own key joins with weight sigmoid(q.k_self - logsumexp(context scores))
             out, lse = _FLASH_CPU(q[:, :, 1:], k[:, :, : rows - 1], v[:, :, : rows - 1], 0.0, True, scale=scale)[:2]
@@ -278,4 +282,3 @@ def make_layer(kind: str, d_model: int, n_heads: int = 1, bias: bool = True) -> 
     if issubclass(cls, _Attention):
         return cls(d_model, n_heads, bias=bias)
     return cls(d_model, bias=bias)
-

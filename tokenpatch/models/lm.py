@@ -34,8 +34,17 @@ __all__ = ["LMData", "lm_model", "lm_inputs", "load_lm", "BOS"]
 
 def lm_model(data: LMData, d_model: int = 64, n_layers: int = 4, n_heads: int = 1, mlp: bool = True) -> ICLTransformer:
     """A Pre-LN ``ICLTransformer`` for ``data`` (``mlp=False``: attention-only)."""
-    return ICLTransformer(ICLConfig(d_in=data.vocab + data.length, d_out=data.vocab, d_model=d_model,
-                                    n_layers=n_layers, n_heads=n_heads, norm="pre", mlp=mlp))
+    return ICLTransformer(
+        ICLConfig(
+            d_in=data.vocab + data.length,
+            d_out=data.vocab,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            norm="pre",
+            mlp=mlp,
+        )
+    )
 
 
 def lm_inputs(model: ICLTransformer, ids: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,11 @@ def markov_model(task: MarkovTask, shape: MarkovModel = MarkovModel()) -> ICLTra
     """A fresh ``ICLTransformer`` for ``task``: width ``C + N`` (``2C + N`` minimal) in, ``C`` logits out."""
     d_in = task.states * (2 if shape.minimal else 1) + task.length
     layers = 1 if shape.minimal else shape.n_layers
-    return ICLTransformer(ICLConfig(d_in=d_in, d_out=task.states, d_model=shape.d_model, n_layers=layers,
-                                    n_heads=shape.n_heads, norm="pre"))
+    return ICLTransformer(
+        ICLConfig(
+            d_in=d_in, d_out=task.states, d_model=shape.d_model, n_layers=layers, n_heads=shape.n_heads, norm="pre"
+        )
+    )
 
 
 def is_minimal(model: ICLTransformer, task: MarkovTask) -> bool:
@@ -48,8 +51,10 @@ def is_minimal(model: ICLTransformer, task: MarkovTask) -> bool:
 def model_inputs(model: ICLTransformer, task: MarkovTask, states: torch.Tensor) -> torch.Tensor:
     """``encode`` for this model: ``[B, N, d_in]`` in the model's dtype."""
     if model.config.d_in not in (task.states + task.length, 2 * task.states + task.length):
-        raise InputError(f"the model reads width {model.config.d_in}, not a {task.states}-state, "
-                         f"length-{task.length} Markov task's {task.states + task.length}")
+        raise InputError(
+            f"the model reads width {model.config.d_in}, not a {task.states}-state, "
+            f"length-{task.length} Markov task's {task.states + task.length}"
+        )
     dtype = next(model.parameters()).dtype
     return encode(states, task.states, task.length, previous=is_minimal(model, task), dtype=dtype)
 

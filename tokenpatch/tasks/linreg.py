@@ -23,8 +23,18 @@ from torch import Tensor
 
 from tokenpatch.errors import InputError
 
-__all__ = ["LinRegTask", "LinRegBatch", "least_squares", "ridge", "evaluate", "task_of", "DEFAULT_TASK",
-           "training_points", "fresh_queries"]
+__all__ = [
+    "LinRegTask",
+    "LinRegBatch",
+    "least_squares",
+    "ridge",
+    "evaluate",
+    "task_of",
+    "DEFAULT_TASK",
+    "training_points",
+    "fresh_queries",
+    "query_tokens",
+]
 
 
 class LinRegBatch(NamedTuple):
@@ -77,15 +87,27 @@ def training_points(batch: LinRegBatch, n: int | None = None) -> tuple[Tensor, T
     return tokens[:, :, None], batch.y[:, :n, None]
 
 
-def fresh_queries(batch: LinRegBatch, m: int, noise: float = 0.0,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """``m`` new queries of each task of ``batch`` (same ``w``): tokens ``[x; 0]`` ``[B, m, D + 1]`` and
-    targets ``w . x + noise * eps`` ``[B, m]``, drawn in float64 then cast to the batch's dtype."""
+def query_tokens(lead: tuple[int, ...], dim: int, generator: torch.Generator | None = None) -> Tensor:
+    """Fresh query tokens ``[x; 0]`` with ``x ~ N(0, I_dim)``: ``[*lead, dim + 1]``, float64, from one
+    ``torch.randn(*lead, dim)`` draw of ``generator``. Every fresh query of the package (``fresh_queries``,
+    the report's held-out and calibration queries) is drawn here; a task's own query is drawn with its
+    context by ``LinRegTask.sample``."""
+    x = torch.randn(*lead, dim, generator=generator, dtype=torch.float64)
+    return torch.cat([x, torch.zeros(*lead, 1, dtype=torch.float64)], -1)
+
+
+def fresh_queries(
+    batch: LinRegBatch, m: int, noise: float = 0.0, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """``m`` new queries of each task of ``batch`` (same ``w``): tokens ``[x; 0]`` ``[B, m, D + 1]``
+    (``query_tokens``) and targets ``w . x + noise * eps`` ``[B, m]``, drawn in float64 then cast to the
+    batch's dtype."""
     b, d = batch.w.shape
-    x = torch.randn(b, m, d, generator=generator, dtype=torch.float64)  # [B, m, D]
-    y = torch.einsum("bmd,bd->bm", x, batch.w.double()) + noise * torch.randn(b, m, generator=generator,
-                                                                               dtype=torch.float64)
-    tokens = torch.cat([x, torch.zeros(b, m, 1, dtype=torch.float64)], -1)  # [B, m, D+1]
+    tokens = query_tokens((b, m), d, generator)  # [B, m, D+1]
+    x = tokens[..., :-1].contiguous()  # [B, m, D]
+    y = torch.einsum("bmd,bd->bm", x, batch.w.double()) + noise * torch.randn(
+        b, m, generator=generator, dtype=torch.float64
+    )
     return tokens.to(batch.tokens.dtype), y.to(batch.tokens.dtype)
 
 

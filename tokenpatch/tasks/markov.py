@@ -69,8 +69,9 @@ def stationary(matrices: Tensor) -> Tensor:
     return pi / pi.sum(-1, keepdim=True)
 
 
-def sample_sequences(matrices: Tensor, chain: Tensor, length: int, rng: np.random.Generator,
-                     start: str = "stationary") -> Tensor:
+def sample_sequences(
+    matrices: Tensor, chain: Tensor, length: int, rng: np.random.Generator, start: str = "stationary"
+) -> Tensor:
     """``[B, N]`` state sequences, row ``b`` from ``matrices[chain[b]]``; all rows advance together.
 
     Each step draws one uniform per row and inverts the row's cumulative distribution.
@@ -93,8 +94,9 @@ def sample_sequences(matrices: Tensor, chain: Tensor, length: int, rng: np.rando
     return torch.from_numpy(x)
 
 
-def encode(states: Tensor, n_states: int, n_positions: int, previous: bool = False,
-           dtype: torch.dtype = torch.float32) -> Tensor:
+def encode(
+    states: Tensor, n_states: int, n_positions: int, previous: bool = False, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Model inputs ``[B, N, C + N_max]`` (``[B, N, 2C + N_max]`` with ``previous``) from states [B, N].
 
     Blocks: ``onehot(x_n)``, then ``onehot(x_{n-1})`` if ``previous`` (zero at ``n = 1``), then
@@ -137,7 +139,9 @@ class MarkovTask:
         for name in ("states", "length", "chains"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (2 if name != "chains" else 1):
-                raise InputError(f"MarkovTask.{name} must be an integer >= {2 if name != 'chains' else 1}, got {value!r}")
+                raise InputError(
+                    f"MarkovTask.{name} must be an integer >= {2 if name != 'chains' else 1}, got {value!r}"
+                )
         if isinstance(self.alpha, bool) or not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
             raise InputError(f"MarkovTask.alpha must be > 0, got {self.alpha!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
@@ -149,14 +153,22 @@ class MarkovTask:
     @property
     def train_chains(self) -> Tensor:
         """``[K, C, C]`` float64, fixed by ``seed``."""
-        return random_chains(self.chains, self.states, self.alpha, np.random.default_rng([self.seed, STREAMS["chains"]]))
+        return random_chains(
+            self.chains, self.states, self.alpha, np.random.default_rng([self.seed, STREAMS["chains"]])
+        )
 
     def fresh_chains(self, n: int, rng: np.random.Generator) -> Tensor:
         """``[n, C, C]`` new chains from the same Dirichlet (out of distribution)."""
         return random_chains(n, self.states, self.alpha, rng)
 
-    def sample(self, batch: int, rng: np.random.Generator, which: str = "train", length: int | None = None,
-               matrices: Tensor | None = None) -> MarkovBatch:
+    def sample(
+        self,
+        batch: int,
+        rng: np.random.Generator,
+        which: str = "train",
+        length: int | None = None,
+        matrices: Tensor | None = None,
+    ) -> MarkovBatch:
         """A batch of sequences: from the training chains (``"train"``, chain uniform over K) or
         from fresh chains (``"fresh"``, one new chain per sequence)."""
         if which == "train":

@@ -25,11 +25,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tokenpatch.stats import t95
 from tokenpatch.errors import InputError
+from tokenpatch.stats import mean_interval
 
-__all__ = ["nouns", "single_token_words", "lag_prompts", "lag_probabilities", "lag_crp", "recall_lists",
-           "recall_prompt", "score_recall"]
+__all__ = [
+    "nouns",
+    "single_token_words",
+    "lag_prompts",
+    "lag_probabilities",
+    "lag_crp",
+    "recall_lists",
+    "recall_prompt",
+    "score_recall",
+]
 
 
 @lru_cache(maxsize=1)
@@ -66,14 +74,12 @@ def lag_prompts(pool, n: int, prompts: int, seed: int = 0) -> Tensor:
 
 def lag_probabilities(probs: Tensor, prompts: Tensor) -> dict:
     """From the final-position next-token probabilities ``probs [P, V]`` of ``prompts [P, n + 1]``:
-    ``{"lags", "mean", "ci95", "per_prompt"}`` with the probability of the token at each lag (``i - n // 2``):
-    its mean over prompts, the 95% half-width (``t_{0.975, P-1} sd / sqrt(P)``) and every prompt's ``[P][n]``."""
+    ``{"lags", "mean", "lo", "hi", "per_prompt"}`` with the probability of the token at each lag
+    (``i - n // 2``): its mean over prompts and 95% interval (``stats.mean_interval``,
+    ``mean ∓ t_{0.975, P-1} sd / sqrt(P)``), lists over the lags, and every prompt's ``[P][n]``."""
     n = prompts.shape[1] - 1
     at = probs.gather(1, prompts[:, :n]).double()  # [P, n]: p(token at index i)
-    mean = at.mean(0)
-    ci = t95(at.shape[0]) * at.std(0) / at.shape[0] ** 0.5 if at.shape[0] > 1 else torch.zeros_like(mean)
-    return {"lags": list(range(-(n // 2), n - n // 2)), "mean": mean.tolist(), "ci95": ci.tolist(),
-            "per_prompt": at.tolist()}
+    return {"lags": list(range(-(n // 2), n - n // 2)), **mean_interval(at), "per_prompt": at.tolist()}
 
 
 def lag_crp(recalls: list[list[int]], length: int) -> dict:
@@ -97,8 +103,12 @@ def lag_crp(recalls: list[list[int]], length: int) -> dict:
             else:
                 prev = None
     crp = np.divide(actual, available, out=np.full_like(actual, np.nan), where=available > 0)
-    return {"lags": list(range(-(length - 1), length)), "crp": [None if np.isnan(v) else float(v) for v in crp],
-            "actual": actual.astype(int).tolist(), "available": available.astype(int).tolist()}
+    return {
+        "lags": list(range(-(length - 1), length)),
+        "crp": [None if np.isnan(v) else float(v) for v in crp],
+        "actual": actual.astype(int).tolist(),
+        "available": available.astype(int).tolist(),
+    }
 
 
 def recall_lists(words: list[str], length: int, count: int, seed: int = 0) -> list[list[str]]:

@@ -30,8 +30,13 @@ class LMData:
     follow: float = 0.7  # probability that a recurring token is followed by what followed it last time
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.vocab, int) and self.vocab >= 3 and isinstance(self.length, int) and self.length >= 4
-                and 0 <= self.follow <= 1):
+        if not (
+            isinstance(self.vocab, int)
+            and self.vocab >= 3
+            and isinstance(self.length, int)
+            and self.length >= 4
+            and 0 <= self.follow <= 1
+        ):
             raise InputError(f"LMData needs vocab >= 3, length >= 4 and 0 <= follow <= 1: {self}")
 
     def to_dict(self) -> dict:

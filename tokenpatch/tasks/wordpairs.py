@@ -33,8 +33,10 @@ class Format:
 
     def __post_init__(self):
         if "{x}" not in self.query or "{y}" not in self.answer:
-            raise InputError(f"a prompt format needs {{x}} in its query and {{y}} in its answer, got "
-                             f"{self.query!r} / {self.answer!r}")
+            raise InputError(
+                f"a prompt format needs {{x}} in its query and {{y}} in its answer, got "
+                f"{self.query!r} / {self.answer!r}"
+            )
 
     def demos(self, pairs: list[tuple[str, tuple[str, ...]]]) -> str:
         return "".join(self.query.format(x=x) + self.answer.format(y=ys[0]) + self.separator for x, ys in pairs)
@@ -46,8 +48,9 @@ class WordPairs:
     description: str
     pairs: tuple[tuple[str, tuple[str, ...]], ...]
 
-    def split(self, seed: int = 0, demos: int = 10, calibration: int = 40, dev: int = 30,
-              test: int | None = None) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+    def split(
+        self, seed: int = 0, demos: int = 10, calibration: int = 40, dev: int = 30, test: int | None = None
+    ) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
         """Disjoint seeded splits ``demos / calibration / dev / test`` (``test``: the rest, or at most that many)."""
         need = demos + calibration + dev + 1
         if len(self.pairs) < need:
@@ -55,14 +58,21 @@ class WordPairs:
         order = list(self.pairs)
         random.Random(seed).shuffle(order)
         cuts = [demos, demos + calibration, demos + calibration + dev]
-        rest = order[cuts[2]:]
-        return {"demos": order[:cuts[0]], "calibration": order[cuts[0]:cuts[1]], "dev": order[cuts[1]:cuts[2]],
-                "test": rest if test is None else rest[:test]}
+        rest = order[cuts[2] :]
+        return {
+            "demos": order[: cuts[0]],
+            "calibration": order[cuts[0] : cuts[1]],
+            "dev": order[cuts[1] : cuts[2]],
+            "test": rest if test is None else rest[:test],
+        }
 
 
 def task_names() -> list[str]:
-    return sorted(p.name[:-4] for p in resources.files(__package__).joinpath("data", "wordpairs").iterdir()
-                  if p.name.endswith(".tsv"))
+    return sorted(
+        p.name[:-4]
+        for p in resources.files(__package__).joinpath("data", "wordpairs").iterdir()
+        if p.name.endswith(".tsv")
+    )
 
 
 def load_task(name: str) -> WordPairs:

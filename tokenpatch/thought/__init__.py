@@ -10,5 +10,13 @@ from tokenpatch.thought.distillation import Distilled, distill
 from tokenpatch.thought.front import LayerFit, ThoughtPatch, compress, evaluate_thought_patch, thought_patch
 from tokenpatch.thought.lstsq import ThoughtWarning
 
-__all__ = ["thought_patch", "ThoughtPatch", "LayerFit", "ThoughtWarning", "evaluate_thought_patch", "compress",
-           "distill", "Distilled"]
+__all__ = [
+    "thought_patch",
+    "ThoughtPatch",
+    "LayerFit",
+    "ThoughtWarning",
+    "evaluate_thought_patch",
+    "compress",
+    "distill",
+    "Distilled",
+]

@@ -19,13 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import files
-from tokenpatch.progress import progress_bar
 from tokenpatch.arch import adapter_for
-from tokenpatch.patch import LowRank, Patch
-from tokenpatch.errors import InputError
 from tokenpatch.dynamics.finetuning import finetuned
-from tokenpatch.thought.lstsq import factor
+from tokenpatch.errors import InputError
+from tokenpatch.patch import LowRank, Patch
+from tokenpatch.progress import progress_bar
 from tokenpatch.thought.front import ThoughtPatch
+from tokenpatch.thought.lstsq import factor
 
 __all__ = ["Distilled", "distill"]
 
@@ -40,9 +40,19 @@ class Distilled:
     seconds: float
 
 
-def distill(model: nn.Module, prompt: Tensor, queries: Tensor, names: list[str], *, steps: int = 200,
-            lr: float = 1e-3, rank: int | None = None, init: ThoughtPatch | Patch | None = None,
-            seed: int = 0, progress: bool | None = None) -> Distilled:
+def distill(
+    model: nn.Module,
+    prompt: Tensor,
+    queries: Tensor,
+    names: list[str],
+    *,
+    steps: int = 200,
+    lr: float = 1e-3,
+    rank: int | None = None,
+    init: ThoughtPatch | Patch | None = None,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> Distilled:
     """Train deltas of parameters ``names`` (e.g. ``list(fit.patch)`` of a thought patch) by full-batch
     Adam so the no-prompt model on ``queries [m, T_q, ...]`` matches the with-prompt outputs.
     ``rank``: train rank-``rank`` factors of every matrix delta instead of full matrices (random
@@ -58,7 +68,9 @@ def distill(model: nn.Module, prompt: Tensor, queries: Tensor, names: list[str],
     prompt = adapter.check_inputs(model, prompt if prompt.ndim == 3 else prompt[None])
     queries = adapter.check_inputs(model, queries)
     with torch.no_grad():
-        target = adapter.run(model, torch.cat([prompt.expand(queries.shape[0], -1, -1), queries], 1))[0][:, prompt.shape[1]:]
+        target = adapter.run(model, torch.cat([prompt.expand(queries.shape[0], -1, -1), queries], 1))[0][
+            :, prompt.shape[1] :
+        ]
     init = init.patch if isinstance(init, ThoughtPatch) else init
     g = torch.Generator().manual_seed(seed)
     leaves: dict[str, tuple[Tensor, ...]] = {}
@@ -87,10 +99,15 @@ def distill(model: nn.Module, prompt: Tensor, queries: Tensor, names: list[str],
             t.grad = grad
         opt.step()
     with torch.no_grad():
-        patch = Patch({n: factor(d[0].double()).to(params[n].dtype) if d.ndim == 3 else d[None]
-                       for n, d in deltas().items()}, None,
-                      {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
-                       "distill": {"steps": steps, "lr": lr, "rank": rank}}, static=True)
+        patch = Patch(
+            {n: factor(d[0].double()).to(params[n].dtype) if d.ndim == 3 else d[None] for n, d in deltas().items()},
+            None,
+            {
+                "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+                "distill": {"steps": steps, "lr": lr, "rank": rank},
+            },
+            static=True,
+        )
     return Distilled(patch, torch.stack(losses), time.perf_counter() - t0)
 
 

@@ -61,8 +61,9 @@ class ThoughtPatch:
         rank-``rank`` approximation in Frobenius norm: the factors are stored in SVD order)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise InputError(f"rank must be an int >= 1, got {rank!r}")
-        return self.patch.replace(deltas=cut_rank(dict(self.patch.items()), rank),
-                                  meta={**self.patch.meta, "truncated_rank": rank})
+        return self.patch.replace(
+            deltas=cut_rank(dict(self.patch.items()), rank), meta={**self.patch.meta, "truncated_rank": rank}
+        )
 
     def vector(self) -> Patch:
         """Only the dense (bias) deltas: the thought vector."""
@@ -77,7 +78,9 @@ def cut_rank(deltas: dict[str, Delta], rank: int | None) -> dict[str, Delta]:
     """Matrix deltas (factors in SVD order) cut to their top ``rank`` terms; others unchanged."""
     if rank is None:
         return dict(deltas)
-    return {n: LowRank(d.u[..., :rank, :], d.v[..., :rank, :]) if isinstance(d, LowRank) else d for n, d in deltas.items()}
+    return {
+        n: LowRank(d.u[..., :rank, :], d.v[..., :rank, :]) if isinstance(d, LowRank) else d for n, d in deltas.items()
+    }
 
 
 def _subset(patch: Patch, dense: bool) -> Patch:
@@ -93,12 +96,14 @@ def calibration_batches(queries: Any, batch_size: int) -> list:
         return list(queries.split(batch_size))
     if isinstance(queries, Iterable) and not isinstance(queries, (str, bytes)):
         if iter(queries) is queries:
-            raise InputError("queries is a one-shot iterator; the fit reads the calibration batches more than "
-                             "once: pass a tensor, a list of batches or a re-iterable loader")
+            raise InputError(
+                "queries is a one-shot iterator; the fit reads the calibration batches more than "
+                "once: pass a tensor, a list of batches or a re-iterable loader"
+            )
         return queries
-    raise InputError(f"queries must be a tensor [m, T_q, ...] or a re-iterable of such batches, got "
-                     f"{type(queries).__name__}")
-
+    raise InputError(
+        f"queries must be a tensor [m, T_q, ...] or a re-iterable of such batches, got {type(queries).__name__}"
+    )
 
 
 def static_patch(deltas: dict[str, Delta], meta: dict, readers=None) -> Patch:
@@ -106,8 +111,18 @@ def static_patch(deltas: dict[str, Delta], meta: dict, readers=None) -> Patch:
     return Patch(deltas, None, meta, static=True, readers=readers)
 
 
-def solve_output(pairs, i: int, module: nn.Module, name: str, output: str, affine: bool, deltas: dict, ridge: float,
-                  distributed: bool, solver: str) -> dict:
+def solve_output(
+    pairs,
+    i: int,
+    module: nn.Module,
+    name: str,
+    output: str,
+    affine: bool,
+    deltas: dict,
+    ridge: float,
+    distributed: bool,
+    solver: str,
+) -> dict:
     """The output side's least squares on ``(features, target)`` pairs: the output matrix (``affine``
     output) and its bias (``affine`` features, intercept last) into ``deltas``; returns diagnostics."""
     module_name = name.rpartition(".")[0]

@@ -52,17 +52,36 @@ from tokenpatch.thought.hf import fit_lm
 from tokenpatch.thought.icl import fit_icl
 from tokenpatch.thought.lstsq import COND_WARN, ThoughtWarning
 
-__all__ = ["ThoughtPatch", "LayerFit", "thought_patch", "compress", "evaluate_thought_patch", "ThoughtWarning",
-           "COND_WARN"]
+__all__ = [
+    "ThoughtPatch",
+    "LayerFit",
+    "thought_patch",
+    "compress",
+    "evaluate_thought_patch",
+    "ThoughtWarning",
+    "COND_WARN",
+]
 
 
 @torch.no_grad()
-def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: float = 0.0,
-                  mode: Literal["sequential", "teacher"] = "sequential", inputs: bool = True,
-                  output: Literal["affine", "vector"] | None = "affine", batch_size: int = 4096,
-                  rank: int | None = None, solver: Literal["normal", "qr"] = "normal", cache_bytes: int = 2**30,
-                  distributed: bool = False, progress: bool | None = None, keep_bos: bool = False,
-                  layers: Any = None) -> ThoughtPatch:
+def thought_patch(
+    model: nn.Module,
+    prompt: Tensor,
+    queries: Any,
+    *,
+    ridge: float = 0.0,
+    mode: Literal["sequential", "teacher"] = "sequential",
+    inputs: bool = True,
+    output: Literal["affine", "vector"] | None = "affine",
+    batch_size: int = 4096,
+    rank: int | None = None,
+    solver: Literal["normal", "qr"] = "normal",
+    cache_bytes: int = 2**30,
+    distributed: bool = False,
+    progress: bool | None = None,
+    keep_bos: bool = False,
+    layers: Any = None,
+) -> ThoughtPatch:
     """Fit one static patch that stands in for ``prompt`` (module docstring).
 
     ``prompt [P, ...]`` (or ``[1, P, ...]``): the context to drop, as model inputs (embeddings
@@ -100,13 +119,38 @@ def thought_patch(model: nn.Module, prompt: Tensor, queries: Any, *, ridge: floa
     adapter = adapter_for(model)
     batches = calibration_batches(queries, batch_size)
     if adapter.traced:  # a language model: token ids, the model's own forward (hf.py)
-        return fit_lm(model, adapter, prompt, batches, ridge=ridge, mode=mode, inputs=inputs, output=output,
-                      rank=rank, solver=solver, distributed=distributed, progress=progress, keep_bos=keep_bos,
-                      layers=layers)
+        return fit_lm(
+            model,
+            adapter,
+            prompt,
+            batches,
+            ridge=ridge,
+            mode=mode,
+            inputs=inputs,
+            output=output,
+            rank=rank,
+            solver=solver,
+            distributed=distributed,
+            progress=progress,
+            keep_bos=keep_bos,
+            layers=layers,
+        )
     if keep_bos or layers is not None:
         raise InputError("keep_bos and layers are for language models (token ids); this model fits every layer")
-    return fit_icl(model, prompt, batches, ridge=ridge, mode=mode, inputs=inputs, output=output, rank=rank,
-                   solver=solver, cache_bytes=cache_bytes, distributed=distributed, progress=progress)
+    return fit_icl(
+        model,
+        prompt,
+        batches,
+        ridge=ridge,
+        mode=mode,
+        inputs=inputs,
+        output=output,
+        rank=rank,
+        solver=solver,
+        cache_bytes=cache_bytes,
+        distributed=distributed,
+        progress=progress,
+    )
 
 
 def compress(model: nn.Module, prompt: Tensor, queries: Any, **options) -> Patch:
@@ -124,9 +168,15 @@ def compress(model: nn.Module, prompt: Tensor, queries: Any, **options) -> Patch
 
 
 @torch.no_grad()
-def evaluate_thought_patch(model: nn.Module, prompt: Tensor, queries: Tensor,
-                           patches: Patch | Mapping[str, Patch], targets: Tensor | None = None,
-                           batch_size: int = 4096, reference: Tensor | None = None) -> dict:
+def evaluate_thought_patch(
+    model: nn.Module,
+    prompt: Tensor,
+    queries: Tensor,
+    patches: Patch | Mapping[str, Patch],
+    targets: Tensor | None = None,
+    batch_size: int = 4096,
+    reference: Tensor | None = None,
+) -> dict:
     """How well static patches stand in for ``prompt`` on ``queries [m, T_q, ...]`` (held out).
 
     Outputs at every query position of: the model with the prompt, without it, and without it
@@ -144,7 +194,9 @@ def evaluate_thought_patch(model: nn.Module, prompt: Tensor, queries: Tensor,
     for q in queries.split(batch_size):
         q = adapter.check_inputs(model, q)
         if reference is None:
-            outs["with prompt"].append(adapter.run(model, torch.cat([prompt.expand(q.shape[0], -1, -1), q], 1))[0][:, p:])
+            outs["with prompt"].append(
+                adapter.run(model, torch.cat([prompt.expand(q.shape[0], -1, -1), q], 1))[0][:, p:]
+            )
         outs["no prompt"].append(adapter.run(model, q)[0])
         for name, patch in patches.items():
             patch.check_model(model)
@@ -157,8 +209,11 @@ def evaluate_thought_patch(model: nn.Module, prompt: Tensor, queries: Tensor,
     cat = {k: torch.cat(v).double() for k, v in outs.items()}
     ref = cat["with prompt"]
     mse = {k: float(((v - ref) ** 2).mean()) for k, v in cat.items() if k != "with prompt"}
-    res = {"with_prompt": cat["with prompt"], "mse_to_context": mse, "gap_closed": {k: 1 - v / mse["no prompt"] if mse["no prompt"] > 0 else float("nan")
-                                                 for k, v in mse.items()}}
+    res = {
+        "with_prompt": cat["with prompt"],
+        "mse_to_context": mse,
+        "gap_closed": {k: 1 - v / mse["no prompt"] if mse["no prompt"] > 0 else float("nan") for k, v in mse.items()},
+    }
     if targets is not None:
         t = targets.double().reshape(ref.shape)
         res["task_mse"] = {k: float(((v - t) ** 2).mean()) for k, v in cat.items()}

@@ -34,15 +34,16 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import files
-from tokenpatch.progress import progress_bar
-from tokenpatch.patch import INPUT_SUFFIX, Delta, Patch
-from tokenpatch.errors import InputError, UnsupportedModelError
-from tokenpatch.arch.hf import output_tensor, registered_hooks
-from tokenpatch.run import hooked
-from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
-from tokenpatch.patching import param_layout
+from tokenpatch.arch import OutputSite
 from tokenpatch.arch.families import scale_norm
+from tokenpatch.arch.hooks import output_tensor, registered_hooks
+from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.patch import INPUT_SUFFIX, Delta
+from tokenpatch.patching import param_layout
+from tokenpatch.progress import progress_bar
+from tokenpatch.run import hooked
 from tokenpatch.thought.fit import LayerFit, ThoughtPatch, cut_rank, solve_output, static_patch
+from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 
 
 class _Stop(Exception):
@@ -63,8 +64,10 @@ def _layer_calls(model: nn.Module, layers: nn.ModuleList, ids: Tensor) -> tuple[
         if len(calls) == len(layers):
             raise _Stop
 
-    with registered_hooks([(lambda h, m=m: m.register_forward_pre_hook(h, with_kwargs=True), grab) for m in layers]), \
-            contextlib.suppress(_Stop):
+    with (
+        registered_hooks([(lambda h, m=m: m.register_forward_pre_hook(h, with_kwargs=True), grab) for m in layers]),
+        contextlib.suppress(_Stop),
+    ):
         model.base_model(input_ids=ids, use_cache=False)
     if len(calls) != len(layers) or not first:
         raise UnsupportedModelError(f"{type(model).__name__}: its forward did not call every decoder layer once")
@@ -74,13 +77,29 @@ def _layer_calls(model: nn.Module, layers: nn.ModuleList, ids: Tensor) -> tuple[
 def _ids(x: Any, what: str) -> Tensor:
     if isinstance(x, Tensor) and x.dtype in (torch.int64, torch.int32):
         return x
-    raise InputError(f"{what} must be token ids (an integer tensor), got "
-                     f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    raise InputError(
+        f"{what} must be token ids (an integer tensor), got "
+        f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}"
+    )
 
 
-def fit_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *, ridge: float, mode: str,
-           inputs: bool, output: str | None, rank: int | None, solver: str, distributed: bool,
-           progress, keep_bos: bool = False, layers: Any = None) -> ThoughtPatch:
+def fit_lm(
+    model: nn.Module,
+    adapter,
+    prompt: Tensor,
+    batches: list,
+    *,
+    ridge: float,
+    mode: str,
+    inputs: bool,
+    output: str | None,
+    rank: int | None,
+    solver: str,
+    distributed: bool,
+    progress,
+    keep_bos: bool = False,
+    layers: Any = None,
+) -> ThoughtPatch:
     """``thought_patch`` for a language model: ``prompt`` token ids ``[P]`` or ``[1, P]``, ``batches`` of
     calibration query ids ``[b, T_q]`` (the same length in a batch). ``keep_bos``: the prompt's first
     token stays in front of the queries in the no-prompt pass. ``layers``: the layers fitted (default
@@ -118,7 +137,7 @@ def fit_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *, ridge: f
     # the no-prompt pass, one layer at a time: each batch's stream entering the next layer (under the
     # patch of the layers below) and the keyword arguments the model gives each layer (masks,
     # rotary embeddings), captured once; a layer's anchors then cost one layer's forward, not i+1
-    layers_ = adapter._layers(model)
+    layers_ = adapter.layers(model)
     alone = [torch.cat([head.to(device).expand(q.shape[0], -1), q.to(device)], 1) for q in batches]  # [b, (1) + T_q]
     streams, calls = zip(*(_layer_calls(model, layers_, a) for a in alone))
     streams = list(streams)
@@ -137,8 +156,11 @@ def fit_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *, ridge: f
             for b, (v, kw) in enumerate(zip(valid, calls)):
                 # the patch's hooks first: a recording hook on a patched module then sees the patched output
                 with hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
-                    with adapter.recording(model, ats[b], every=not keep_bos) \
-                            if record else contextlib.nullcontext([None] * (i + 1)) as rec:
+                    with (
+                        adapter.recording(model, ats[b], every=not keep_bos)
+                        if record
+                        else contextlib.nullcontext([None] * (i + 1)) as rec
+                    ):
                         out = output_tensor(layer(streams[b], *kw[i][0], **kw[i][1]))
                 yield (cache[b][i], rec[i], v.to(device)) if record else out
 
@@ -148,41 +170,62 @@ def fit_lm(model: nn.Module, adapter, prompt: Tensor, batches: list, *, ridge: f
             fit: dict[str, Any] = {"layer": i, "ridge": float(ridge)}
             if inputs and sites.input_site is not None:
                 key = f"{sites.input_site}{INPUT_SUFFIX}"
-                acc = accumulate(((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(deltas)),
-                                  distributed, solver)
+                acc = accumulate(
+                    ((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(deltas)), distributed, solver
+                )
                 d, solved_rank, cond = solve(acc, ridge, False, f"layer {i} input side")
                 fit.update(n=acc.n, input_residual=residual(acc, d), input_rank=solved_rank, input_condition=cond)
                 readers[key] = [[name, param_layout(model, name)] for name in sites.inputs]
                 deltas.update(cut_rank({key: factor(d).to(_dtype(model))}, rank))
             if output is not None and sites.output is not None:
-                kind = sites.output[0]
-                fit.update(_fit_output(model, i, sites.output, anchors(deltas), deltas, output, ridge, distributed,
-                                       solver))
+                site = sites.output
+                fit.update(_fit_output(model, i, site, anchors(deltas), deltas, output, ridge, distributed, solver))
                 deltas.update(cut_rank(deltas, rank))
-                if kind == "matrix+scale":  # then the norm's scale, per channel, on the new directions
-                    deltas[sites.output[2]] = _fit_scale(model.get_submodule(sites.output[2].rpartition(".")[0]),
-                                                         anchors(deltas), distributed)
+                if site.kind == "matrix+scale":  # then the norm's scale, per channel, on the new directions
+                    deltas[site.norm] = _fit_scale(
+                        model.get_submodule(site.norm.rpartition(".")[0]), anchors(deltas), distributed
+                    )
             fits.append(LayerFit(**{"n": 0, **fit}))
         if i < fitted[-1]:
             streams = list(run(deltas, False))  # the next layer's input, this layer patched
     if not deltas:
         raise InputError("nothing was fitted")
-    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
-            "thought": {"mode": mode, "ridge": float(ridge), "inputs": inputs, "output": output,
-                                           "rank": rank, "solver": solver, "prompt_len": p, "positions": fits[0].n,
-                                           "keep_bos": bool(keep_bos), "layers": fitted}}
+    meta = {
+        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+        "thought": {
+            "mode": mode,
+            "ridge": float(ridge),
+            "inputs": inputs,
+            "output": output,
+            "rank": rank,
+            "solver": solver,
+            "prompt_len": p,
+            "positions": fits[0].n,
+            "keep_bos": bool(keep_bos),
+            "layers": fitted,
+        },
+    }
     return ThoughtPatch(static_patch(deltas, meta, readers), fits)
 
 
-def _fit_output(model: nn.Module, i: int, sites_out: tuple, pairs_source, deltas: dict, output: str, ridge: float,
-                distributed: bool, solver: str) -> dict:
+def _fit_output(
+    model: nn.Module,
+    i: int,
+    site: OutputSite,
+    pairs_source,
+    deltas: dict,
+    output: str,
+    ridge: float,
+    distributed: bool,
+    solver: str,
+) -> dict:
     """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``."""
-    kind, name = sites_out[:2]
+    kind, name = site.kind, site.name
     module = model.get_submodule(name.rpartition(".")[0])
     affine = kind == "bias"  # "matrix" and "gated" sites have no bias: a linear fit
     if output == "vector" and not affine:
         raise InputError(f"layer {i}: {name.rpartition('.')[0]} has no bias for a thought vector; use output='affine'")
-    norm = model.get_submodule(sites_out[2].rpartition(".")[0]) if kind == "matrix+scale" else None
+    norm = model.get_submodule(site.norm.rpartition(".")[0]) if kind == "matrix+scale" else None
 
     def pairs():
         for rc, r0, v in pairs_source:  # v: the real (not padding) positions [b, T]
@@ -205,12 +248,12 @@ def _right_padded(batches: list[Tensor], rows: int) -> tuple[list[Tensor], list[
     flat = [row for q in batches for row in q]
     out, valid = [], []
     for start in range(0, len(flat), rows):
-        chunk = flat[start:start + rows]
+        chunk = flat[start : start + rows]
         width = max(len(r) for r in chunk)
         ids = torch.zeros(len(chunk), width, dtype=chunk[0].dtype)
         real = torch.zeros(len(chunk), width, dtype=torch.bool)
         for b, r in enumerate(chunk):
-            ids[b, :len(r)], real[b, :len(r)] = r, True
+            ids[b, : len(r)], real[b, : len(r)] = r, True
         out.append(ids)
         valid.append(real)
     return out, valid

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import files
-from tokenpatch.arch import Adapter, adapter_for, weight_layout
-from tokenpatch.errors import InputError
+from tokenpatch.arch import OutputSite, adapter_for, weight_layout
+from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import Delta, Patch
 from tokenpatch.progress import progress_bar
 from tokenpatch.run import hooked
@@ -42,7 +42,7 @@ class _Source:
             self.ctx.append(h)
             h = a.finish(model, i, *a.mix(model, i, h))[1]
         self.data, self.layer, self.patch = data, 0, None
-        self.rows = type(a).mix_prefixes is not Adapter.mix_prefixes  # the adapter runs virtual query rows
+        self.rows = a.implements("mix_prefixes")  # the adapter runs virtual query rows
         width = self.ctx[0].shape[-1] * self.ctx[0].element_size()
         total = sum(q.shape[0] * (q.shape[1] if q.ndim > 2 else 1) for q in data) if isinstance(data, list) else None
         self.cached = total is not None and 2 * total * width <= cache_bytes
@@ -51,7 +51,7 @@ class _Source:
     def _embed(self, q: Tensor) -> tuple[Tensor, Tensor]:
         a, m = self.adapter, self.model
         q = a.check_inputs(m, q)
-        hq = a.embed(m, torch.cat([self.prompt.expand(q.shape[0], *self.prompt.shape[1:]), q], 1))[:, self.p:]
+        hq = a.embed(m, torch.cat([self.prompt.expand(q.shape[0], *self.prompt.shape[1:]), q], 1))[:, self.p :]
         return hq.clone(), a.embed(m, q)  # a copy: a view would keep the prompt's rows alive in the cache
 
     def _teacher_mix(self, i: int, hq: Tensor) -> tuple[Tensor, Tensor]:
@@ -62,7 +62,7 @@ class _Source:
             return m_c.transpose(0, 1), s_c.transpose(0, 1)
         ctx = self.ctx[i].expand(hq.shape[0], *self.ctx[i].shape[1:])
         m_c, s_c = self.adapter.mix(self.model, i, torch.cat([ctx, hq], 1))
-        return m_c[:, self.p:], s_c[:, self.p:]
+        return m_c[:, self.p :], s_c[:, self.p :]
 
     def _step(self, i: int, hq: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
         """Both states one layer up; the no-prompt one under the patch fitted so far."""
@@ -106,16 +106,32 @@ def _input_deltas(model: nn.Module, names, d: Tensor) -> dict[str, Delta]:
     return out
 
 
-def fit_icl(model: nn.Module, prompt: Tensor, batches: list, *, ridge: float, mode: str, inputs: bool,
-            output: str | None, rank: int | None, solver: str, cache_bytes: int, distributed: bool,
-            progress: bool | None) -> ThoughtPatch:
+def fit_icl(
+    model: nn.Module,
+    prompt: Tensor,
+    batches: list,
+    *,
+    ridge: float,
+    mode: str,
+    inputs: bool,
+    output: str | None,
+    rank: int | None,
+    solver: str,
+    cache_bytes: int,
+    distributed: bool,
+    progress: bool | None,
+) -> ThoughtPatch:
     """``thought_patch`` on our own models: the arguments already checked there."""
     if not isinstance(prompt, Tensor) or prompt.ndim not in (2, 3) or (prompt.ndim == 3 and prompt.shape[0] != 1):
-        raise InputError("prompt must be a tensor [P, ...] (or [1, P, ...]) of model inputs, got "
-                         f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__}")
+        raise InputError(
+            "prompt must be a tensor [P, ...] (or [1, P, ...]) of model inputs, got "
+            f"{tuple(prompt.shape) if isinstance(prompt, Tensor) else type(prompt).__name__}"
+        )
     if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise InputError("distributed=True needs an initialised torch.distributed process group "
-                         "(torch.distributed.init_process_group, e.g. under torchrun)")
+        raise InputError(
+            "distributed=True needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group, e.g. under torchrun)"
+        )
     source = _Source(model, prompt if prompt.ndim == 3 else prompt[None], batches, mode, cache_bytes)
     adapter = source.adapter
     deltas: dict[str, Delta] = {}
@@ -124,8 +140,9 @@ def fit_icl(model: nn.Module, prompt: Tensor, batches: list, *, ridge: float, mo
         sites = adapter.sites(model, i)
         fit = {"layer": i, "ridge": float(ridge)}
         if inputs and sites.inputs:
-            acc = accumulate(((s_0.flatten(0, -2), (s_c - s_0).flatten(0, -2)) for _, s_c, _, s_0 in source),
-                             distributed, solver)
+            acc = accumulate(
+                ((s_0.flatten(0, -2), (s_c - s_0).flatten(0, -2)) for _, s_c, _, s_0 in source), distributed, solver
+            )
             d, solved_rank, cond = solve(acc, ridge, False, f"layer {i} input side")
             fit.update(n=acc.n, input_residual=residual(acc, d), input_rank=solved_rank, input_condition=cond)
             deltas.update(cut_rank(_input_deltas(model, sites.inputs, d), rank))
@@ -136,22 +153,48 @@ def fit_icl(model: nn.Module, prompt: Tensor, batches: list, *, ridge: float, mo
         source.advance(Patch(deltas) if deltas else None)
     if not deltas:
         raise InputError("nothing was fitted: the model has no input sites and no output sites")
-    meta = {"model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)}, "thought": {
-        "mode": mode, "ridge": float(ridge), "inputs": inputs, "output": output, "rank": rank, "solver": solver,
-        "prompt_len": source.p,
-        "positions": fits[0].n}}
+    meta = {
+        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+        "thought": {
+            "mode": mode,
+            "ridge": float(ridge),
+            "inputs": inputs,
+            "output": output,
+            "rank": rank,
+            "solver": solver,
+            "prompt_len": source.p,
+            "positions": fits[0].n,
+        },
+    }
     return ThoughtPatch(static_patch(deltas, meta), fits)
 
 
-def _fit_output(model, adapter, i: int, site, source: _Source, deltas: dict, output: str, ridge: float,
-                distributed: bool, solver: str) -> dict:
+def _fit_output(
+    model,
+    adapter,
+    i: int,
+    site: OutputSite,
+    source: _Source,
+    deltas: dict,
+    output: str,
+    ridge: float,
+    distributed: bool,
+    solver: str,
+) -> dict:
     """The output side of layer ``i`` on top of its fitted input side: adds to ``deltas``, returns diagnostics."""
-    kind, name = site
+    kind, name = site.kind, site.name
+    if kind not in ("bias", "matrix"):
+        raise UnsupportedModelError(
+            f"layer {i}: a {kind!r} output site ({name}) is fitted on language models only "
+            "(tp.thought_patch with a traced adapter)"
+        )
     module_name = name.rpartition(".")[0]
     module = model.get_submodule(module_name)
     if output == "vector" and kind != "bias":
-        raise InputError(f"layer {i}: {name} is an output matrix without a bias; a thought vector needs a bias to "
-                         "live in: use output='affine'")
+        raise InputError(
+            f"layer {i}: {name} is an output matrix without a bias; a thought vector needs a bias to "
+            "live in: use output='affine'"
+        )
     affine = kind == "bias"
     current = Patch(deltas) if deltas else None
 

@@ -71,11 +71,17 @@ class QR:
 
 
 def _warn(where: str, rank: int, p: int, cond: float) -> None:
-    what = (f"rank-deficient (the calibration positions span {rank} of {p} dimensions" if rank < p
-            else f"ill-conditioned (rank {p} of {p}") + f", condition number {cond:.2e})"
-    warnings.warn(f"thought_patch: {where}: the least-squares system is {what}; taking the minimum-norm solution "
-                  "(ridge > 0 regularises it; more calibration queries help if they add directions)", ThoughtWarning,
-                  stacklevel=_caller())
+    what = (
+        f"rank-deficient (the calibration positions span {rank} of {p} dimensions"
+        if rank < p
+        else f"ill-conditioned (rank {p} of {p}"
+    ) + f", condition number {cond:.2e})"
+    warnings.warn(
+        f"thought_patch: {where}: the least-squares system is {what}; taking the minimum-norm solution "
+        "(ridge > 0 regularises it; more calibration queries help if they add directions)",
+        ThoughtWarning,
+        stacklevel=_caller(),
+    )
 
 
 def _solve_qr(acc: QR, lam: float, free_last: bool, where: str) -> tuple[Tensor, int, float]:
@@ -181,8 +187,14 @@ def accumulate(pairs, distributed: bool = False, solver: str = "normal") -> Sums
         torch.distributed.all_gather(parts, full)
         acc.r, acc.n = torch.linalg.qr(torch.cat(parts), mode="r").R, int(n.item())
     elif distributed:  # one all-reduce of the packed sums: the fit of all shards together
-        packed = torch.cat([acc.xx.flatten(), acc.yx.flatten(), acc.yy.flatten(),
-                            torch.tensor([float(acc.n)], dtype=torch.float64, device=acc.xx.device)])
+        packed = torch.cat(
+            [
+                acc.xx.flatten(),
+                acc.yx.flatten(),
+                acc.yy.flatten(),
+                torch.tensor([float(acc.n)], dtype=torch.float64, device=acc.xx.device),
+            ]
+        )
         torch.distributed.all_reduce(packed)
         sizes = [acc.xx.numel(), acc.yx.numel(), acc.yy.numel()]
         xx, yx, yy, n = packed.split([*sizes, 1])

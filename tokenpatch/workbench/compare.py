@@ -19,25 +19,35 @@ import contextlib
 import math
 import random
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.progress import progress_bar
 from tokenpatch.baselines.steering import Steering, steer
 from tokenpatch.baselines.vectors import attention_shift, function_vectors, pad_left, task_vectors, thought_vector
-from tokenpatch.patch import Patch
 from tokenpatch.errors import InputError
+from tokenpatch.patch import Patch
+from tokenpatch.progress import progress_bar
 from tokenpatch.run import apply
+from tokenpatch.stats import wilson
 from tokenpatch.tasks.wordpairs import Format, WordPairs, is_correct
 from tokenpatch.thought.front import compress
 
 # key (snake_case, as in the results) -> the name shown
-METHODS = {"zero_shot": "zero-shot", "icl": "ICL", "thought_patch": "thought patch",
-           "thought_patch_rank": "thought patch (rank r)", "thought_vector": "thought vector",
-           "attention_shift": "attention shift", "task_vector": "task vector", "function_vector": "function vector"}
+METHODS = {
+    "zero_shot": "zero-shot",
+    "icl": "ICL",
+    "thought_patch": "thought patch",
+    "thought_patch_rank": "thought patch (rank r)",
+    "thought_vector": "thought vector",
+    "attention_shift": "attention shift",
+    "task_vector": "task vector",
+    "function_vector": "function vector",
+}
 
 
 @dataclass
@@ -47,8 +57,8 @@ class Method:
 
     name: str
     prompted: bool = False
-    prefill: Callable[[dict], ContextManager] = lambda batch: contextlib.nullcontext()
-    decode: Callable[[], ContextManager] = contextlib.nullcontext
+    prefill: Callable[[dict], AbstractContextManager] = lambda batch: contextlib.nullcontext()
+    decode: Callable[[], AbstractContextManager] = contextlib.nullcontext
     extraction_s: float = 0.0
     nbytes: int = 0
     info: dict | None = None
@@ -58,16 +68,20 @@ def _steered(model: nn.Module, name: str, s: Steering, seconds: float, skip: int
     """Steering in the queries' forward (every position but the ``skip`` leading tokens, or the last
     one) and, for every-position steering, in each generated token's (a last-position edit lives on
     in the KV cache)."""
+
     def prefill(batch: dict):
         return steer(model, s, (batch["position_ids"] >= skip) & (batch["attention_mask"] > 0))
+
     every = s.position == "all"
-    return Method(name, False, prefill, (lambda: steer(model, s)) if every else contextlib.nullcontext,
-                  seconds, s.nbytes, info)
+    return Method(
+        name, False, prefill, (lambda: steer(model, s)) if every else contextlib.nullcontext, seconds, s.nbytes, info
+    )
 
 
 def _patched(model: nn.Module, name: str, patch: Patch, seconds: float, info: dict) -> Method:
-    nbytes = sum(t.numel() * t.element_size() for d in patch.values() for t in
-                 ((d.u, d.v) if hasattr(d, "u") else (d,)))
+    nbytes = sum(
+        t.numel() * t.element_size() for d in patch.values() for t in ((d.u, d.v) if hasattr(d, "u") else (d,))
+    )
     return Method(name, False, lambda batch: apply(model, patch), lambda: apply(model, patch), seconds, nbytes, info)
 
 
@@ -80,8 +94,10 @@ class Encoded:
         ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         self.prefix = leading_tokens(tokenizer)
         if len(self.prefix) > 1:
-            raise InputError(f"the tokenizer starts every sequence with {len(self.prefix)} tokens; the comparison keeps "
-                             "one leading token (a BOS) in both passes")
+            raise InputError(
+                f"the tokenizer starts every sequence with {len(self.prefix)} tokens; the comparison keeps "
+                "one leading token (a BOS) in both passes"
+            )
         if len(splits["demos"]) < shots:
             raise InputError(f"{shots} shots asked, the split has {len(splits['demos'])} demonstrations")
         self.demo_pairs = splits["demos"][:shots]
@@ -96,7 +112,9 @@ class Encoded:
         return pad_left(rows, self.pad)
 
     def n_query(self, split: str, answers: bool = False) -> Tensor:
-        return torch.tensor([len(q) + (len(a) if answers else 0) for q, a in zip(self.query[split], self.answer[split])])
+        return torch.tensor(
+            [len(q) + (len(a) if answers else 0) for q, a in zip(self.query[split], self.answer[split])]
+        )
 
     def first(self, split: str) -> Tensor:
         return torch.tensor([a[0] for a in self.answer[split]])
@@ -127,15 +145,6 @@ def leading_tokens(tokenizer) -> list[int]:
     return []
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson score interval of ``k`` successes in ``n``."""
-    if n == 0:
-        return (0.0, 1.0)
-    p, z2 = k / n, z * z
-    mid, half = (p + z2 / (2 * n)) / (1 + z2 / n), z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return (max(0.0, mid - half), min(1.0, mid + half))
-
-
 def _to(model: nn.Module, batch: dict) -> dict:
     device = model.get_input_embeddings().weight.device
     return {k: v.to(device) for k, v in batch.items()}
@@ -161,19 +170,29 @@ def greedy(model: nn.Module, batch: dict, method: Method, steps: int) -> tuple[T
         with method.decode():
             for _ in range(steps - 1):
                 mask, pos = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), pos + 1
-                out = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=pos,
-                            cache=out.cache, use_cache=True, logits_to_keep=1)
+                out = model(
+                    input_ids=tokens[-1][:, None],
+                    attention_mask=mask,
+                    position_ids=pos,
+                    cache=out.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 tokens.append(out.logits[:, -1].argmax(-1))
     return torch.stack(tokens, 1), first
 
 
-def choose_layer(model: nn.Module, enc: Encoded, candidates: Steering, name: str, progress: bool | None) -> tuple[int, list]:
+def choose_layer(
+    model: nn.Module, enc: Encoded, candidates: Steering, name: str, progress: bool | None
+) -> tuple[int, list]:
     """The layer whose vector does best on the dev split: the most dev answers whose first token is
     ranked first, ties broken by the mean log-probability of that token."""
     batch, first = enc.batch("dev", False), enc.first("dev")
     scores = []
     for layer in progress_bar(sorted(candidates.vectors), progress, desc=f"{name} layer", unit="layer"):
-        logp = answer_logits(model, batch, Method(name, prefill=lambda b, s=candidates.only(layer): steer(model, s))).cpu()
+        logp = answer_logits(
+            model, batch, Method(name, prefill=lambda b, s=candidates.only(layer): steer(model, s))
+        ).cpu()
         hits = int((logp.argmax(-1) == first).sum())
         scores.append((layer, hits, float(logp.gather(1, first[:, None]).mean())))
     best = max(scores, key=lambda s: (s[1], s[2]))
@@ -186,9 +205,18 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def extract(model: nn.Module, enc: Encoded, *, rank: int = 4, ridge: float = 0.0, layers: Any = None,
-            n_heads: int = 10, seed: int = 0, methods: tuple[str, ...] | None = None,
-            progress: bool | None = None) -> dict[str, Method]:
+def extract(
+    model: nn.Module,
+    enc: Encoded,
+    *,
+    rank: int = 4,
+    ridge: float = 0.0,
+    layers: Any = None,
+    n_heads: int = 10,
+    seed: int = 0,
+    methods: tuple[str, ...] | None = None,
+    progress: bool | None = None,
+) -> dict[str, Method]:
     """Every method of ``METHODS`` (or those named in ``methods``), extracted from the calibration
     split and, for the task and function vectors, placed on the dev split."""
     want = lambda name: methods is None or name in methods  # noqa: E731
@@ -204,8 +232,17 @@ def extract(model: nn.Module, enc: Encoded, *, rank: int = 4, ridge: float = 0.0
         prompt = torch.tensor(enc.prefix + enc.demos)
         keep_bos = bool(enc.prefix)
         output = "affine"
-        fit = lambda r, lam: compress(model, prompt, queries, ridge=lam, rank=r, output=output,  # noqa: E731
-                                      keep_bos=keep_bos, layers=layers, progress=progress)
+        fit = lambda r, lam: compress(
+            model,
+            prompt,
+            queries,
+            ridge=lam,
+            rank=r,
+            output=output,  # noqa: E731
+            keep_bos=keep_bos,
+            layers=layers,
+            progress=progress,
+        )
         ridges = [float(ridge)] if isinstance(ridge, (int, float)) else [float(x) for x in ridge]
         dev, dev_kl, full, start = enc.batch("dev", False), {}, {}, time.perf_counter()
         if len(ridges) > 1:  # the ridge with the lowest KL to ICL on the dev split
@@ -216,15 +253,29 @@ def extract(model: nn.Module, enc: Encoded, *, rank: int = 4, ridge: float = 0.0
                 dev_kl[lam] = float((ref.exp() * (ref - answer_logits(model, dev, p))).sum(-1).mean())
         chosen = min(dev_kl, key=dev_kl.get) if dev_kl else ridges[0]
         search = time.perf_counter() - start if dev_kl else 0.0  # every ridge's fit and dev run
-        for key, name, r in (("thought_patch", "thought patch", None),
-                             ("thought_patch_rank", f"thought patch (rank {rank})", rank)):
+        for key, name, r in (
+            ("thought_patch", "thought patch", None),
+            ("thought_patch_rank", f"thought patch (rank {rank})", rank),
+        ):
             if not want(key):
                 continue
             patch, secs = full[chosen] if r is None and chosen in full else _timed(lambda: fit(r, chosen))
             fits = patch.meta["thought"]["fits"]
-            out[key] = _patched(model, name, patch, secs, {"rank": r, "ridge": chosen, "selection_s": search,
-                                                           "dev_kl_by_ridge": [[k, v] for k, v in dev_kl.items()],
-                                                            "output": output, "fits": fits, "patch": patch})
+            out[key] = _patched(
+                model,
+                name,
+                patch,
+                secs,
+                {
+                    "rank": r,
+                    "ridge": chosen,
+                    "selection_s": search,
+                    "dev_kl_by_ridge": [[k, v] for k, v in dev_kl.items()],
+                    "output": output,
+                    "fits": fits,
+                    "patch": patch,
+                },
+            )
     if want("thought_vector"):
         s, secs = _timed(lambda: thought_vector(model, prompted, plain, n_q, len(enc.prefix)))
         out["thought_vector"] = _steered(model, "thought vector", s, secs, len(enc.prefix))
@@ -235,17 +286,29 @@ def extract(model: nn.Module, enc: Encoded, *, rank: int = 4, ridge: float = 0.0
     if want("task_vector"):
         tv, secs = _timed(lambda: task_vectors(model, dummy))
         (layer, scores), pick = _timed(lambda: choose_layer(model, enc, tv, "task vector", progress))
-        out["task_vector"] = _steered(model, "task vector", tv.only(layer), secs, len(enc.prefix),
-                                      {"layer": layer, "dev_scores": scores, "selection_s": pick})
+        out["task_vector"] = _steered(
+            model,
+            "task vector",
+            tv.only(layer),
+            secs,
+            len(enc.prefix),
+            {"layer": layer, "dev_scores": scores, "selection_s": pick},
+        )
     if want("function_vector"):
         corrupted = enc.batch("calibration", True, demos=enc.shuffled_demos(seed))
-        fv, secs = _timed(lambda: function_vectors(model, dummy, corrupted, enc.first("calibration"), n_heads, progress))
+        fv, secs = _timed(
+            lambda: function_vectors(model, dummy, corrupted, enc.first("calibration"), n_heads, progress)
+        )
         (layer, scores), pick = _timed(lambda: choose_layer(model, enc, fv, "function vector", progress))
-        out["function_vector"] = _steered(model, "function vector", fv.only(layer), secs, len(enc.prefix),
-                                          {"layer": layer, "dev_scores": scores, "selection_s": pick,
-                                           "heads": fv.meta["heads"]})
+        out["function_vector"] = _steered(
+            model,
+            "function vector",
+            fv.only(layer),
+            secs,
+            len(enc.prefix),
+            {"layer": layer, "dev_scores": scores, "selection_s": pick, "heads": fv.meta["heads"]},
+        )
     return out
-
 
 
 def _prefill_seconds(model: nn.Module, batch: dict, method: Method, repeats: int = 2) -> float:
@@ -259,9 +322,16 @@ def _prefill_seconds(model: nn.Module, batch: dict, method: Method, repeats: int
     return best
 
 
-def evaluate(model: nn.Module, enc: Encoded, methods: dict[str, Method], split: str = "test",
-             progress: bool | None = None, timing_rows: int = 32) -> dict[str, dict]:
-    """Per method: greedy accuracy with its 95% interval, ``KL(p_ICL || p_method)`` at the answer
+def evaluate(
+    model: nn.Module,
+    enc: Encoded,
+    methods: dict[str, Method],
+    split: str = "test",
+    progress: bool | None = None,
+    timing_rows: int = 32,
+) -> dict[str, dict]:
+    """Per method: greedy accuracy with its 95% Wilson interval (``"accuracy_interval"``,
+    ``{"mean", "lo", "hi"}``: ``stats.wilson``), ``KL(p_ICL || p_method)`` at the answer
     position (mean over the queries, nats), and the prefill time on ``timing_rows`` queries as a
     ratio to zero-shot."""
     pairs = enc.splits[split]
@@ -273,8 +343,12 @@ def evaluate(model: nn.Module, enc: Encoded, methods: dict[str, Method], split: 
         m = methods[name]
         tokens, logp = greedy(model, batches[m.prompted], m, steps)
         texts = enc.tokenizer.batch_decode(tokens.cpu())
-        runs[name] = ([is_correct(t, ys) for t, (_, ys) in zip(texts, pairs)], logp.cpu(), texts,
-                      _prefill_seconds(model, timing[m.prompted], m))
+        runs[name] = (
+            [is_correct(t, ys) for t, (_, ys) in zip(texts, pairs)],
+            logp.cpu(),
+            texts,
+            _prefill_seconds(model, timing[m.prompted], m),
+        )
     if "icl" not in runs:
         raise InputError("evaluate needs the ICL method (the KL is to it)")
     ref = runs["icl"][1]
@@ -283,22 +357,50 @@ def evaluate(model: nn.Module, enc: Encoded, methods: dict[str, Method], split: 
         k, n = sum(correct), len(correct)
         kl = (ref.exp() * (ref - logp)).sum(-1).clamp_min(0)  # [B]
         m = methods[name]
-        rows[name] = {"name": m.name, "correct": k, "n": n, "accuracy": k / n, "ci95": list(wilson(k, n)), "kl": float(kl.mean()),
-                      "kl_median": float(kl.median()), "extraction_s": m.extraction_s, "bytes": m.nbytes,
-                      "overhead": secs / runs["zero_shot"][3] if "zero_shot" in runs else None,
-                      "examples": [[x, t.split("\n", 1)[0].strip(), ok] for (x, _), t, ok in list(zip(pairs, texts, correct))[:5]]}
+        rows[name] = {
+            "name": m.name,
+            "correct": k,
+            "n": n,
+            "accuracy": k / n,
+            "accuracy_interval": wilson(k, n),
+            "kl": float(kl.mean()),
+            "kl_median": float(kl.median()),
+            "extraction_s": m.extraction_s,
+            "bytes": m.nbytes,
+            "overhead": secs / runs["zero_shot"][3] if "zero_shot" in runs else None,
+            "examples": [
+                [x, t.split("\n", 1)[0].strip(), ok] for (x, _), t, ok in list(zip(pairs, texts, correct))[:5]
+            ],
+        }
     return rows
 
 
 def single_token_answers(tokenizer, task: WordPairs, fmt: Format = Format()) -> dict:
     """How many of the task's answers are one token under ``tokenizer`` (as they follow the query)."""
-    ones = sum(len(tokenizer(fmt.answer.format(y=ys[0]), add_special_tokens=False)["input_ids"]) == 1 for _, ys in task.pairs)
+    ones = sum(
+        len(tokenizer(fmt.answer.format(y=ys[0]), add_special_tokens=False)["input_ids"]) == 1 for _, ys in task.pairs
+    )
     return {"single_token": int(ones), "pairs": len(task.pairs)}
 
 
-def compare(model: nn.Module, tokenizer, task: WordPairs, *, shots: int = 10, seed: int = 0, test: int | None = None,
-            calibration: int = 40, dev: int = 30, fmt: Format = Format(), rank: int = 4, ridge: float = 0.0, layers: Any = None, n_heads: int = 10,
-            methods: tuple[str, ...] | None = None, progress: bool | None = None) -> dict:
+def compare(
+    model: nn.Module,
+    tokenizer,
+    task: WordPairs,
+    *,
+    shots: int = 10,
+    seed: int = 0,
+    test: int | None = None,
+    calibration: int = 40,
+    dev: int = 30,
+    fmt: Format = Format(),
+    rank: int = 4,
+    ridge: float = 0.0,
+    layers: Any = None,
+    n_heads: int = 10,
+    methods: tuple[str, ...] | None = None,
+    progress: bool | None = None,
+) -> dict:
     """Every method on one task (``extract`` then ``evaluate`` on the test split). Returns a JSON-able
     dict (methods keyed as in ``METHODS``) but for ``"patches"``: the fitted thought patches
     (``tp.save_patch`` them; ``json.dumps`` the rest). ``ridge``: a number, or several to choose
@@ -308,12 +410,23 @@ def compare(model: nn.Module, tokenizer, task: WordPairs, *, shots: int = 10, se
     if test is not None and test < 1:
         raise InputError(f"test must be at least 1 pair (or None: all that are left), got {test}")
     if shots < 2 and (methods is None or "function_vector" in methods):
-        raise InputError("the function vector's corrupted prompts shuffle the answers of the demonstrations: "
-                         f"it needs shots >= 2, got {shots}")
+        raise InputError(
+            "the function vector's corrupted prompts shuffle the answers of the demonstrations: "
+            f"it needs shots >= 2, got {shots}"
+        )
     splits = task.split(seed, demos=max(shots, 10), calibration=calibration, dev=dev, test=test)
     enc = Encoded(tokenizer, splits, shots, fmt)
-    built = extract(model, enc, rank=rank, ridge=ridge, layers=layers, n_heads=n_heads, seed=seed, methods=methods,
-                    progress=progress)
+    built = extract(
+        model,
+        enc,
+        rank=rank,
+        ridge=ridge,
+        layers=layers,
+        n_heads=n_heads,
+        seed=seed,
+        methods=methods,
+        progress=progress,
+    )
     rows = evaluate(model, enc, built, progress=progress)
     for name, m in built.items():
         if m.info:
@@ -326,10 +439,18 @@ def compare(model: nn.Module, tokenizer, task: WordPairs, *, shots: int = 10, se
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     kv = 2 * c.num_hidden_layers * kv_heads * _head_dim(model) * len(enc.prefix + enc.demos)
     rows["icl"]["bytes"] = kv * model.get_input_embeddings().weight.element_size()  # the prompt's KV cache
-    return {"task": task.name, "description": task.description, "shots": shots, "seed": seed,
-            "prompt_tokens": len(enc.prefix + enc.demos), "splits": {k: len(v) for k, v in splits.items()},
-            "answers": single_token_answers(tokenizer, task, fmt), "informative": 5 * (icl - zero) >= n,  # >= 20 points
-            "methods": rows, "patches": {n: m.info["patch"] for n, m in built.items() if m.info and "patch" in m.info}}
+    return {
+        "task": task.name,
+        "description": task.description,
+        "shots": shots,
+        "seed": seed,
+        "prompt_tokens": len(enc.prefix + enc.demos),
+        "splits": {k: len(v) for k, v in splits.items()},
+        "answers": single_token_answers(tokenizer, task, fmt),
+        "informative": 5 * (icl - zero) >= n,  # >= 20 points
+        "methods": rows,
+        "patches": {n: m.info["patch"] for n, m in built.items() if m.info and "patch" in m.info},
+    }
 
 
 def _finite(value: Any) -> Any:

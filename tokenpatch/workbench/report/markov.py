@@ -15,25 +15,52 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tokenpatch.models.markov import MarkovModel
+from tokenpatch.interp.bridge import phase_bridge
+from tokenpatch.interp.circuits import (
+    ablated,
+    attention_patterns,
+    chain_probe,
+    phi,
+    phi_patching,
+    previous_token_score,
+    statistical_induction_score,
+)
+from tokenpatch.interp.phases import cross_entropy
+from tokenpatch.models.markov import MarkovModel, log_probs, model_inputs
+from tokenpatch.stats import half_width, interval
+from tokenpatch.tasks.markov import STREAMS, MarkovTask
+from tokenpatch.workbench.report.section import Section
 from tokenpatch.workbench.train.markov import MarkovTrain, load_run
 from tokenpatch.workbench.train.sweep import k_star, phase_grid, sweep_chains, sweep_lengths, transition_step
-from tokenpatch.tasks.markov import MarkovTask
-from tokenpatch.interp.bridge import phase_bridge
-from tokenpatch.interp.circuits import ablated, attention_patterns, chain_probe, phi, phi_patching, previous_token_score, statistical_induction_score
-from tokenpatch.interp.phases import cross_entropy
-from tokenpatch.models.markov import log_probs, model_inputs
-from tokenpatch.tasks.markov import STREAMS
-from tokenpatch.workbench.report.section import Section
 
 __all__ = ["FULL", "REDUCED", "markov_section", "probe_run", "curves_figure", "phase_figure", "tau_figure"]
 
-FULL = {"chains": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), "seeds": (0, 1, 2), "steps": 4000,
-        "lengths": (16, 32, 64, 128), "length_seeds": (0, 1), "length_chains": 4096, "show": (4, 1024)}
-REDUCED = {"chains": (2, 16, 128, 1024), "seeds": (0,), "steps": 2000, "lengths": (), "length_seeds": (),
-           "length_chains": 4096, "show": (2, 1024)}
-COLOURS = {"uniform": "#999999", "1-gen": "#9ecae1", "2-gen": "#08519c", "1-mem": "#fdae6b", "2-mem": "#d94801",
-           "true": "#000000"}
+FULL = {
+    "chains": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+    "seeds": (0, 1, 2),
+    "steps": 4000,
+    "lengths": (16, 32, 64, 128),
+    "length_seeds": (0, 1),
+    "length_chains": 4096,
+    "show": (4, 1024),
+}
+REDUCED = {
+    "chains": (2, 16, 128, 1024),
+    "seeds": (0,),
+    "steps": 2000,
+    "lengths": (),
+    "length_seeds": (),
+    "length_chains": 4096,
+    "show": (2, 1024),
+}
+COLOURS = {
+    "uniform": "#999999",
+    "1-gen": "#9ecae1",
+    "2-gen": "#08519c",
+    "1-mem": "#fdae6b",
+    "2-mem": "#d94801",
+    "true": "#000000",
+}
 PHASE_COLOURS = {"U": "#dddddd", "G1": "#9ecae1", "G2": "#08519c", "M1": "#fdae6b", "M2": "#d94801"}
 
 
@@ -50,8 +77,15 @@ def _edges(steps: list[int]) -> np.ndarray:
 def curves_figure(runs: dict[str, tuple[list[dict], dict]], path: Path) -> Path:
     """One column per run: the model's loss on the training chains (and on fresh chains) against
     steps, the predictors' losses as dashed levels; above it, the phase label at each evaluation."""
-    fig, axes = plt.subplots(2, len(runs), figsize=(5.6 * len(runs), 5.0), constrained_layout=True, squeeze=False,
-                             gridspec_kw={"height_ratios": [1, 11]}, sharex="col")
+    fig, axes = plt.subplots(
+        2,
+        len(runs),
+        figsize=(5.6 * len(runs), 5.0),
+        constrained_layout=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [1, 11]},
+        sharex="col",
+    )
     for col, (title, (history, refs)) in enumerate(runs.items()):
         band, ax = axes[0, col], axes[1, col]
         steps = [h["step"] for h in history]
@@ -59,7 +93,7 @@ def curves_figure(runs: dict[str, tuple[list[dict], dict]], path: Path) -> Path:
         edges = _edges(steps)
         for j, h in enumerate(history):
             label = h["train"]["label"]
-            band.fill_between(edges[j:j + 2], 0, 1, color=_label_colour(label), lw=0)
+            band.fill_between(edges[j : j + 2], 0, 1, color=_label_colour(label), lw=0)
             if j == 0 or label != history[j - 1]["train"]["label"]:
                 band.text(xs[j], 0.5, label, fontsize=7, ha="left", va="center", color="black")
         band.set_yticks([])
@@ -91,12 +125,14 @@ def phase_figure(summary: dict, stars: dict, path: Path) -> Path:
         edges = _edges(steps)
         for i, row in enumerate(labels):
             for j, label in enumerate(row):
-                ax.fill_between(edges[j:j + 2], i - 0.5, i + 0.5, color=_label_colour(label), lw=0)
+                ax.fill_between(edges[j : j + 2], i - 0.5, i + 0.5, color=_label_colour(label), lw=0)
         per = stars["per_seed"][seed]
         for key, colour in (("k1", "black"), ("k2", "white")):
             if per[key] is not None:
                 i = ks.index(per[key])
-                ax.axhline(i - 0.5 if key == "k1" else i + 0.5, color=colour, lw=2, ls="--", label=f"K*_{key[1]} = {per[key]}")
+                ax.axhline(
+                    i - 0.5 if key == "k1" else i + 0.5, color=colour, lw=2, ls="--", label=f"K*_{key[1]} = {per[key]}"
+                )
         ax.set_xscale("log")
         ax.set_xlim(edges[0], edges[-1])
         ax.set_yticks(range(len(ks)), [str(k) for k in ks])
@@ -104,7 +140,9 @@ def phase_figure(summary: dict, stars: dict, path: Path) -> Path:
         ax.set_ylabel("training chains K")
         ax.set_title(f"seed {seed}", fontsize=10)
         ax.legend(fontsize=7, loc="lower left", facecolor="#bbbbbb")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()] + [plt.Rectangle((0, 0), 1, 1, color="#74c476")]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLOURS.values()] + [
+        plt.Rectangle((0, 0), 1, 1, color="#74c476")
+    ]
     fig.legend(handles, [*PHASE_COLOURS, "mixed"], loc="outside right center", fontsize=8)
     fig.suptitle("phase on the training chains (least KL(predictor || model))")
     fig.savefig(path, dpi=120)
@@ -120,10 +158,20 @@ def tau_figure(lengths: dict, path: Path) -> Path:
     fit = lengths["fit"]
     if "power" in fit:
         n = np.geomspace(min(p[0] for p in pts), max(p[0] for p in pts), 50)
-        ax.plot(n, fit["n_over_log_n"]["c"] * n / np.log(n), "--", color="#d94801",
-                label=f"c N/log N (rms log {fit['n_over_log_n']['rms_log']:.3f})")
-        ax.plot(n, fit["power"]["c"] * n ** fit["power"]["a"], ":", color="#2ca02c",
-                label=f"c N^{fit['power']['a']:.2f} (rms log {fit['power']['rms_log']:.3f})")
+        ax.plot(
+            n,
+            fit["n_over_log_n"]["c"] * n / np.log(n),
+            "--",
+            color="#d94801",
+            label=f"c N/log N (rms log {fit['n_over_log_n']['rms_log']:.3f})",
+        )
+        ax.plot(
+            n,
+            fit["power"]["c"] * n ** fit["power"]["a"],
+            ":",
+            color="#2ca02c",
+            label=f"c N^{fit['power']['a']:.2f} (rms log {fit['power']['rms_log']:.3f})",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("sequence length N")
@@ -140,7 +188,6 @@ def probe_run(run_dir: Path, seed: int = 0) -> dict:
     head count; phi patching and the chain probe need K >= 2)."""
     import torch
 
-
     model, task, meta = load_run(run_dir)
     batch = task.sample(256, np.random.default_rng([seed, STREAMS["probe"]]), "train")
     x = model_inputs(model, task, batch.states)
@@ -156,15 +203,23 @@ def probe_run(run_dir: Path, seed: int = 0) -> dict:
                 ablations[f"layer {l + 1} head {h}"] = loss()
         with ablated(model, mlps=[l]):
             ablations[f"layer {l + 1} MLP"] = loss()
-    out = {"chains": task.chains, "layers": len(model.blocks), "final_label": meta["history"][-1]["train"]["label"],
-           "references": meta["references"]["train"],
-           "previous_token_score": previous_token_score(pats[0]).tolist(),  # per layer-1 head
-           "ablation_loss": ablations}
+    out = {
+        "chains": task.chains,
+        "layers": len(model.blocks),
+        "final_label": meta["history"][-1]["train"]["label"],
+        "references": meta["references"]["train"],
+        "previous_token_score": previous_token_score(pats[0]).tolist(),  # per layer-1 head
+        "ablation_loss": ablations,
+    }
     if len(pats) > 1:
         score, base = statistical_induction_score(pats[1], batch.states)
         out["induction_score"], out["induction_baseline"] = score.tolist(), base  # per layer-2 head
     if task.chains >= 2:
-        out["phi_patching"] = phi_patching(model, task, 256, seed=seed)
+        # interp.circuits gives a mean and a 95% half-width; the report's intervals are {"mean", "lo", "hi"}
+        out["phi_patching"] = {
+            cond: {key: interval(c["mean"], c["ci95"]) for key, c in row.items()}
+            for cond, row in phi_patching(model, task, 256, seed=seed).items()
+        }
         if task.chains <= 64:  # enough sequences per chain for a held-out split
             out["chain_probe"] = chain_probe(phi(model, x), batch.chain, seed=seed)
     with torch.no_grad():
@@ -172,8 +227,15 @@ def probe_run(run_dir: Path, seed: int = 0) -> dict:
     return out
 
 
-def markov_section(out: Path, preset: dict = REDUCED, task: MarkovTask = MarkovTask(), shape: MarkovModel = MarkovModel(),
-                   workers: int = 2, progress: bool | None = None, runs_dir: Path | None = None):
+def markov_section(
+    out: Path,
+    preset: dict = REDUCED,
+    task: MarkovTask = MarkovTask(),
+    shape: MarkovModel = MarkovModel(),
+    workers: int = 2,
+    progress: bool | None = None,
+    runs_dir: Path | None = None,
+):
     """Run the sweeps of ``preset`` (runs kept under ``runs_dir``, default ``out/markov-runs``,
     so a second call reads them back) and return the report ``Section``."""
     t0 = time.perf_counter()
@@ -184,36 +246,85 @@ def markov_section(out: Path, preset: dict = REDUCED, task: MarkovTask = MarkovT
     stars = k_star(summary)
     lengths = None
     if preset["lengths"]:
-        lengths = sweep_lengths(runs_dir / "lengths", preset["lengths"], preset["length_seeds"],
-                                replace(task, chains=preset["length_chains"]), shape, cfg, workers, progress)
-        minimal = sweep_lengths(runs_dir / "minimal", (task.length,), preset["length_seeds"],
-                                replace(task, chains=preset["length_chains"]), replace(shape, minimal=True), cfg,
-                                workers, progress)
+        lengths = sweep_lengths(
+            runs_dir / "lengths",
+            preset["lengths"],
+            preset["length_seeds"],
+            replace(task, chains=preset["length_chains"]),
+            shape,
+            cfg,
+            workers,
+            progress,
+        )
+        minimal = sweep_lengths(
+            runs_dir / "minimal",
+            (task.length,),
+            preset["length_seeds"],
+            replace(task, chains=preset["length_chains"]),
+            replace(shape, minimal=True),
+            cfg,
+            workers,
+            progress,
+        )
     seed = preset["seeds"][0]
     small, large = preset["show"]
     show = {k: runs_dir / "chains" / f"K{k:05d}-s{seed}" for k in (small, large)}
     hist = {k: next(r["history"] for r in summary["runs"] if r["chains"] == k and r["seed"] == seed) for k in show}
     refs = {k: load_run(d)[2]["references"] for k, d in show.items()}
-    figs = [curves_figure({f"K = {k} training chains (seed {seed})": (hist[k], refs[k]) for k in show},
-                          out / "markov-curves.png").name,
-            phase_figure(summary, stars, out / "markov-phases.png").name]
+    figs = [
+        curves_figure(
+            {f"K = {k} training chains (seed {seed})": (hist[k], refs[k]) for k in show}, out / "markov-curves.png"
+        ).name,
+        phase_figure(summary, stars, out / "markov-phases.png").name,
+    ]
     if lengths:
         figs.append(tau_figure(lengths, out / "markov-tau.png").name)
     probes = {str(k): probe_run(d, seed) for k, d in show.items()}
-    data = {"task": task.to_dict(), "model": shape.to_dict(), "train": cfg.to_dict(), "preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()},
-            "k_star": stars, "probes": probes, "seconds": time.perf_counter() - t0,
-            "final": [{"chains": r["chains"], "seed": r["seed"], "step": r["history"][-1]["step"],
-                       "train": r["history"][-1]["train"], "fresh": r["history"][-1]["fresh"],
-                       "g1_to_g2": transition_step(r["history"])} for r in summary["runs"]]}
+    data = {
+        "task": task.to_dict(),
+        "model": shape.to_dict(),
+        "train": cfg.to_dict(),
+        "preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()},
+        "k_star": stars,
+        "probes": probes,
+        "seconds": time.perf_counter() - t0,
+        "final": [
+            {
+                "chains": r["chains"],
+                "seed": r["seed"],
+                "step": r["history"][-1]["step"],
+                "train": r["history"][-1]["train"],
+                "fresh": r["history"][-1]["fresh"],
+                "g1_to_g2": transition_step(r["history"]),
+            }
+            for r in summary["runs"]
+        ],
+    }
     if lengths:
-        data["lengths"] = {"runs": [{k: r[k] for k in ("length", "seed", "tau")} for r in lengths["runs"]], "fit": lengths["fit"]}
-        data["minimal"] = [{"seed": r["seed"], "tau": r["tau"], "loss": r["history"][-1]["fresh"]["loss"],
-                            "label": r["history"][-1]["fresh"]["label"],
-                            "full_tau": next((f["tau"] for f in lengths["runs"]
-                                              if f["length"] == task.length and f["seed"] == r["seed"]), None),
-                            "full_loss": next((f["history"][-1]["fresh"]["loss"] for f in lengths["runs"]
-                                               if f["length"] == task.length and f["seed"] == r["seed"]), None)}
-                           for r in minimal["runs"]]
+        data["lengths"] = {
+            "runs": [{k: r[k] for k in ("length", "seed", "tau")} for r in lengths["runs"]],
+            "fit": lengths["fit"],
+        }
+        data["minimal"] = [
+            {
+                "seed": r["seed"],
+                "tau": r["tau"],
+                "loss": r["history"][-1]["fresh"]["loss"],
+                "label": r["history"][-1]["fresh"]["label"],
+                "full_tau": next(
+                    (f["tau"] for f in lengths["runs"] if f["length"] == task.length and f["seed"] == r["seed"]), None
+                ),
+                "full_loss": next(
+                    (
+                        f["history"][-1]["fresh"]["loss"]
+                        for f in lengths["runs"]
+                        if f["length"] == task.length and f["seed"] == r["seed"]
+                    ),
+                    None,
+                ),
+            }
+            for r in minimal["runs"]
+        ]
     body = _markdown(data, figs, hist, refs, show)
     return Section("markov", "Markov-chain ICL phases", body, figs, _snake(data))
 
@@ -255,59 +366,100 @@ def _markdown(data: dict, figs: list[str], hist: dict, refs: dict, show: dict) -
     for k in show:
         r = refs[k]["train"]
         h = hist[k][-1]["train"]
-        lines.append(f"| {k} | {h['label']} | {h['loss']:.3f} | {r['1-gen']:.3f} | {r['2-gen']:.3f} | {r['1-mem']:.3f} | "
-                     f"{r['2-mem']:.3f} | {r['true']:.3f} |")
+        lines.append(
+            f"| {k} | {h['label']} | {h['loss']:.3f} | {r['1-gen']:.3f} | {r['2-gen']:.3f} | {r['1-mem']:.3f} | "
+            f"{r['2-mem']:.3f} | {r['true']:.3f} |"
+        )
         seq = [hh["train"]["label"] for hh in hist[k]]
-        lines.append(f"|   | labels over training: {' -> '.join(x for i, x in enumerate(seq) if i == 0 or x != seq[i - 1])} | | | | | | |")
+        lines.append(
+            f"|   | labels over training: {' -> '.join(x for i, x in enumerate(seq) if i == 0 or x != seq[i - 1])} | | | | | | |"
+        )
     s = data["k_star"]
-    lines += ["", f"![phase diagram]({figs[1]})", "",
-              f"- K*_1 (smallest K closer to 2-gen than to 2-mem on fresh chains at the end): {_fmt_star(s['k1'])}",
-              f"- K*_2 (largest K whose final model is nearest to 2-mem on its training chains): {_fmt_star(s['k2'])}",
-              "- per seed (the grid brackets each estimate): " + "; ".join(
-                  f"seed {seed}: K*_1 {_bracket(v['k1_bracket'], '(', ']')}, K*_2 {_bracket(v['k2_bracket'], '[', ')')}"
-                  for seed, v in s["per_seed"].items())]
+    lines += [
+        "",
+        f"![phase diagram]({figs[1]})",
+        "",
+        f"- K*_1 (smallest K closer to 2-gen than to 2-mem on fresh chains at the end): {_fmt_star(s['k1'])}",
+        f"- K*_2 (largest K whose final model is nearest to 2-mem on its training chains): {_fmt_star(s['k2'])}",
+        "- per seed (the grid brackets each estimate): "
+        + "; ".join(
+            f"seed {seed}: K*_1 {_bracket(v['k1_bracket'], '(', ']')}, K*_2 {_bracket(v['k2_bracket'], '[', ')')}"
+            for seed, v in s["per_seed"].items()
+        ),
+    ]
     if "lengths" in data:
         f = data["lengths"]["fit"]
-        lines += ["", f"![tau vs N]({figs[2]})", "",
-                  "| N | seed | tau (steps) |", "|---|---|---|"]
-        lines += [f"| {r['length']} | {r['seed']} | {'-' if r['tau'] is None else round(r['tau'])} |"
-                  for r in data["lengths"]["runs"]]
+        lines += ["", f"![tau vs N]({figs[2]})", "", "| N | seed | tau (steps) |", "|---|---|---|"]
+        lines += [
+            f"| {r['length']} | {r['seed']} | {'-' if r['tau'] is None else round(r['tau'])} |"
+            for r in data["lengths"]["runs"]
+        ]
         if "power" in f:
-            lines += ["", f"Fits in log space: tau = {f['n_over_log_n']['c']:.3g} N/log N (rms log residual "
-                          f"{f['n_over_log_n']['rms_log']:.3f}); tau = {f['power']['c']:.3g} N^{f['power']['a']:.2f} "
-                          f"(rms {f['power']['rms_log']:.3f})."]
+            lines += [
+                "",
+                f"Fits in log space: tau = {f['n_over_log_n']['c']:.3g} N/log N (rms log residual "
+                f"{f['n_over_log_n']['rms_log']:.3f}); tau = {f['power']['c']:.3g} N^{f['power']['a']:.2f} "
+                f"(rms {f['power']['rms_log']:.3f}).",
+            ]
     if "minimal" in data:
-        lines += ["", f"The minimal model (paper A's eq. XII7: layer 1 replaced by the hard previous-state "
-                      f"concatenation, one layer reading [x_n; x_(n-1); n]) at N = {t['length']}, the same K and steps, "
-                      "on fresh chains:", "",
-                      "| seed | tau, minimal | tau, 2-layer | final loss, minimal | final loss, 2-layer | final label, minimal |",
-                      "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"The minimal model (paper A's eq. XII7: layer 1 replaced by the hard previous-state "
+            f"concatenation, one layer reading [x_n; x_(n-1); n]) at N = {t['length']}, the same K and steps, "
+            "on fresh chains:",
+            "",
+            "| seed | tau, minimal | tau, 2-layer | final loss, minimal | final loss, 2-layer | final label, minimal |",
+            "|---|---|---|---|---|---|",
+        ]
         fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         loss = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        lines += [f"| {m['seed']} | {fmt(m['tau'])} | {fmt(m['full_tau'])} | {loss(m['loss'])} | {loss(m['full_loss'])} | "
-                  f"{m['label']} |" for m in data["minimal"]]
-    lines += ["", "Circuits, phi patching and the bridge to token patches (256 training-chain sequences; "
-                  "KL to the donor / recipient chain's row at the final state, mean ± 95% half-width):", ""]
-    lines += ["| K | phase | prev-token score, layer-1 heads | stat.-induction score, layer-2 heads (uniform) | "
-              "loss: clean, then each head and MLP ablated (zero) |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {m['seed']} | {fmt(m['tau'])} | {fmt(m['full_tau'])} | {loss(m['loss'])} | {loss(m['full_loss'])} | "
+            f"{m['label']} |"
+            for m in data["minimal"]
+        ]
+    lines += [
+        "",
+        "Circuits, phi patching and the bridge to token patches (256 training-chain sequences; "
+        "KL to the donor / recipient chain's row at the final state, mean ± 95% half-width):",
+        "",
+    ]
+    lines += [
+        "| K | phase | prev-token score, layer-1 heads | stat.-induction score, layer-2 heads (uniform) | "
+        "loss: clean, then each head and MLP ablated (zero) |",
+        "|---|---|---|---|---|",
+    ]
     for k, p in data["probes"].items():
-        ind = "-" if "induction_score" not in p else (
-            f"{', '.join(f'{v:.2f}' for v in p['induction_score'])} ({p['induction_baseline']:.2f})")
+        ind = (
+            "-"
+            if "induction_score" not in p
+            else (f"{', '.join(f'{v:.2f}' for v in p['induction_score'])} ({p['induction_baseline']:.2f})")
+        )
         abl = "; ".join(f"{name} {v:.3f}" for name, v in p["ablation_loss"].items())
-        lines.append(f"| {k} | {p['final_label']} | {', '.join(f'{v:.2f}' for v in p['previous_token_score'])} | "
-                     f"{ind} | {abl} |")
+        lines.append(
+            f"| {k} | {p['final_label']} | {', '.join(f'{v:.2f}' for v in p['previous_token_score'])} | {ind} | {abl} |"
+        )
     lines += ["", "| K | phi from | KL to donor | KL to recipient |", "|---|---|---|---|"]
     for k, p in data["probes"].items():
         for cond, row in p.get("phi_patching", {}).items():
-            lines.append(f"| {k} | {cond.replace('_', ' ')} | {row['kl_donor']['mean']:.3f} ± {row['kl_donor']['ci95']:.3f} | "
-                         f"{row['kl_recipient']['mean']:.3f} ± {row['kl_recipient']['ci95']:.3f} |")
-    lines += ["", "| K | chain probe on phi (accuracy / chance) | cos(phi, thought vector) raw / centred / context part | "
-                  "token patch norm per layer | step-norm exponent per layer |", "|---|---|---|---|---|"]
+            don, rec = row["kl_donor"], row["kl_recipient"]
+            lines.append(
+                f"| {k} | {cond.replace('_', ' ')} | {don['mean']:.3f} ± {half_width(don):.3f} | "
+                f"{rec['mean']:.3f} ± {half_width(rec):.3f} |"
+            )
+    lines += [
+        "",
+        "| K | chain probe on phi (accuracy / chance) | cos(phi, thought vector) raw / centred / context part | "
+        "token patch norm per layer | step-norm exponent per layer |",
+        "|---|---|---|---|---|",
+    ]
     for k, p in data["probes"].items():
         b = p["bridge"]
         probe = f"{p['chain_probe']['accuracy']:.2f} / {p['chain_probe']['chance']:.2f}" if "chain_probe" in p else "-"
-        lines.append(f"| {k} | {probe} | {b['phi_cosine']['raw']:.2f} / {b['phi_cosine']['centred']:.2f} / "
-                     f"{b['phi_cosine']['context_vector']:.2f} | {', '.join(f'{v:.2f}' for v in b['update_norm'])} | "
-                     f"{', '.join(f'{v:.2f}' for v in b['step_exponent'])} |")
+        lines.append(
+            f"| {k} | {probe} | {b['phi_cosine']['raw']:.2f} / {b['phi_cosine']['centred']:.2f} / "
+            f"{b['phi_cosine']['context_vector']:.2f} | {', '.join(f'{v:.2f}' for v in b['update_norm'])} | "
+            f"{', '.join(f'{v:.2f}' for v in b['step_exponent'])} |"
+        )
     lines += ["", f"Section time: {data['seconds']:.0f} s."]
     return "\n".join(lines)

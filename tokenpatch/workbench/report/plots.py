@@ -21,8 +21,14 @@ def _below(ax, ncols: int = 2) -> None:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=ncols, fontsize=8, frameon=False)
 
 
-def layer_errors(series: dict[str, Rows], path: str | Path, title: str, reference: Rows | None = None,
-                 rel_targets: dict[str, float] | None = None, abs_targets: dict[str, float] | None = None) -> Path:
+def layer_errors(
+    series: dict[str, Rows],
+    path: str | Path,
+    title: str,
+    reference: Rows | None = None,
+    rel_targets: dict[str, float] | None = None,
+    abs_targets: dict[str, float] | None = None,
+) -> Path:
     """Two panels of error per site (each layer's output hidden state L0, L1, ..., then the model
     output), patched no-context pass vs with-context pass, one colour per series:
 
@@ -59,8 +65,14 @@ def layer_errors(series: dict[str, Rows], path: str | Path, title: str, referenc
     return path
 
 
-def training_curve(history: list[list[float]], zero_mse: float, path: str | Path, title: str,
-                   least_squares_mse: float | None = None, model_mse: float | None = None) -> Path:
+def training_curve(
+    history: list[list[float]],
+    zero_mse: float,
+    path: str | Path,
+    title: str,
+    least_squares_mse: float | None = None,
+    model_mse: float | None = None,
+) -> Path:
     """Training loss (EMA of the query MSE) against step, beside the zero predictor, 20% of it
     (the target), least squares, and ``model_mse`` (the trained model's MSE on fresh tasks, as in
     the report's table) marked at the last step."""
@@ -74,8 +86,15 @@ def training_curve(history: list[list[float]], zero_mse: float, path: str | Path
         ax.axhline(least_squares_mse, color="green", ls="-.", label="least squares")
     if model_mse is not None:
         ax.plot(steps[-1], model_mse, "D", color="C3", label="evaluation MSE, fresh tasks")
-        ax.annotate(f"eval {model_mse:.4f}", (steps[-1], model_mse), xytext=(-8, 8), textcoords="offset points",
-                    ha="right", color="C3", fontsize=9)
+        ax.annotate(
+            f"eval {model_mse:.4f}",
+            (steps[-1], model_mse),
+            xytext=(-8, 8),
+            textcoords="offset points",
+            ha="right",
+            color="C3",
+            fontsize=9,
+        )
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
     ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
@@ -117,8 +136,15 @@ def heatmap(matrix: list[list[float]], labels: list[str], path: str | Path, titl
     ax.set_yticks(range(len(labels)), labels)
     for i, row in enumerate(matrix):
         for j, value in enumerate(row):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                    color="white" if abs(value) > 0.6 else "black")
+            ax.text(
+                j,
+                i,
+                f"{value:.2f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if abs(value) > 0.6 else "black",
+            )
     fig.colorbar(im, ax=ax, label="cosine")
     ax.set_title(title, fontsize=10)
     fig.savefig(path, dpi=120)
@@ -134,10 +160,16 @@ def update_norms_figure(norms, tokens: list[str], path: str | Path, title: str) 
     path = Path(path)
     values = np.asarray(norms, dtype=float).T  # [L, n]
     positive = values[values > 0]
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.38 * values.shape[1] + 2), 0.18 * values.shape[0] + 2.2),
-                           constrained_layout=True)
-    im = ax.imshow(values, aspect="auto", origin="lower", cmap="viridis",
-                   norm=LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None)
+    fig, ax = plt.subplots(
+        figsize=(max(5.0, 0.38 * values.shape[1] + 2), 0.18 * values.shape[0] + 2.2), constrained_layout=True
+    )
+    im = ax.imshow(
+        values,
+        aspect="auto",
+        origin="lower",
+        cmap="viridis",
+        norm=LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None,
+    )
     ax.set_xticks(range(len(tokens)), [repr(t)[1:-1] for t in tokens], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("layer")
     ax.set_xlabel("generated token")
@@ -158,8 +190,13 @@ def _style(label: str, colours: dict[str, str], cycle) -> dict:
     return dict(color=colours[label] if label in colours else next(cycle))
 
 
-def per_layer(panels: dict[str, dict[str, Band]], path: str | Path, title: str, ylabel: str = "cosine",
-              colours: dict[str, str] | None = None) -> Path:
+def per_layer(
+    panels: dict[str, dict[str, Band]],
+    path: str | Path,
+    title: str,
+    ylabel: str = "cosine",
+    colours: dict[str, str] | None = None,
+) -> Path:
     """One panel per entry of ``panels`` (panel title -> label -> ``(means, lows, highs)`` per layer):
     means as lines, their intervals as error bars; ``colours``: label -> colour, the same in every
     figure; labels starting with ``"random"`` are drawn grey."""
@@ -184,8 +221,9 @@ def per_layer(panels: dict[str, dict[str, Band]], path: str | Path, title: str, 
     return path
 
 
-def curves(panels: dict[str, dict], path: str | Path, title: str, colours: dict[str, str] | None = None,
-           wide: bool = False) -> Path:
+def curves(
+    panels: dict[str, dict], path: str | Path, title: str, colours: dict[str, str] | None = None, wide: bool = False
+) -> Path:
     """Line panels. ``panels``: title -> ``{"x": label, "y": label, "logx": bool, "logy": bool,
     "lines": {label: (xs, ys)}}``; ``colours`` and grey baselines as in ``per_layer``; ``wide``:
     panels twice as wide (many lines)."""
@@ -196,8 +234,15 @@ def curves(panels: dict[str, dict], path: str | Path, title: str, colours: dict[
         cycle = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
         for label, (xs, ys) in spec["lines"].items():
             flat = len(xs) == 2 and ys[0] == ys[1]  # a reference level
-            ax.plot(xs, ys, marker=None if flat else "o", ms=3, label=label,
-                    **({"ls": "--"} if flat else {}), **_style(label, colours, cycle))
+            ax.plot(
+                xs,
+                ys,
+                marker=None if flat else "o",
+                ms=3,
+                label=label,
+                **({"ls": "--"} if flat else {}),
+                **_style(label, colours, cycle),
+            )
         ax.set_xscale("log" if spec.get("logx") else "linear")
         ax.set_yscale("log" if spec.get("logy") else "linear")
         if not spec.get("logy"):

@@ -15,19 +15,18 @@ import re
 import time
 from pathlib import Path
 
+import matplotlib.pyplot as plt  # after .plots, which selects the Agg backend
 import torch
 
-from tokenpatch.workbench.report import plots
-from tokenpatch.progress import progress_bar
 from tokenpatch.errors import UnsupportedModelError
 from tokenpatch.generate import generate
-from tokenpatch.run import functional_call
 from tokenpatch.patching import strip_context, token_patch
-from tokenpatch.verify import TOLERANCES, verify
-
-import matplotlib.pyplot as plt  # after .plots, which selects the Agg backend
-from tokenpatch.workbench.zoo import pretrained
+from tokenpatch.progress import progress_bar
+from tokenpatch.run import functional_call
+from tokenpatch.verify import REAL_MODEL_RULE, TOLERANCES, verify
+from tokenpatch.workbench.report import plots
 from tokenpatch.workbench.report.section import Section
+from tokenpatch.workbench.zoo import pretrained
 
 __all__ = ["real_models_section", "PROMPT"]
 
@@ -36,14 +35,16 @@ log = logging.getLogger(__name__)
 KEY = "real_models"
 TITLE = "Real language models"
 # General-knowledge prose, 101 tokens with both tokenizers (>= 64: the last 32 positions are queries).
-PROMPT = ("Water covers about seventy percent of the surface of the Earth, and almost all of it is salt water in the "
-          "oceans. Heated by the sun, water evaporates from the sea, rises into the atmosphere as vapour and cools "
-          "until it condenses into the tiny droplets that form clouds. When the droplets grow heavy they fall back "
-          "as rain or snow, which feeds rivers, lakes and underground springs, and the rivers carry the water back "
-          "to the sea. This endless journey is known as the water cycle, and it")
+PROMPT = (
+    "Water covers about seventy percent of the surface of the Earth, and almost all of it is salt water in the "
+    "oceans. Heated by the sun, water evaporates from the sea, rises into the atmosphere as vapour and cools "
+    "until it condenses into the tiny droplets that form clouds. When the droplets grow heavy they fall back "
+    "as rain or snow, which feeds rivers, lakes and underground springs, and the rivers carry the water back "
+    "to the sea. This endless journey is known as the water cycle, and it"
+)
 N_QUERIES = 32
 NEW_TOKENS = 20
-LAYER_TOL = 1e-3  # float32 per-layer relative error on real weights (tests/test_real_models.py)
+LAYER_TOL = TOLERANCES[REAL_MODEL_RULE][1]  # float32 per-layer relative error on real weights (tp.TOLERANCES)
 LIBRARY_TOL = TOLERANCES["float32"][1]  # the library's float32 rule (1e-4), for reference
 DECIDED = 1e-2  # a top-2 margin at least this large must give the same top-1 token
 TIE = 1e-3  # below this margin a flipped greedy token is rounding, not an error
@@ -64,8 +65,7 @@ def _install_commands(name: str, message: str) -> list[str]:
     return commands
 
 
-def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = None,
-                        progress: bool | None = None):
+def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = None, progress: bool | None = None):
     """Token patches of every layer of each installed pretrained model (``names``: default all of
     ``pretrained.pretrained_names()``), float32, on ``PROMPT``, with the torch thread count the caller set.
 
@@ -82,11 +82,18 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
             missing[name] = str(exc)
     if not available:
         commands = list(dict.fromkeys(c for n, m in missing.items() for c in _install_commands(n, m)))
-        note = ("Skipped: no pretrained language model can be loaded here; "
-                f"{' and '.join(f'`{c}`' for c in commands) or 'install them'} to include it.")
+        note = (
+            "Skipped: no pretrained language model can be loaded here; "
+            f"{' and '.join(f'`{c}`' for c in commands) or 'install them'} to include it."
+        )
         log.info("real models: skipped (%s)", "; ".join(missing.values()))
-        return Section(KEY, TITLE, note, [], {"skipped": True, "names": list(names),
-                                              "missing": {_slug(n): m for n, m in missing.items()}})
+        return Section(
+            KEY,
+            TITLE,
+            note,
+            [],
+            {"skipped": True, "names": list(names), "missing": {_slug(n): m for n, m in missing.items()}},
+        )
 
     results = {}
     for name in progress_bar(available, progress, desc="real models"):
@@ -94,9 +101,14 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
         if pretrained.is_cached(name):
             log.info("real models: %s: loading the cached float32 copy", name)
         else:
-            log.info("real models: %s: converting the GGUF file once (about %d s on 2 cores, %d MB cached in %s); "
-                     "later runs read the cache in seconds", name, spec.first_load_s, spec.cache_mb,
-                     pretrained.pretrained_cache_dir(name))
+            log.info(
+                "real models: %s: converting the GGUF file once (about %d s on 2 cores, %d MB cached in %s); "
+                "later runs read the cache in seconds",
+                name,
+                spec.first_load_s,
+                spec.cache_mb,
+                pretrained.pretrained_cache_dir(name),
+            )
         t0 = time.perf_counter()
         try:
             model, tokenizer = pretrained.load_pretrained(name, dtype=torch.float32, progress=False)
@@ -106,12 +118,23 @@ def real_models_section(out: Path, names: tuple[str, ...] | list[str] | None = N
         load_s = time.perf_counter() - t0
         results[name] = {**_measure(model, tokenizer, name, out), "load_seconds": load_s}
         del model, tokenizer
-    data = {"skipped": not results, "prompt": PROMPT, "n_queries": N_QUERIES, "new_tokens": NEW_TOKENS,
-            "threads": torch.get_num_threads(), "dtype": "float32",
-            "targets": {"layer_max_rel": LAYER_TOL, "library_float32_max_rel": LIBRARY_TOL,
-                        "decided_margin": DECIDED, "tie_margin": TIE},
-            "names": list(names), "missing": {_slug(n): m for n, m in missing.items()},
-            "models": {_slug(n): r for n, r in results.items()}}
+    data = {
+        "skipped": not results,
+        "prompt": PROMPT,
+        "n_queries": N_QUERIES,
+        "new_tokens": NEW_TOKENS,
+        "threads": torch.get_num_threads(),
+        "dtype": "float32",
+        "targets": {
+            "layer_max_rel": LAYER_TOL,
+            "library_float32_max_rel": LIBRARY_TOL,
+            "decided_margin": DECIDED,
+            "tie_margin": TIE,
+        },
+        "names": list(names),
+        "missing": {_slug(n): m for n, m in missing.items()},
+        "models": {_slug(n): r for n, r in results.items()},
+    }
     if not results:
         return Section(KEY, TITLE, "Skipped: " + "; ".join(missing.values()), [], data)
     body, figures = _write(out, results, missing)
@@ -129,8 +152,8 @@ def _measure(model, tokenizer, name: str, out: Path) -> dict:
     t0 = time.perf_counter()
     patch = token_patch(model, ids, query=queries, progress=False)
     patch_s = time.perf_counter() - t0
-    result = verify(model, ids, patch)
-    unpatched = verify(model, ids, patch.map(torch.zeros_like))  # for scale: the query alone, no patch
+    result = verify(model, patch, ids)
+    unpatched = verify(model, patch.map(torch.zeros_like), ids)  # for scale: the query alone, no patch
 
     want = model(ids).logits[0, queries].double()  # [Q, vocab], with the context
     got = functional_call(model, patch, **strip_context(model, ids, query=queries)).logits[:, 0].double()
@@ -144,8 +167,9 @@ def _measure(model, tokenizer, name: str, out: Path) -> dict:
     gen_s = time.perf_counter() - t0
     pad = model.generation_config.pad_token_id
     pad = tokenizer.pad_token_id if pad is None else pad
-    ordinary = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=pad)[0, n_tokens:]  # may stop early at EOS
+    ordinary = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad
+    )[0, n_tokens:]  # may stop early at EOS
     n = int(ordinary.shape[0])
     patched = gen.tokens[0]
     differ = [t for t in range(n) if int(patched[t]) != int(ordinary[t])]
@@ -153,26 +177,46 @@ def _measure(model, tokenizer, name: str, out: Path) -> dict:
 
     slug = _slug(name)
     words = [tokenizer.decode(t) for t in patched.view(-1, 1)]
-    fig = plots.update_norms_figure(gen.update_norms[0], words, out / f"{KEY}_{slug}_update_norms.png",
-                                    f"{name}: implicit update per layer and generated token (tp.generate)")
+    fig = plots.update_norms_figure(
+        gen.update_norms[0],
+        words,
+        out / f"{KEY}_{slug}_update_norms.png",
+        f"{name}: implicit update per layer and generated token (tp.generate)",
+    )
     per_layer = result.per_layer[:-1]
     record = {
-        "name": name, "title": spec.title, "licence": spec.licence, "notice": spec.notice,
-        "n_layers": len(per_layer), "prompt_tokens": n_tokens, "queries": queries,
-        "verify": result.to_dict(), "unpatched": unpatched.to_dict(),
-        "layer_max_rel": max(e.max_rel for e in per_layer), "logits_max_rel": result.per_layer[-1].max_rel,
-        "layer_target_met": max(e.max_rel for e in per_layer) <= LAYER_TOL, "library_rule_met": result.ok(),
+        "name": name,
+        "title": spec.title,
+        "licence": spec.licence,
+        "notice": spec.notice,
+        "n_layers": len(per_layer),
+        "prompt_tokens": n_tokens,
+        "queries": queries,
+        "verify": result.to_dict(),
+        "unpatched": unpatched.to_dict(),
+        "layer_max_rel": max(e.max_rel for e in per_layer),
+        "logits_max_rel": result.per_layer[-1].max_rel,
+        "layer_target_met": max(e.max_rel for e in per_layer) <= LAYER_TOL,
+        "library_rule_met": result.ok(),
         "max_logit_diff": float((got - want).abs().max()),
-        "top1_agree": int(agree.sum()), "n_decided": int(decided.sum()),
-        "decided_agree": int(agree[decided].sum()), "query_margins": margin.tolist(),
+        "top1_agree": int(agree.sum()),
+        "n_decided": int(decided.sum()),
+        "decided_agree": int(agree[decided].sum()),
+        "query_margins": margin.tolist(),
         "generation": {
-            "tokens": patched.tolist(), "ordinary_tokens": ordinary.tolist(), "compared": n,
-            "identical": not differ, "first_difference": first,
+            "tokens": patched.tolist(),
+            "ordinary_tokens": ordinary.tolist(),
+            "compared": n,
+            "identical": not differ,
+            "first_difference": first,
             "first_difference_margin": float(gen.margin[0, first]) if differ else None,
-            "smallest_margin": float(gen.margin[0, :n].min()), "smallest_margin_all": float(gen.margin.min()),
-            "margins": gen.margin[0].tolist(), "agree_with_context": int(gen.agree[0].sum()),
+            "smallest_margin": float(gen.margin[0, :n].min()),
+            "smallest_margin_all": float(gen.margin.min()),
+            "margins": gen.margin[0].tolist(),
+            "agree_with_context": int(gen.agree[0].sum()),
             "max_logit_error": float(gen.logit_error.max()),
-            "text": tokenizer.decode(patched), "ordinary_text": tokenizer.decode(ordinary),
+            "text": tokenizer.decode(patched),
+            "ordinary_text": tokenizer.decode(ordinary),
             "update_norms": gen.update_norms[0].tolist(),
         },
         "seconds": {"token_patch": patch_s, "generate": gen_s},
@@ -182,7 +226,8 @@ def _measure(model, tokenizer, name: str, out: Path) -> dict:
     if zero is not None:
         finite = all(_finite(patch[k]) for i in zero for k in patch if k.startswith(f"model.layers.{i}."))
         record["zero_scale"] = {
-            "channels": {str(i): c for i, c in zero.items()}, "count": sum(len(c) for c in zero.values()),
+            "channels": {str(i): c for i, c in zero.items()},
+            "count": sum(len(c) for c in zero.values()),
             "patch_finite": finite,
             "layer_max_rel": max((result.per_layer[i].max_rel for i in zero), default=0.0),
         }
@@ -218,8 +263,9 @@ def layer_error_figure(models: dict[str, tuple[list, list]], path: str | Path, t
     ``models``: label -> ``(rows, reference_rows)``, rows ``[(site, max_abs, max_rel), ...]``."""
     path = Path(path)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, axes = plt.subplots(1, len(models), figsize=(6.4 * len(models), 4.6), constrained_layout=True,
-                             squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(models), figsize=(6.4 * len(models), 4.6), constrained_layout=True, squeeze=False, sharey=True
+    )
     for ax, colour, (label, (rows, reference)) in zip(axes[0], colours, models.items()):
         x = range(len(rows))
         ax.semilogy(x, [max(r[2], 1e-300) for r in reference], "x:", color="grey", label="query alone, no patch")
@@ -253,10 +299,17 @@ def _text(s: str) -> str:
 def _write(out: Path, results: dict[str, dict], missing: dict[str, str]) -> tuple[str, list[str]]:
     """(markdown, figures) of the section."""
     first = next(iter(results.values()))
-    fig = layer_error_figure({f"{n} ({r['n_layers']} layers, {r['prompt_tokens']} prompt tokens)":
-                              (_rows(r["verify"]), _rows(r["unpatched"])) for n, r in results.items()},
-                             out / f"{KEY}_layers.png",
-                             f"Token patches of real models, float32, the last {N_QUERIES} positions as queries")
+    fig = layer_error_figure(
+        {
+            f"{n} ({r['n_layers']} layers, {r['prompt_tokens']} prompt tokens)": (
+                _rows(r["verify"]),
+                _rows(r["unpatched"]),
+            )
+            for n, r in results.items()
+        },
+        out / f"{KEY}_layers.png",
+        f"Token patches of real models, float32, the last {N_QUERIES} positions as queries",
+    )
     yes = lambda ok: "met" if ok else "NOT MET"  # noqa: E731
     names = list(results)
     cell = lambda f: "| " + " | ".join(f(results[n]) for n in names) + " |"  # noqa: E731
@@ -264,8 +317,8 @@ def _write(out: Path, results: dict[str, dict], missing: dict[str, str]) -> tupl
     table = [
         "| | " + " | ".join(f"`{n}`" for n in names) + " |",
         "|---" * (len(names) + 1) + "|",
-        "| layers, prompt tokens, queries " + cell(lambda r: f"{r['n_layers']}, {r['prompt_tokens']}, "
-                                                               f"{len(r['queries'])}"),
+        "| layers, prompt tokens, queries "
+        + cell(lambda r: f"{r['n_layers']}, {r['prompt_tokens']}, {len(r['queries'])}"),
         f"| max relative error over every layer (target <= {LAYER_TOL:g}) "
         + cell(lambda r: f"**{r['layer_max_rel']:.2e}** ({yes(r['layer_target_met'])})"),
         f"| the same, against the library's float32 rule ({LIBRARY_TOL:g}) "
@@ -312,18 +365,26 @@ def _write(out: Path, results: dict[str, dict], missing: dict[str, str]) -> tupl
             verdict = f"identical for all {gr['compared']} compared tokens"
         else:
             k = gr["first_difference"]
-            verdict = (f"first different at step {k}, where the with-context top-2 margin is "
-                       f"{gr['first_difference_margin']:.2e} ({'a tie at rounding level' if gr['first_difference_margin'] < TIE else 'NOT a tie'})")
-        lines += [f"- `tp.generate` (prompt replaced by patches): {_text(gr['text'])}",
-                  f"- `model.generate` (with the prompt): {_text(gr['ordinary_text'])}",
-                  f"- {verdict}; smallest margin {gr['smallest_margin']:.2e}."]
+            verdict = (
+                f"first different at step {k}, where the with-context top-2 margin is "
+                f"{gr['first_difference_margin']:.2e} ({'a tie at rounding level' if gr['first_difference_margin'] < TIE else 'NOT a tie'})"
+            )
+        lines += [
+            f"- `tp.generate` (prompt replaced by patches): {_text(gr['text'])}",
+            f"- `model.generate` (with the prompt): {_text(gr['ordinary_text'])}",
+            f"- {verdict}; smallest margin {gr['smallest_margin']:.2e}.",
+        ]
         z = r.get("zero_scale")
         if z is not None:
-            where = "; ".join(f"layer {i}: channel{'s' if len(c) > 1 else ''} {', '.join(map(str, c))}"
-                              for i, c in z["channels"].items())
-            lines += [f"- Post-feedforward norm channels with scale `1 + w` exactly 0: **{z['count']}** ({where or 'none'}). "
-                      f"The patch of those layers is {'finite' if z['patch_finite'] else 'NOT FINITE'} and reproduces them "
-                      f"to max relative error {z['layer_max_rel']:.2e} (`docs/hugging-face.md`, Gemma's post-feedforward norm)."]
+            where = "; ".join(
+                f"layer {i}: channel{'s' if len(c) > 1 else ''} {', '.join(map(str, c))}"
+                for i, c in z["channels"].items()
+            )
+            lines += [
+                f"- Post-feedforward norm channels with scale `1 + w` exactly 0: **{z['count']}** ({where or 'none'}). "
+                f"The patch of those layers is {'finite' if z['patch_finite'] else 'NOT FINITE'} and reproduces them "
+                f"to max relative error {z['layer_max_rel']:.2e} (`docs/hugging-face.md`, Gemma's post-feedforward norm)."
+            ]
         if r["notice"]:
             lines += [f"- {r['notice']}."]
         lines += ["", f"![update norms]({r['figures'][0]})"]

@@ -16,20 +16,21 @@ from pathlib import Path
 import torch
 
 from tokenpatch import __version__
-from tokenpatch.workbench.report import plots
-from tokenpatch.progress import progress_bar
+from tokenpatch.errors import InputError
 from tokenpatch.models.icl import ICLTransformer, load_model
 from tokenpatch.patching import token_patch
+from tokenpatch.progress import progress_bar
 from tokenpatch.tasks.linreg import evaluate, task_of
-from tokenpatch.workbench.report.dynamics import dynamics_section
-from tokenpatch.workbench.report.section import Section
-from tokenpatch.workbench.report.finetune import finetune_section
+from tokenpatch.verify import TOLERANCES, verify
+from tokenpatch.workbench.report import plots
 from tokenpatch.workbench.report.compress import compression_section
-from tokenpatch.workbench.report.real_models import real_models_section
+from tokenpatch.workbench.report.dynamics import dynamics_section
+from tokenpatch.workbench.report.finetune import finetune_section
 from tokenpatch.workbench.report.induction import induction_section
 from tokenpatch.workbench.report.markov import markov_section
+from tokenpatch.workbench.report.real_models import real_models_section
+from tokenpatch.workbench.report.section import Section
 from tokenpatch.workbench.report.thought import thought_section
-from tokenpatch.verify import TOLERANCES, verify
 
 __all__ = ["Section", "equivalence_section", "model_section", "reproduce"]
 
@@ -43,8 +44,9 @@ def _verify_rows(v) -> list[tuple[str, float, float]]:
     return [(e.name, e.max_abs, e.max_rel) for e in v.per_layer]
 
 
-def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, seed: int = 2026,
-                        progress: bool | None = None) -> Section:
+def equivalence_section(
+    model: ICLTransformer, out: Path, n_tasks: int = 256, seed: int = 2026, progress: bool | None = None
+) -> Section:
     """Patched no-context pass vs with-context pass on fresh tasks, float32 and float64, for
     the last query (the prediction) and for every position."""
     task = task_of(model)
@@ -56,10 +58,10 @@ def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, se
         m, x = copies[dtype], tokens.to(dtype)
         patch = token_patch(m, x, query=-1 if query == "last" else "all", progress=False)
         key = f"{str(dtype)[6:]}_{query}"
-        patches[key], runs[key] = patch, verify(m, x, patch)
+        patches[key], runs[key] = patch, verify(m, patch, x)
     last32, last64 = runs["float32_last"], runs["float64_last"]
     # for scale: the query alone without the patch (a zero patch), float32, against the same reference
-    unpatched = verify(copies[torch.float32], tokens.to(torch.float32), patches["float32_last"].map(torch.zeros_like))
+    unpatched = verify(copies[torch.float32], patches["float32_last"].map(torch.zeros_like), tokens.to(torch.float32))
     lines = [
         f"{n_tasks} fresh tasks (seed {seed}) of {task.dim}-dimensional linear regression with "
         f"{task.n_context} context pairs, on the {model.config.describe()}. For each task the patch is computed from one "
@@ -73,8 +75,10 @@ def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, se
         "|---|---|---|---|---|---|",
     ]
     for e32, e64 in zip(last32.per_layer, last64.per_layer):
-        lines.append(f"| {e32.name} | {e32.max_abs:.2e} | {e32.max_rel:.2e} | {e32.max_rel_unfloored:.2e} | "
-                     f"{e64.max_abs:.2e} | {e64.max_rel:.2e} |")
+        lines.append(
+            f"| {e32.name} | {e32.max_abs:.2e} | {e32.max_rel:.2e} | {e32.max_rel_unfloored:.2e} | "
+            f"{e64.max_abs:.2e} | {e64.max_rel:.2e} |"
+        )
     ok32, ok64 = last32.ok(), last64.ok()
     all32, all64 = runs["float32_all"], runs["float64_all"]
     lines += [
@@ -99,10 +103,15 @@ def equivalence_section(model: ICLTransformer, out: Path, n_tasks: int = 256, se
         abs_targets={"float64": F64_ABS_TOL},
     )
     lines += ["", f"![error per layer]({fig.name})"]
-    data = {"n_tasks": n_tasks, "seed": seed, "task": task.to_dict(),
-            "runs": {k: v.to_dict() for k, v in runs.items()}, "unpatched_float32_last": unpatched.to_dict(),
-            "targets": {"float32_max_rel": F32_REL_TOL, "float64_max_abs": F64_ABS_TOL},
-            "met": {"float32": ok32, "float64": ok64}}
+    data = {
+        "n_tasks": n_tasks,
+        "seed": seed,
+        "task": task.to_dict(),
+        "runs": {k: v.to_dict() for k, v in runs.items()},
+        "unpatched_float32_last": unpatched.to_dict(),
+        "targets": {"float32_max_rel": F32_REL_TOL, "float64_max_abs": F64_ABS_TOL},
+        "met": {"float32": ok32, "float64": ok64},
+    }
     return Section("equivalence", "Context is a weight update: exact equivalence", "\n".join(lines), [fig.name], data)
 
 
@@ -119,46 +128,102 @@ def model_section(model: ICLTransformer, out: Path, n_tasks: int = 4096, seed: i
         "| predictor | MSE | / zero predictor |",
         "|---|---|---|",
     ]
-    for name, key in [("this model", "mse_model"), ("zero", "mse_zero"), ("least squares", "mse_least_squares"),
-                      (f"ridge (lambda = {res['ridge_lambda']:g})", "mse_ridge")]:
+    for name, key in [
+        ("this model", "mse_model"),
+        ("zero", "mse_zero"),
+        ("least squares", "mse_least_squares"),
+        (f"ridge (lambda = {res['ridge_lambda']:g})", "mse_ridge"),
+    ]:
         lines.append(f"| {name} | {res[key]:.4f} | {res[key] / res['mse_zero']:.3f} |")
-    lines += ["", f"In-context MSE is {100 * res['ratio_zero']:.1f}% of the zero predictor's "
-              f"(target <= 20%: {'met' if res['ratio_zero'] <= 0.2 else 'NOT MET'})."]
+    lines += [
+        "",
+        f"In-context MSE is {100 * res['ratio_zero']:.1f}% of the zero predictor's "
+        f"(target <= 20%: {'met' if res['ratio_zero'] <= 0.2 else 'NOT MET'}).",
+    ]
     figures = []
     history = model.meta.get("history")
     if history:
-        fig = plots.training_curve(history, res["mse_zero"], out / "training_curve.png", "Training (tokenpatch train)",
-                                   least_squares_mse=res["mse_least_squares"], model_mse=res["mse_model"])
+        fig = plots.training_curve(
+            history,
+            res["mse_zero"],
+            out / "training_curve.png",
+            "Training (tokenpatch train)",
+            least_squares_mse=res["mse_least_squares"],
+            model_mse=res["mse_model"],
+        )
         figures.append(fig.name)
         lines += ["", f"![training curve]({fig.name})"]
         seconds = model.meta.get("seconds_last_session")
         if seconds:
-            lines.append(f"\nTrained for {model.meta.get('step')} steps. The last `tokenpatch train` session took "
-                         f"{seconds / 60:.1f} minutes (training resumes after an interruption, and the checkpoint "
-                         "records only the last session's time, so the whole training can have taken longer).")
+            lines.append(
+                f"\nTrained for {model.meta.get('step')} steps. The last `tokenpatch train` session took "
+                f"{seconds / 60:.1f} minutes (training resumes after an interruption, and the checkpoint "
+                "records only the last session's time, so the whole training can have taken longer)."
+            )
     return Section("model", "The model: in-context linear regression", "\n".join(lines), figures, {"eval": res})
 
 
-def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None, n_tasks: int = 256,
-              seed: int = 2026, progress: bool | None = None) -> Path:
-    """Run every section on the shipped (or given) checkpoint; write ``report.md``,
-    the PNG figures and ``results.json`` (the numbers of every figure and table) to ``out``."""
+# The sections in report order: key -> function(out, progress=...) -> Section. The first two read the
+# checkpoint (``reproduce`` passes it); the others run on the shipped models and the real ones.
+SECTIONS = (
+    "equivalence",
+    "model",
+    "dynamics",
+    "finetune",
+    "thought",
+    "real_models",
+    "prompt_compression",
+    "markov",
+    "induction",
+)
+CHECKPOINT_SECTIONS = ("equivalence", "model")
+
+
+def _default_builders(model, n_tasks: int, seed: int) -> dict:
+    return {
+        "equivalence": lambda out, progress: equivalence_section(
+            model, out, n_tasks=n_tasks, seed=seed, progress=progress
+        ),
+        "model": lambda out, progress: model_section(model, out),
+        "dynamics": dynamics_section,
+        "finetune": finetune_section,
+        "thought": thought_section,
+        "real_models": real_models_section,  # a one-line note without the models
+        "prompt_compression": compression_section,  # likewise
+        "markov": markov_section,  # the reduced sweep (markov.REDUCED)
+        "induction": induction_section,  # the small LM, trained here
+    }
+
+
+def reproduce(
+    out: str | Path = "results",
+    checkpoint: str | Path | None = None,
+    n_tasks: int = 256,
+    seed: int = 2026,
+    progress: bool | None = None,
+    sections=None,
+) -> Path:
+    """Run the report's sections on the shipped (or given) checkpoint; write ``report.md``,
+    the PNG figures and ``results.json`` (the numbers of every figure and table) to ``out``.
+
+    ``sections``: which sections run, in report order (``SECTIONS``): ``None`` for all of them (only
+    ``equivalence`` and ``model`` with a ``checkpoint``); a list of keys; or a dict ``key ->
+    function(out, progress=...)`` whose functions replace the default of their key (``None`` keeps it),
+    e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run."""
     out = Path(out)
+    if sections is None:
+        sections = CHECKPOINT_SECTIONS if checkpoint is not None else SECTIONS
+    chosen = dict(sections) if isinstance(sections, dict) else dict.fromkeys(sections)
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        raise InputError(f"unknown report sections {unknown}; the sections are {list(SECTIONS)}")
+    if checkpoint is not None and set(chosen) - set(CHECKPOINT_SECTIONS):
+        raise InputError(f"with a checkpoint only {list(CHECKPOINT_SECTIONS)} run (the others use the shipped models)")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model = load_model(checkpoint)
-    sections = [
-        equivalence_section(model, out, n_tasks=n_tasks, seed=seed, progress=progress),
-        model_section(model, out),
-    ]
-    if checkpoint is None:  # the shipped models, one per contextual layer
-        sections.append(dynamics_section(out, progress=progress))
-        sections.append(finetune_section(out, progress=progress))
-        sections.append(thought_section(out, progress=progress))
-        sections.append(real_models_section(out, progress=progress))  # a one-line note without the models
-        sections.append(compression_section(out, progress=progress))  # likewise
-        sections.append(markov_section(out, progress=progress))  # the reduced sweep (report_markov.REDUCED)
-        sections.append(induction_section(out, progress=progress))  # the small LM, trained here
+    model = load_model(checkpoint) if set(chosen) & set(CHECKPOINT_SECTIONS) else None
+    builders = _default_builders(model, n_tasks, seed)
+    sections = [(chosen[key] or builders[key])(out, progress=progress) for key in SECTIONS if key in chosen]
     seconds = time.perf_counter() - t0
     threads = torch.get_num_threads()
     source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"
@@ -171,8 +236,13 @@ def reproduce(out: str | Path = "results", checkpoint: str | Path | None = None,
     ]
     body = header + [f"## {i}. {s.title}\n\n{s.body}\n" for i, s in enumerate(sections, 1)]
     (out / "report.md").write_text("\n".join(body))
-    data = {"tokenpatch": __version__, "torch": torch.__version__, "checkpoint": str(checkpoint) if checkpoint else "shipped",
-            "seconds": seconds, "sections": {s.key: {"title": s.title, "figures": s.figures, **s.data} for s in sections}}
+    data = {
+        "tokenpatch": __version__,
+        "torch": torch.__version__,
+        "checkpoint": str(checkpoint) if checkpoint else "shipped",
+        "seconds": seconds,
+        "sections": {s.key: {"title": s.title, "figures": s.figures, **s.data} for s in sections},
+    }
     (out / "results.json").write_text(json.dumps(data, indent=1))
     log.info("wrote %s", out / "report.md")
     return out / "report.md"

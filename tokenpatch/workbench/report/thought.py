@@ -9,18 +9,17 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
-from tokenpatch.workbench.report import plots
-from tokenpatch.progress import progress_bar
 from tokenpatch.dynamics.diagnostics import cosine
-from tokenpatch.thought.distillation import distill
 from tokenpatch.dynamics.finetuning import finetune
-from tokenpatch.run import functional_call
 from tokenpatch.models.icl import load_model
 from tokenpatch.patching import token_patch
-from tokenpatch.tasks.linreg import task_of, training_points
+from tokenpatch.progress import progress_bar
+from tokenpatch.run import functional_call
+from tokenpatch.tasks.linreg import query_tokens, task_of, training_points
+from tokenpatch.thought.distillation import distill
 from tokenpatch.thought.front import ThoughtWarning, evaluate_thought_patch, thought_patch
+from tokenpatch.workbench.report import plots
 from tokenpatch.workbench.report.section import Section
 
 __all__ = ["thought_section"]
@@ -42,12 +41,6 @@ TRUNCATIONS = (1, 4, 16)
 VARIANTS.update({f"sequential, rank {k} during the fit": {"rank": k} for k in TRUNCATIONS})
 
 
-def _queries(n: int, dim: int, g: torch.Generator) -> Tensor:
-    """``n`` one-token queries ``[x; 0]`` -> ``[n, 1, dim + 1]`` (float64)."""
-    x = torch.randn(n, 1, dim, generator=g, dtype=torch.float64)
-    return torch.cat([x, torch.zeros(n, 1, 1, dtype=torch.float64)], -1)
-
-
 def _quiet_fit(*args, **kwargs):
     """The fit; rank-deficient systems (m below a threshold, on purpose here) are the curve's point."""
     with warnings.catch_warnings():
@@ -56,8 +49,9 @@ def _quiet_fit(*args, **kwargs):
 
 
 def _quartiles(values: list[float]) -> list[float]:
-    return torch.quantile(torch.tensor(values, dtype=torch.float64), torch.tensor([0.25, 0.5, 0.75],
-                                                                                  dtype=torch.float64)).tolist()
+    return torch.quantile(
+        torch.tensor(values, dtype=torch.float64), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
+    ).tolist()
 
 
 def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int = 21, progress: bool | None = None):
@@ -68,7 +62,7 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
     g = torch.Generator().manual_seed(seed)
     batches = [task.sample(1, g, dtype=torch.float64) for _ in range(n_prompts)]
     prompts = [b.tokens[0, :-1] for b in batches]  # [N, D+1] each: the task's examples
-    tests = [_queries(n_test, task.dim, g) for _ in prompts]
+    tests = [query_tokens((n_test, 1), task.dim, g) for _ in prompts]  # one-token queries [n, 1, D+1]
     targets = [torch.einsum("md,d->m", t[:, 0, :-1], b.w[0])[:, None, None] for t, b in zip(tests, batches)]
     d_in, d_hidden = model.config.d_model, model.config.hidden
     residual = lambda ev, key="thought patch": ev["mse_to_context"][key] / ev["mse_to_context"]["no prompt"]  # noqa: E731
@@ -78,7 +72,7 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
     for m in progress_bar(SIZES, progress, desc="thought: calibration size"):
         train, test = [], []
         for p, t, ref in zip(prompts, tests, refs):
-            cal = _queries(m, task.dim, g)
+            cal = query_tokens((m, 1), task.dim, g)
             fit = _quiet_fit(model, p, cal, progress=False)
             train.append(residual(evaluate_thought_patch(model, p, cal, fit.patch)))
             test.append(residual(evaluate_thought_patch(model, p, t, fit.patch, reference=ref)))
@@ -87,16 +81,23 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
 
     ridge_m = 256
     ridge = {"m": ridge_m, "ridge": list(RIDGES), "train": [], "test": []}
-    cals = [_queries(ridge_m, task.dim, g) for _ in prompts]
+    cals = [query_tokens((ridge_m, 1), task.dim, g) for _ in prompts]
     for lam in progress_bar(RIDGES, progress, desc="thought: ridge"):
         fits = [_quiet_fit(model, p, c, ridge=lam, progress=False) for p, c in zip(prompts, cals)]
-        ridge["train"].append(_quartiles([residual(evaluate_thought_patch(model, p, c, f.patch))
-                                          for p, c, f in zip(prompts, cals, fits)]))
-        ridge["test"].append(_quartiles([residual(evaluate_thought_patch(model, p, t, f.patch, reference=ref))
-                                         for p, t, f, ref in zip(prompts, tests, fits, refs)]))
+        ridge["train"].append(
+            _quartiles([residual(evaluate_thought_patch(model, p, c, f.patch)) for p, c, f in zip(prompts, cals, fits)])
+        )
+        ridge["test"].append(
+            _quartiles(
+                [
+                    residual(evaluate_thought_patch(model, p, t, f.patch, reference=ref))
+                    for p, t, f, ref in zip(prompts, tests, fits, refs)
+                ]
+            )
+        )
 
     ablation: dict[str, list[dict]] = {}
-    cals = [_queries(ABLATION_M, task.dim, g) for _ in prompts]
+    cals = [query_tokens((ABLATION_M, 1), task.dim, g) for _ in prompts]
     defaults = []
     for name, options in progress_bar(list(VARIANTS.items()), progress, desc="thought: forms"):
         for p, c, t, y, ref in zip(prompts, cals, tests, targets, refs):
@@ -110,8 +111,13 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
                 extra.update({"its thought vector alone": fit.vector(), "its thought matrices alone": fit.matrices()})
             ev = evaluate_thought_patch(model, p, t, {name: fit.patch, **extra}, targets=y, reference=ref)
             for key in [name, *extra]:
-                ablation.setdefault(key, []).append({"gap_closed": ev["gap_closed"][key], "task_mse": ev["task_mse"][key],
-                                                     **({"seconds": seconds} if key == name else {})})
+                ablation.setdefault(key, []).append(
+                    {
+                        "gap_closed": ev["gap_closed"][key],
+                        "task_mse": ev["task_mse"][key],
+                        **({"seconds": seconds} if key == name else {}),
+                    }
+                )
             if not options:
                 for key in ("with prompt", "no prompt"):
                     ablation.setdefault(key, []).append({"task_mse": ev["task_mse"][key]})
@@ -119,16 +125,25 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
         x = torch.cat([p.expand(t.shape[0], -1, -1), t], 1)
         with torch.no_grad():
             pred = functional_call(model, token_patch(model, x), t)
-        ablation.setdefault("token patch of each query (exact)", []).append({"task_mse": float(((pred - y) ** 2).mean())})
+        ablation.setdefault("token patch of each query (exact)", []).append(
+            {"task_mse": float(((pred - y) ** 2).mean())}
+        )
 
     baseline = _baselines(model, prompts[:2], cals[:2], tests[:2], defaults[:2], batches[:2], progress)
-    data = {"n_prompts": n_prompts, "n_test": n_test, "seed": seed, "d_in": d_in, "d_hidden": d_hidden,
-            "curve": curve, "ridge": ridge, "ablation_m": ABLATION_M,
-            "ablation": {_slug(k): _summary(v) for k, v in ablation.items()},
-            "labels": {_slug(k): k for k in [*ablation, *baseline["rows"]]},
-            "gradient_baseline": {**baseline, "rows": {_slug(k): v for k, v in baseline["rows"].items()}}}
-    return Section("thought", "Thought patches: one static update for a whole prompt",
-                   *_write(out, data), data)
+    data = {
+        "n_prompts": n_prompts,
+        "n_test": n_test,
+        "seed": seed,
+        "d_in": d_in,
+        "d_hidden": d_hidden,
+        "curve": curve,
+        "ridge": ridge,
+        "ablation_m": ABLATION_M,
+        "ablation": {_slug(k): _summary(v) for k, v in ablation.items()},
+        "labels": {_slug(k): k for k in [*ablation, *baseline["rows"]]},
+        "gradient_baseline": {**baseline, "rows": {_slug(k): v for k, v in baseline["rows"].items()}},
+    }
+    return Section("thought", "Thought patches: one static update for a whole prompt", *_write(out, data), data)
 
 
 def _slug(label: str) -> str:
@@ -145,24 +160,37 @@ def _baselines(model, prompts, cals, tests, fits, batches, progress) -> dict:
     """Closed form against context distillation (Adam on the same parameters, full rank and rank 8,
     from zero and from the closed form), and the thought patch's alignment with fine-tuning."""
     rows = {}
-    for key, options in progress_bar([("distilled, full matrices", {}), ("distilled, rank 8", {"rank": 8}),
-                                      ("closed form + 50 Adam steps", {"steps": 50, "lr": 1e-5, "init": True})],
-                                     progress, desc="thought: gradient baselines"):
+    for key, options in progress_bar(
+        [
+            ("distilled, full matrices", {}),
+            ("distilled, rank 8", {"rank": 8}),
+            ("closed form + 50 Adam steps", {"steps": 50, "lr": 1e-5, "init": True}),
+        ],
+        progress,
+        desc="thought: gradient baselines",
+    ):
         for p, c, t, fit in zip(prompts, cals, tests, fits):
             kw = {"steps": DISTILL_STEPS, "lr": 1e-3, **options}
             kw["init"] = fit if kw.get("init") else None
             d = distill(model, p, c, list(fit.patch), progress=False, **kw)
             ev = evaluate_thought_patch(model, p, t, d.patch)
-            rows.setdefault(key, []).append({"seconds": d.seconds, "gap_closed": ev["gap_closed"]["thought patch"],
-                                             "calibration_mse": float(d.losses[-1]), "losses": d.losses.tolist()})
-    for p, c, t, fit in zip(prompts, cals, tests, fits):
+            rows.setdefault(key, []).append(
+                {
+                    "seconds": d.seconds,
+                    "gap_closed": ev["gap_closed"]["thought patch"],
+                    "calibration_mse": float(d.losses[-1]),
+                    "losses": d.losses.tolist(),
+                }
+            )
+    for p, c, t, _ in zip(prompts, cals, tests, fits):
         t0 = time.perf_counter()
         again = _quiet_fit(model, p, c, progress=False)
         seconds = time.perf_counter() - t0
         ev = evaluate_thought_patch(model, p, t, again.patch)
         cal_mse = evaluate_thought_patch(model, p, c, again.patch)["mse_to_context"]["thought patch"]
-        rows.setdefault("closed form", []).append({"seconds": seconds, "gap_closed": ev["gap_closed"]["thought patch"],
-                                                   "calibration_mse": cal_mse})
+        rows.setdefault("closed form", []).append(
+            {"seconds": seconds, "gap_closed": ev["gap_closed"]["thought patch"], "calibration_mse": cal_mse}
+        )
     names = [n for n in fits[0].patch if n.endswith("fc_in.weight")]
     align = []
     for b, fit in zip(batches, fits):
@@ -175,23 +203,34 @@ def _reading(ab: dict) -> str:
     """What the ablation table says, from its medians."""
     gap = lambda name: ab[_slug(name)]["gap_closed"][1]  # noqa: E731
     default, teacher = gap("sequential, input + affine output (default)"), gap("teacher-forced, input + affine output")
-    ranks = ", ".join(f"rank {k}: {gap(f'sequential, rank {k} during the fit'):.3f} during the fit, "
-                      f"{gap(f'rank {k} truncation'):.3f} cut afterwards" for k in TRUNCATIONS)
-    return (f"The affine output side is what closes the gap: the default closes {default:.4f} of it, the affine output "
-            f"side alone {gap('affine output side only'):.4f}, while a thought vector (a constant shift) alone closes "
-            f"{gap('thought vector only (mean shift)'):.3f} and the input side with one "
-            f"{gap('sequential, input + thought vector'):.3f}. Sequential against teacher-forced: {default:.4f} against "
-            f"{teacher:.4f} with the affine output side, {gap('sequential, input + thought vector'):.3f} against "
-            f"{gap('teacher-forced, input + thought vector'):.3f} with a thought vector: the teacher-forced fits above "
-            f"layer 0 see states the patched model does not produce. Small patches: {ranks}; the layers above must fit "
-            "on top of the truncated update, so truncating after the fit is not a substitute.")
+    ranks = ", ".join(
+        f"rank {k}: {gap(f'sequential, rank {k} during the fit'):.3f} during the fit, "
+        f"{gap(f'rank {k} truncation'):.3f} cut afterwards"
+        for k in TRUNCATIONS
+    )
+    return (
+        f"The affine output side is what closes the gap: the default closes {default:.4f} of it, the affine output "
+        f"side alone {gap('affine output side only'):.4f}, while a thought vector (a constant shift) alone closes "
+        f"{gap('thought vector only (mean shift)'):.3f} and the input side with one "
+        f"{gap('sequential, input + thought vector'):.3f}. Sequential against teacher-forced: {default:.4f} against "
+        f"{teacher:.4f} with the affine output side, {gap('sequential, input + thought vector'):.3f} against "
+        f"{gap('teacher-forced, input + thought vector'):.3f} with a thought vector: the teacher-forced fits above "
+        f"layer 0 see states the patched model does not produce. Small patches: {ranks}; the layers above must fit "
+        "on top of the truncated update, so truncating after the fit is not a substitute."
+    )
 
 
 def _write(out: Path, data: dict) -> tuple[str, str, list[str]]:
     """(markdown, figures) of the section."""
     c, r = data["curve"], data["ridge"]
-    fig1 = plots.thought_curves(c, r, data["d_in"], data["d_hidden"], out / "thought_generalisation.png",
-                                f"Thought patch on {data['n_prompts']} prompts: error relative to dropping the prompt")
+    fig1 = plots.thought_curves(
+        c,
+        r,
+        data["d_in"],
+        data["d_hidden"],
+        out / "thought_generalisation.png",
+        f"Thought patch on {data['n_prompts']} prompts: error relative to dropping the prompt",
+    )
     rows = ["| form of the fit | gap closed (median [25%, 75%]) | task MSE (median) | fit time |", "|---|---|---|---|"]
     order = [_slug(k) for k in ("with prompt", "no prompt", "token patch of each query (exact)")]
     for key, s in sorted(data["ablation"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 3):
@@ -203,18 +242,42 @@ def _write(out: Path, data: dict) -> tuple[str, str, list[str]]:
     base = data["gradient_baseline"]["rows"]
     brow = ["| method | gap closed | calibration MSE to the with-prompt output | wall time |", "|---|---|---|---|"]
     for key, rs in base.items():
-        brow.append(f"| {data['labels'][key]} | " + ", ".join(f"{x['gap_closed']:.5f}" for x in rs) + " | "
-                    + ", ".join(f"{x['calibration_mse']:.2e}" for x in rs) + " | "
-                    + ", ".join(f"{x['seconds']:.2f} s" for x in rs) + " |")
+        brow.append(
+            f"| {data['labels'][key]} | "
+            + ", ".join(f"{x['gap_closed']:.5f}" for x in rs)
+            + " | "
+            + ", ".join(f"{x['calibration_mse']:.2e}" for x in rs)
+            + " | "
+            + ", ".join(f"{x['seconds']:.2f} s" for x in rs)
+            + " |"
+        )
     speed = min(x["seconds"] for x in base["distilled_full_matrices"]) / max(x["seconds"] for x in base["closed_form"])
-    lines = {f"{data['labels'][k]}, prompt {j}": (list(range(len(x["losses"]))), x["losses"])
-             for k, rs in base.items() if k != "closed_form" for j, x in enumerate(rs)}
+    lines = {
+        f"{data['labels'][k]}, prompt {j}": (list(range(len(x["losses"]))), x["losses"])
+        for k, rs in base.items()
+        if k != "closed_form"
+        for j, x in enumerate(rs)
+    }
     steps = max(len(xs) for xs, _ in lines.values()) - 1
-    lines.update({f"closed form, prompt {j}": ([0, steps], [x["calibration_mse"]] * 2)
-                  for j, x in enumerate(base["closed_form"])})
-    fig2 = plots.curves({"Adam on the calibration queries, beside the closed form (flat lines)": {
-        "x": "step", "y": "calibration MSE to the with-prompt output", "logy": True, "lines": lines}},
-        out / "thought_distillation.png", "Context distillation against the closed-form fit", wide=True)
+    lines.update(
+        {
+            f"closed form, prompt {j}": ([0, steps], [x["calibration_mse"]] * 2)
+            for j, x in enumerate(base["closed_form"])
+        }
+    )
+    fig2 = plots.curves(
+        {
+            "Adam on the calibration queries, beside the closed form (flat lines)": {
+                "x": "step",
+                "y": "calibration MSE to the with-prompt output",
+                "logy": True,
+                "lines": lines,
+            }
+        },
+        out / "thought_distillation.png",
+        "Context distillation against the closed-form fit",
+        wide=True,
+    )
     align = data["gradient_baseline"]["finetune_alignment_fc_in"]
     test_1024 = c["test"][c["m"].index(1024)][1] if 1024 in c["m"] else float("nan")
     body = [
@@ -249,6 +312,7 @@ def _write(out: Path, data: dict) -> tuple[str, str, list[str]]:
         "",
         "Cosine between the thought patch's `fc_in` update and the Adam fine-tuning update of the same matrix "
         "on the prompt's 16 examples (as in the fine-tuning section), per layer, two prompts: "
-        + "; ".join(", ".join(f"{x:+.3f}" for x in row) for row in align) + ".",
+        + "; ".join(", ".join(f"{x:+.3f}" for x in row) for row in align)
+        + ".",
     ]
     return "\n".join(body), [fig1.name, fig2.name]

@@ -9,7 +9,6 @@ a resumed run is bit-for-bit the run that was not interrupted.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -18,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from tokenpatch.workbench.train.loop import check_config, check_recipe, load_optim, optim_tensors, run_steps
 from tokenpatch.errors import FileFormatError
 from tokenpatch.models.icl import ICLConfig, ICLTransformer, read_checkpoint, save_model
 from tokenpatch.tasks.linreg import DEFAULT_TASK, LinRegTask, evaluate
+from tokenpatch.workbench.train.loop import TrainingConfig, check_recipe, load_optim, optim_tensors, run_steps
 
 __all__ = ["TrainConfig", "train", "lr_at", "DEFAULT_MODEL", "DEFAULT_TASK", "DEFAULT_TRAIN"]
 
@@ -29,23 +28,28 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(TrainingConfig):
     steps: int = 2000
     batch_size: int = 256
     lr: float = 1e-3
     warmup: int = 100
-    min_lr_ratio: float = 0.05
-    grad_clip: float = 1.0
-    seed: int = 0
     checkpoint_every: int = 250
+    min_lr_ratio: float = 0.05
     eval_tasks: int = 2048
 
-    def __post_init__(self) -> None:
-        check_config(self, counts=("steps", "batch_size", "warmup", "checkpoint_every", "eval_tasks"),
-                     positive=("lr", "grad_clip"), nonnegative=("min_lr_ratio",))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    COUNTS = ("eval_tasks",)
+    NONNEGATIVE = ("min_lr_ratio",)
+    RECIPE_KEYS = (
+        "steps",
+        "batch_size",
+        "lr",
+        "warmup",
+        "min_lr_ratio",
+        "grad_clip",
+        "seed",
+        "checkpoint_every",
+        "eval_tasks",
+    )
 
 
 # The shipped checkpoint (tokenpatch/models/data/linreg-pre10.safetensors) is exactly this recipe.
@@ -118,13 +122,30 @@ def train(
         return {"loss": f"{ema:.4f}"}
 
     t0 = time.perf_counter()
-    run_steps(model, opt, start=start, steps=cfg.steps, loss_at=loss_at, lr_at=lambda step: lr_at(step, cfg),
-              grad_clip=cfg.grad_clip, checkpoint=checkpoint, checkpoint_every=cfg.checkpoint_every, after=after,
-              desc="train", progress=progress, where=str(out))
+    run_steps(
+        model,
+        opt,
+        start=start,
+        steps=cfg.steps,
+        loss_at=loss_at,
+        lr_at=lambda step: lr_at(step, cfg),
+        grad_clip=cfg.grad_clip,
+        checkpoint=checkpoint,
+        checkpoint_every=cfg.checkpoint_every,
+        after=after,
+        desc="train",
+        progress=progress,
+        where=str(out),
+    )
     model.eval()
     result = evaluate(model, task, n_tasks=cfg.eval_tasks)
     seconds = time.perf_counter() - t0
     checkpoint(cfg.steps, {"eval": result, "seconds_last_session": seconds})
-    log.info("trained %s: MSE %.4f (zero %.4f, least squares %.4f)", out, result["mse_model"],
-             result["mse_zero"], result["mse_least_squares"])
+    log.info(
+        "trained %s: MSE %.4f (zero %.4f, least squares %.4f)",
+        out,
+        result["mse_model"],
+        result["mse_zero"],
+        result["mse_least_squares"],
+    )
     return model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenpatch.errors import FileFormatError, InputError
-from tokenpatch.models.icl import read_checkpoint, save_model
+from tokenpatch.models.icl import ICLTransformer, read_checkpoint, save_model
 from tokenpatch.models.lm import lm_inputs, lm_model, load_lm
 from tokenpatch.tasks.repeats import BOS, LMData
-from tokenpatch.workbench.train.loop import check_config, check_recipe, load_optim, optim_tensors, run_steps
+from tokenpatch.workbench.train.loop import TrainingConfig, check_recipe, load_optim, optim_tensors, run_steps
 
 __all__ = ["LMData", "LMTrain", "lm_model", "lm_inputs", "train_lm", "load_lm", "BOS"]
 
@@ -22,24 +20,27 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class LMTrain:
+class LMTrain(TrainingConfig):
     steps: int = 3000
     batch_size: int = 64
     lr: float = 3e-3
     warmup: int = 100
-    grad_clip: float = 1.0
-    seed: int = 0
     checkpoint_every: int = 500
 
-    def __post_init__(self) -> None:
-        check_config(self, counts=("steps", "batch_size", "warmup", "checkpoint_every"), positive=("lr", "grad_clip"))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    RECIPE_KEYS = ("steps", "batch_size", "lr", "warmup", "grad_clip", "seed", "checkpoint_every")
 
 
-def train_lm(out: str | Path, data: LMData = LMData(), cfg: LMTrain = LMTrain(), d_model: int = 64, n_layers: int = 4,
-             n_heads: int = 1, mlp: bool = True, resume: bool = True, progress: bool | None = None) -> ICLTransformer:
+def train_lm(
+    out: str | Path,
+    data: LMData = LMData(),
+    cfg: LMTrain = LMTrain(),
+    d_model: int = 64,
+    n_layers: int = 4,
+    n_heads: int = 1,
+    mlp: bool = True,
+    resume: bool = True,
+    progress: bool | None = None,
+) -> ICLTransformer:
     """Train (or resume) the small LM; the checkpoint (with optimizer and sampler state) is ``out``."""
     out = Path(out)
     recipe = {"data": data.to_dict(), "train": cfg.to_dict(), "model": [d_model, n_layers, n_heads, mlp]}
@@ -61,8 +62,14 @@ def train_lm(out: str | Path, data: LMData = LMData(), cfg: LMTrain = LMTrain(),
         start, history, ema = 0, [], None
 
     def checkpoint(step: int) -> None:
-        meta = {"recipe": recipe, "step": step, "rng": rng.bit_generator.state, "history": history, "loss_ema": ema,
-                "bos": BOS}
+        meta = {
+            "recipe": recipe,
+            "step": step,
+            "rng": rng.bit_generator.state,
+            "history": history,
+            "loss_ema": ema,
+            "bos": BOS,
+        }
         save_model(model, out, meta=meta, extra=optim_tensors(opt))
 
     def loss_at(step: int) -> torch.Tensor:
@@ -78,9 +85,20 @@ def train_lm(out: str | Path, data: LMData = LMData(), cfg: LMTrain = LMTrain(),
             return {"loss": f"{ema:.3f}"}
         return None
 
-    run_steps(model, opt, start=start, steps=cfg.steps, loss_at=loss_at,
-              lr_at=lambda step: cfg.lr * min(1.0, (step + 1) / cfg.warmup), grad_clip=cfg.grad_clip,
-              checkpoint=checkpoint, checkpoint_every=cfg.checkpoint_every, after=after, desc="train LM",
-              progress=progress, where=str(out))
+    run_steps(
+        model,
+        opt,
+        start=start,
+        steps=cfg.steps,
+        loss_at=loss_at,
+        lr_at=lambda step: cfg.lr * min(1.0, (step + 1) / cfg.warmup),
+        grad_clip=cfg.grad_clip,
+        checkpoint=checkpoint,
+        checkpoint_every=cfg.checkpoint_every,
+        after=after,
+        desc="train LM",
+        progress=progress,
+        where=str(out),
+    )
     checkpoint(cfg.steps)
     return model.eval()

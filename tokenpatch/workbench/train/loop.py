@@ -1,20 +1,31 @@
-"""What the trainers share (``train``, ``markov``, ``lm``): config checks, the optimisation loop,
-optimizer state in a checkpoint, and a Ctrl-C that stops at a step boundary."""
+"""What the trainers share (``train``, ``markov``, ``lm``): the config base and its checks, the
+optimisation loop, optimizer state in a checkpoint, and a Ctrl-C that stops at a step boundary."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import signal
 import threading
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from tokenpatch.progress import progress_bar
 from tokenpatch.errors import FileFormatError, InputError
+from tokenpatch.progress import progress_bar
 
-__all__ = ["check_config", "check_recipe", "run_steps", "optim_tensors", "load_optim", "DeferredInterrupt"]
+__all__ = [
+    "TrainingConfig",
+    "check_config",
+    "check_recipe",
+    "run_steps",
+    "optim_tensors",
+    "load_optim",
+    "DeferredInterrupt",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +70,9 @@ class DeferredInterrupt:
             signal.signal(signal.SIGINT, self._old)
 
 
-def check_config(cfg, counts: tuple[str, ...] = (), positive: tuple[str, ...] = (), nonnegative: tuple[str, ...] = ()) -> None:
+def check_config(
+    cfg, counts: tuple[str, ...] = (), positive: tuple[str, ...] = (), nonnegative: tuple[str, ...] = ()
+) -> None:
     """One clear ``InputError`` for a training config's first bad field: ``counts`` are integers
     >= 1, ``seed`` (when present) an integer >= 0, ``positive`` numbers > 0, ``nonnegative`` >= 0."""
     kind = type(cfg).__name__
@@ -73,21 +86,75 @@ def check_config(cfg, counts: tuple[str, ...] = (), positive: tuple[str, ...] = 
     for names, ok, what in ((positive, lambda v: v > 0, "> 0"), (nonnegative, lambda v: v >= 0, ">= 0")):
         for name in names:
             value = getattr(cfg, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or not ok(value)
+            ):
                 raise InputError(f"{kind}.{name} must be a number {what}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The fields every trainer's config has, their checks and ``to_dict`` (``linreg.TrainConfig``,
+    ``markov.MarkovTrain``, ``lm.LMTrain``). A subclass re-declares the fields it gives its own default
+    (all but ``grad_clip`` and ``seed``), adds its own, names its own checked fields in ``COUNTS``
+    (integers >= 1), ``POSITIVE`` and ``NONNEGATIVE``, and lists every field in ``RECIPE_KEYS``: the
+    order of ``to_dict``, the order its saved recipes record (a checkpoint's JSON stays what it was)."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    warmup: int
+    checkpoint_every: int
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    COUNTS: ClassVar[tuple[str, ...]] = ()
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+    NONNEGATIVE: ClassVar[tuple[str, ...]] = ()
+    RECIPE_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        check_config(
+            self,
+            counts=("steps", "batch_size", "warmup", "checkpoint_every", *self.COUNTS),
+            positive=("lr", "grad_clip", *self.POSITIVE),
+            nonnegative=self.NONNEGATIVE,
+        )
+
+    def to_dict(self) -> dict:
+        """The fields, keys in ``RECIPE_KEYS`` order (then any field it does not list, in field order)."""
+        fields = dataclasses.asdict(self)
+        return {**{k: fields[k] for k in self.RECIPE_KEYS}, **fields}
 
 
 def check_recipe(path, saved, asked: dict) -> None:
     """Refuse to resume a checkpoint written by another recipe, rather than mix two runs."""
     if saved != asked:
-        raise FileFormatError(f"{path} was written by another training recipe; pass another path, or start afresh "
-                              f"(resume=False; --no-resume) (saved {saved}, asked {asked})")
+        raise FileFormatError(
+            f"{path} was written by another training recipe; pass another path, or start afresh "
+            f"(resume=False; --no-resume) (saved {saved}, asked {asked})"
+        )
 
 
-def run_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, *, start: int, steps: int,
-              loss_at: Callable[[int], torch.Tensor], lr_at: Callable[[int], float], grad_clip: float,
-              checkpoint: Callable[[int], None], checkpoint_every: int, after: Callable[[int, float], dict | None],
-              desc: str, progress: bool | None, where: str) -> None:
+def run_steps(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    start: int,
+    steps: int,
+    loss_at: Callable[[int], torch.Tensor],
+    lr_at: Callable[[int], float],
+    grad_clip: float,
+    checkpoint: Callable[[int], None],
+    checkpoint_every: int,
+    after: Callable[[int, float], dict | None],
+    desc: str,
+    progress: bool | None,
+    where: str,
+) -> None:
     """The optimisation loop every trainer runs, steps ``start .. steps - 1``:
 
         loss = loss_at(step);  lr <- lr_at(step);  backward;  clip the gradient norm to grad_clip;

@@ -14,7 +14,6 @@ random state and history inside) and ``step-XXXXXXX.safetensors`` snapshots.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,34 +25,50 @@ from tokenpatch.errors import FileFormatError, InputError
 from tokenpatch.interp.phases import PHASES, cross_entropy, kl_to, mixture_fit, phase_label, predictors
 from tokenpatch.models.icl import ICLTransformer, read_checkpoint, save_model
 from tokenpatch.models.markov import MarkovModel, log_probs, markov_model, model_inputs
-from tokenpatch.tasks.markov import STREAMS, MarkovTask, encode
-from tokenpatch.workbench.train.loop import check_config, check_recipe, load_optim, optim_tensors, run_steps
+from tokenpatch.tasks.markov import STREAMS, MarkovTask
+from tokenpatch.workbench.train.loop import TrainingConfig, check_recipe, load_optim, optim_tensors, run_steps
 
-__all__ = ["MarkovTrain", "EvalSet", "eval_set", "evaluate", "train_markov", "load_run", "log_steps",
-           "MarkovModel", "markov_model", "log_probs"]
+__all__ = [
+    "MarkovTrain",
+    "EvalSet",
+    "eval_set",
+    "evaluate",
+    "train_markov",
+    "load_run",
+    "log_steps",
+    "MarkovModel",
+    "markov_model",
+    "log_probs",
+]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class MarkovTrain:
+class MarkovTrain(TrainingConfig):
     steps: int = 4000
     batch_size: int = 32
     lr: float = 1e-3
     warmup: int = 50
+    checkpoint_every: int = 500
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
     evals: int = 24  # log-spaced evaluation points (plus step 0)
     eval_sequences: int = 256
-    checkpoint_every: int = 500
 
-    def __post_init__(self) -> None:
-        check_config(self, counts=("steps", "batch_size", "warmup", "evals", "eval_sequences", "checkpoint_every"),
-                     positive=("lr", "grad_clip"), nonnegative=("weight_decay",))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    COUNTS = ("evals", "eval_sequences")
+    NONNEGATIVE = ("weight_decay",)
+    RECIPE_KEYS = (
+        "steps",
+        "batch_size",
+        "lr",
+        "warmup",
+        "weight_decay",
+        "grad_clip",
+        "seed",
+        "evals",
+        "eval_sequences",
+        "checkpoint_every",
+    )
 
 
 @dataclass
@@ -99,8 +114,10 @@ def evaluate(model: ICLTransformer, task: MarkovTask, data: EvalSet, margin: flo
 
 def reference_losses(data: EvalSet) -> dict:
     """Every predictor's cross-entropy on the evaluation set."""
-    return {which: {name: cross_entropy(lp, getattr(data, which)).mean().item() for name, lp in refs.items()}
-            for which, refs in data.refs.items()}
+    return {
+        which: {name: cross_entropy(lp, getattr(data, which)).mean().item() for name, lp in refs.items()}
+        for which, refs in data.refs.items()
+    }
 
 
 def log_steps(steps: int, points: int) -> list[int]:
@@ -112,8 +129,15 @@ def _recipe(task, shape, cfg) -> dict:
     return {"task": task.to_dict(), "model": shape.to_dict(), "train": cfg.to_dict()}
 
 
-def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovModel(), cfg: MarkovTrain = MarkovTrain(),
-                 resume: bool = True, progress: bool | None = None, snapshots: bool = True) -> tuple[ICLTransformer, list[dict]]:
+def train_markov(
+    out: str | Path,
+    task: MarkovTask,
+    shape: MarkovModel = MarkovModel(),
+    cfg: MarkovTrain = MarkovTrain(),
+    resume: bool = True,
+    progress: bool | None = None,
+    snapshots: bool = True,
+) -> tuple[ICLTransformer, list[dict]]:
     """Train (or resume) in the directory ``out``; returns the model and the evaluation history.
 
     History entries: ``{"step", "train": {...}, "fresh": {...}}`` as ``evaluate`` returns them.
@@ -146,8 +170,13 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
         start, history = 0, []
 
     def checkpoint(step: int) -> None:
-        meta = {"recipe": recipe, "step": step, "rng": rng.bit_generator.state, "history": history,
-                "references": reference_losses(data)}
+        meta = {
+            "recipe": recipe,
+            "step": step,
+            "rng": rng.bit_generator.state,
+            "history": history,
+            "references": reference_losses(data),
+        }
         save_model(model, path, meta=meta, extra=optim_tensors(opt))
 
     def record(step: int) -> None:
@@ -159,10 +188,13 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
 
     if start == 0 and not history:
         record(0)
+
     def loss_at(step: int) -> torch.Tensor:
         batch = task.sample(cfg.batch_size, rng, "train", matrices=chains)
         logits = model(model_inputs(model, task, batch.states))  # [B, N, C]
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, task.states), batch.states[:, 1:].reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, task.states), batch.states[:, 1:].reshape(-1)
+        )
 
     def after(step: int, loss: float) -> dict | None:
         if step not in when:
@@ -170,10 +202,21 @@ def train_markov(out: str | Path, task: MarkovTask, shape: MarkovModel = MarkovM
         record(step)
         return {"loss": f"{history[-1]['train']['loss']:.3f}", "phase": history[-1]["train"]["label"]}
 
-    run_steps(model, opt, start=start, steps=cfg.steps, loss_at=loss_at,
-              lr_at=lambda step: cfg.lr * min(1.0, (step + 1) / cfg.warmup), grad_clip=cfg.grad_clip,
-              checkpoint=checkpoint, checkpoint_every=cfg.checkpoint_every, after=after,
-              desc=f"train K={task.chains}", progress=progress, where=str(path))
+    run_steps(
+        model,
+        opt,
+        start=start,
+        steps=cfg.steps,
+        loss_at=loss_at,
+        lr_at=lambda step: cfg.lr * min(1.0, (step + 1) / cfg.warmup),
+        grad_clip=cfg.grad_clip,
+        checkpoint=checkpoint,
+        checkpoint_every=cfg.checkpoint_every,
+        after=after,
+        desc=f"train K={task.chains}",
+        progress=progress,
+        where=str(path),
+    )
     checkpoint(cfg.steps)
     return model.eval(), history
 

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenpatch.progress import progress_bar
 from tokenpatch.interp.phases import PHASES
 from tokenpatch.models.markov import MarkovModel
-from tokenpatch.workbench.train.markov import MarkovTrain, train_markov
+from tokenpatch.progress import progress_bar
 from tokenpatch.tasks.markov import MarkovTask
+from tokenpatch.workbench.train.markov import MarkovTrain, train_markov
 
 __all__ = ["sweep_chains", "sweep_lengths", "phase_grid", "k_star", "transition_step", "fit_tau"]
 
@@ -56,37 +56,64 @@ def _map(jobs: list, workers: int, progress: bool | None, desc: str) -> list[dic
         return list(progress_bar(pool.map(_run, jobs), progress, total=len(jobs), desc=desc, unit="run"))
 
 
-def sweep_chains(out: str | Path, chains=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), seeds=(0, 1, 2),
-                 task: MarkovTask = MarkovTask(), shape: MarkovModel = MarkovModel(), cfg: MarkovTrain = MarkovTrain(),
-                 workers: int = 2, progress: bool | None = None) -> dict:
+def sweep_chains(
+    out: str | Path,
+    chains=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+    seeds=(0, 1, 2),
+    task: MarkovTask = MarkovTask(),
+    shape: MarkovModel = MarkovModel(),
+    cfg: MarkovTrain = MarkovTrain(),
+    workers: int = 2,
+    progress: bool | None = None,
+) -> dict:
     """Train every (K, seed) (the seed fixes both the chains and the training run); write
     ``out/sweep.json`` and return it: ``{"task", "model", "train", "runs": [...]}``."""
     out = Path(out)
-    jobs = [(out / f"K{k:05d}-s{s}", replace(task, chains=k, seed=s), shape, replace(cfg, seed=s))
-            for k in chains for s in seeds]
+    jobs = [
+        (out / f"K{k:05d}-s{s}", replace(task, chains=k, seed=s), shape, replace(cfg, seed=s))
+        for k in chains
+        for s in seeds
+    ]
     runs = _map(jobs, workers, progress, "K sweep")
     summary = {"task": task.to_dict(), "model": shape.to_dict(), "train": cfg.to_dict(), "runs": runs}
     (out / "sweep.json").write_text(json.dumps(summary))
     return summary
 
 
-def sweep_lengths(out: str | Path, lengths=(16, 32, 64, 128), seeds=(0, 1), task: MarkovTask = MarkovTask(chains=4096),
-                  shape: MarkovModel = MarkovModel(), cfg: MarkovTrain = MarkovTrain(), workers: int = 2,
-                  progress: bool | None = None) -> dict:
+def sweep_lengths(
+    out: str | Path,
+    lengths=(16, 32, 64, 128),
+    seeds=(0, 1),
+    task: MarkovTask = MarkovTask(chains=4096),
+    shape: MarkovModel = MarkovModel(),
+    cfg: MarkovTrain = MarkovTrain(),
+    workers: int = 2,
+    progress: bool | None = None,
+) -> dict:
     """Train at large K for every (N, seed); ``out/lengths.json`` with ``tau`` per run and the fits."""
     out = Path(out)
-    jobs = [(out / f"N{n:04d}-s{s}", replace(task, length=n, seed=s), shape, replace(cfg, seed=s))
-            for n in lengths for s in seeds]
+    jobs = [
+        (out / f"N{n:04d}-s{s}", replace(task, length=n, seed=s), shape, replace(cfg, seed=s))
+        for n in lengths
+        for s in seeds
+    ]
     runs = _map(jobs, workers, progress, "N sweep")
     for run in runs:
         run["tau"] = transition_step(run["history"])
-    summary = {"task": task.to_dict(), "model": shape.to_dict(), "train": cfg.to_dict(), "runs": runs,
-               "fit": fit_tau([r["length"] for r in runs], [r["tau"] for r in runs])}
+    summary = {
+        "task": task.to_dict(),
+        "model": shape.to_dict(),
+        "train": cfg.to_dict(),
+        "runs": runs,
+        "fit": fit_tau([r["length"] for r in runs], [r["tau"] for r in runs]),
+    }
     (out / "lengths.json").write_text(json.dumps(summary))
     return summary
 
 
-def phase_grid(summary: dict, seed: int | None = None, which: str = "train") -> tuple[list[int], list[int], list[list[str]]]:
+def phase_grid(
+    summary: dict, seed: int | None = None, which: str = "train"
+) -> tuple[list[int], list[int], list[list[str]]]:
     """``(chains, steps, labels[K][step])`` for one seed (default: the first)."""
     runs = [r for r in summary["runs"] if seed is None or r["seed"] == seed]
     first = runs[0]["seed"]
@@ -112,8 +139,13 @@ def k_star(summary: dict, tol: float | None = None) -> dict:
         ks = [r["chains"] for r in runs]
         final = [r["history"][-1] for r in runs]
         gen = [f["fresh"]["kl"]["2-gen"] < f["fresh"]["kl"]["2-mem"] for f in final]
-        mem = [(f["train"]["kl"]["2-mem"] <= tol) if tol is not None else  # ties (K = 1: 1-mem = 2-mem) count
-               f["train"]["kl"]["2-mem"] <= min(f["train"]["kl"][p] for p in PHASES) for f in final]
+        mem = [
+            (f["train"]["kl"]["2-mem"] <= tol)
+            if tol is not None
+            # ties (K = 1: 1-mem = 2-mem) count
+            else f["train"]["kl"]["2-mem"] <= min(f["train"]["kl"][p] for p in PHASES)
+            for f in final
+        ]
         k1 = next((i for i, g in enumerate(gen) if g), None)
         k2 = max((i for i, m in enumerate(mem) if m), default=None)
         per_seed[seed] = {
@@ -127,12 +159,23 @@ def k_star(summary: dict, tol: float | None = None) -> dict:
     out = {"tol": tol, "per_seed": per_seed}
     for key in ("k1", "k2"):
         vals = [v[key] for v in per_seed.values() if v[key] is not None]
-        out[key] = None if not vals else {"geomean": float(np.exp(np.mean(np.log(vals)))),
-                                          "min": min(vals), "max": max(vals), "found": len(vals), "seeds": len(per_seed)}
+        out[key] = (
+            None
+            if not vals
+            else {
+                "geomean": float(np.exp(np.mean(np.log(vals)))),
+                "min": min(vals),
+                "max": max(vals),
+                "found": len(vals),
+                "seeds": len(per_seed),
+            }
+        )
     return out
 
 
-def transition_step(history: list[dict], which: str = "fresh", after: str = "2-gen", before: str = "1-gen") -> float | None:
+def transition_step(
+    history: list[dict], which: str = "fresh", after: str = "2-gen", before: str = "1-gen"
+) -> float | None:
     """The step at which ``KL(after || model)`` falls below ``KL(before || model)`` for good: the
     last crossing from ``>=`` to ``<`` (step 0 excluded), interpolated in log-step between the two
     evaluations around it; ``None`` if the run ends above, or was never above after step 0."""
@@ -160,5 +203,8 @@ def fit_tau(lengths: list[int], taus: list[float | None]) -> dict:
     a, c2 = np.polyfit(np.log(n), y, 1)
     r1 = float(np.sqrt(np.mean((y - x1 - c1) ** 2)))
     r2 = float(np.sqrt(np.mean((y - a * np.log(n) - c2) ** 2)))
-    return {"points": len(pts), "n_over_log_n": {"c": float(np.exp(c1)), "rms_log": r1},
-            "power": {"c": float(np.exp(c2)), "a": float(a), "rms_log": r2}}
+    return {
+        "points": len(pts),
+        "n_over_log_n": {"c": float(np.exp(c1)), "rms_log": r1},
+        "power": {"c": float(np.exp(c2)), "a": float(a), "rms_log": r2},
+    }

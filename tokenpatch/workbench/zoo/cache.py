@@ -17,8 +17,9 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tokenpatch.errors import InputError
 

@@ -43,18 +43,21 @@ import io
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from tokenpatch.workbench.zoo.cache import ensure, matches
 from tokenpatch.errors import FileFormatError, InputError, UnsupportedModelError
-from tokenpatch.models.icl import as_device, as_dtype
+from tokenpatch.workbench.zoo.cache import ensure, matches
 
+# The registry (names, specs, requirements, the cache folder) imports no torch, so the command line
+# checks a model name in milliseconds; torch and tokenpatch.models.icl load with the first model.
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from tokenpatch.models import icl  # noqa: F401 (load_pretrained imports it with importlib, when a model loads)
 
 __all__ = [
     "PretrainedSpec",
@@ -64,12 +67,16 @@ __all__ = [
     "pretrained_cache_dir",
     "is_cached",
     "check_requirements",
+    "record_mismatch",
 ]
 
 CACHE_FORMAT = "tokenpatch.workbench.zoo.pretrained/1"
 HF_PACKAGES = ("transformers", "gguf", "accelerate")  # import names; the [hf] extra of setup.cfg
 HF_INSTALL = 'pip install "tokenpatch[hf]"'
-DTYPES = (torch.float32, torch.float64)  # float32 holds the dequantised weights exactly, float64 widens them exactly
+DTYPES = (
+    "float32",
+    "float64",
+)  # torch dtypes: float32 holds the dequantised weights exactly, float64 widens them exactly
 PROBE_TEXT = "The capital of France is Paris. 12,345 naïve cafés, 東京!\n    indented code()  "
 GEMMA_NOTICE = "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms"
 
@@ -185,6 +192,27 @@ def _spec(name: str) -> PretrainedSpec:
     if not isinstance(name, str) or name not in PRETRAINED:
         raise InputError(f"unknown pretrained model {name!r}; known names: {', '.join(PRETRAINED)}")
     return PRETRAINED[name]
+
+
+def record_mismatch(name: str, record: Any) -> str | None:
+    """Why the model record ``record`` (``Adapter.describe``, e.g. a patch file's ``meta["model"]``)
+    cannot be of model ``name``, or None if nothing in it says so. Reads only the spec: no load, no torch.
+
+    The class, ``model_type`` and layer count the record has are compared with what ``name``
+    loads as (the check ``load_pretrained`` makes after every load); a record without them passes,
+    and the fingerprint check after loading stays the full one.
+    """
+    spec = _spec(name)
+    if not isinstance(record, dict):
+        return None
+    want = {"class": spec.hf_class, "model_type": spec.model_type, "n_layers": spec.n_layers}
+    wrong = [f"{key} {record[key]!r}" for key, value in want.items() if key in record and record[key] != value]
+    if not wrong:
+        return None
+    return (
+        f"it was made on a model with {', '.join(wrong)}; {name} is a {spec.hf_class} "
+        f"(model_type {spec.model_type!r}, {spec.n_layers} layers)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -325,6 +353,7 @@ def _check_loaded(spec: PretrainedSpec, model: Any, where: Path) -> None:
 
 def _convert(spec: PretrainedSpec, tmp: Path, progress: bool | None) -> None:
     """Load ``spec``'s GGUF with transformers (dequantised to float32) and save it as safetensors into ``tmp``."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     scratch = tmp / "gguf-source"
@@ -378,11 +407,11 @@ def _note(message: str) -> None:
 def load_pretrained(
     name: str,
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     device: torch.device | str = "cpu",
     cache_dir: str | os.PathLike | None = None,
     progress: bool | None = None,
-) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A real pretrained causal LM and its tokenizer, in eval mode, in ``dtype`` on ``device``.
 
     ``name`` is one of ``pretrained_names()``: ``"smollm2-135m"`` (``LlamaForCausalLM``, 30 layers,
@@ -399,10 +428,15 @@ def load_pretrained(
     cannot be read).
     """
     spec = _spec(name)
-    dtype = torch.float32 if dtype is None else as_dtype(dtype)
-    if dtype not in DTYPES:
-        raise InputError(f"dtype {dtype} is not supported for pretrained models; use torch.float32 (default) or torch.float64")
-    device = as_device(device)
+    import torch
+
+    icl = importlib.import_module("tokenpatch.models.icl")
+    dtype = torch.float32 if dtype is None else icl.as_dtype(dtype)
+    if dtype not in tuple(getattr(torch, d) for d in DTYPES):
+        raise InputError(
+            f"dtype {dtype} is not supported for pretrained models; use torch.float32 (default) or torch.float64"
+        )
+    device = icl.as_device(device)
     check_requirements(name)
     folder = pretrained_cache_dir(name, cache_dir)
     expected = _expected_marker(spec)

@@ -1,0 +1,151 @@
+"""Where a Hugging Face model keeps what tokenpatch reads: its decoder layers, each layer's sites
+(``Sites``), its heads and attention outputs, as the ``Family`` records of ``arch.families`` say.
+
+``HFModules`` is the module map half of ``HFAdapter`` (``arch.hf`` adds the two passes): the
+methods of ``Adapter`` that name modules and parameters, not the ones that run the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tokenpatch.arch.base import Adapter, OutputSite, Sites
+from tokenpatch.arch.families import FAMILIES, Family
+from tokenpatch.arch.float64 import linear64, norm64
+from tokenpatch.errors import InputError, UnsupportedModelError
+
+__all__ = ["HFModules"]
+
+_PREFIXES: weakref.WeakKeyDictionary[nn.Module, tuple[nn.ModuleList, list[str]]] = weakref.WeakKeyDictionary()
+
+
+class HFModules(Adapter):
+    """The module map of a Hugging Face causal LM of the ``FAMILIES`` block designs."""
+
+    @staticmethod
+    def family(model: nn.Module) -> Family | None:
+        """The model's ``Family`` record, from ``config.model_type`` (``None``: not a known design)."""
+        mt = getattr(getattr(model, "config", None), "model_type", None)
+        return next((f for f in FAMILIES if mt in f.model_types), None)
+
+    def matches(self, model: nn.Module) -> bool:
+        return self.family(model) is not None
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        """The decoder layers (``model.base_model.<Family.layers>``)."""
+        return getattr(model.base_model, self.family(model).layers)
+
+    def n_layers(self, model: nn.Module) -> int:
+        return len(self.layers(model))
+
+    def _prefix(self, model: nn.Module, i: int) -> str:
+        """The qualified name of decoder layer ``i`` in ``model``, with a trailing dot (found once per
+        model and layer list, then remembered)."""
+        layers = self.layers(model)
+        seen = _PREFIXES.get(model)
+        if seen is None or seen[0] is not layers:
+            where = {id(mod): name for name, mod in model.named_modules()}
+            seen = (layers, [where[id(layer)] + "." for layer in layers])
+            _PREFIXES[model] = seen
+        return seen[1][i]
+
+    def _layer_family(self, model: nn.Module, i: int) -> Family:
+        """The family record of layer ``i``: the model's, or its ``dense`` one where the layer has a
+        plain MLP (a mixture-of-experts model's dense layers)."""
+        fam, layer = self.family(model), self.layers(model)[i]
+        try:
+            layer.get_submodule(fam.down)
+            return fam
+        except AttributeError:
+            if fam.dense is None:
+                raise
+            return next(f for f in FAMILIES if f.name == fam.dense)
+
+    def _sites_of(self, model: nn.Module, i: int) -> dict[str, nn.Module]:
+        fam, layer = self._layer_family(model, i), self.layers(model)[i]
+        out = {
+            "layer": layer,
+            "mlp_norm": layer.get_submodule(fam.mlp_norm),
+            "attn": layer.get_submodule(fam.attn),
+            "down": layer.get_submodule(fam.down),
+        }
+        if fam.down_gate is not None:
+            out["down_gate"] = layer.get_submodule(fam.down_gate)
+        return out
+
+    def sites(self, model: nn.Module, i: int) -> Sites:
+        fam, p = self._layer_family(model, i), self._prefix(model, i)
+        parallel = fam.parallel(model.config)
+        inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
+        down = self._sites_of(model, i)["down"]
+        if fam.down_gate is not None:
+            output = OutputSite("gated", f"{p}{fam.down}.weight")
+        elif fam.out_norm is not None:
+            output = OutputSite("matrix+scale", f"{p}{fam.down}.weight", f"{p}{fam.out_norm}.weight")
+        elif getattr(down, "bias", None) is not None:
+            output = OutputSite("bias", f"{p}{fam.down}.bias")
+        else:
+            output = OutputSite("matrix", f"{p}{fam.down}.weight")
+        return Sites(inputs=inputs, output=output, input_site=None if parallel else f"{p}{fam.mlp}")
+
+    # ------------------------------------------------------------------------- heads and attention
+    def n_heads(self, model: nn.Module) -> int:
+        c = model.config
+        return int(getattr(c, "num_attention_heads", None) or c.n_head)
+
+    def output_projections(self, model: nn.Module) -> list[nn.Module]:
+        fam = self.family(model)
+        return [layer.get_submodule(fam.o_proj) for layer in self.layers(model)]
+
+    def attention_outputs(self, model: nn.Module) -> list[nn.Module]:
+        fam = self.family(model)
+        return [layer.get_submodule(fam.attn_out or fam.attn) for layer in self.layers(model)]
+
+    def attention_norms(self, model: nn.Module) -> list[nn.Module | None]:
+        fam = self.family(model)
+        return [None if fam.attn_out is None else layer.get_submodule(fam.attn_out) for layer in self.layers(model)]
+
+    def mlp_input_from_heads(self, model: nn.Module, i: int, h: Tensor) -> Callable[[Tensor], Tensor]:
+        fam = self.family(model)
+        if fam.parallel(model.config):
+            raise UnsupportedModelError(
+                f"{fam.name} with a parallel block: its MLP reads the layer input, which the "
+                "context does not change, so the heads carry none of the input patch"
+            )
+        layer = self.layers(model)[i]
+        o_proj = linear64(layer.get_submodule(fam.o_proj))
+        post = norm64(layer.get_submodule(fam.attn_out), fam.attn_out) if fam.attn_out else (lambda a: a)
+        mlp_norm = norm64(layer.get_submodule(fam.mlp_norm), fam.mlp_norm)
+        return lambda z: mlp_norm(h + post(o_proj(z)))
+
+    def attention_patterns(self, model: nn.Module, inputs: Any) -> list[Tensor]:
+        """One forward with ``output_attentions=True`` under eager attention (fused kernels return no
+        probabilities), the model's own implementation restored afterwards, errors included."""
+        before = getattr(model.config, "_attn_implementation", None)
+        if before is None:
+            raise InputError(f"{type(model).__name__} exposes no attention implementation to switch to eager")
+        try:
+            if before != "eager":
+                model.set_attn_implementation("eager")
+            with torch.no_grad():
+                out = model(inputs, output_attentions=True)
+        finally:
+            if before != "eager":
+                model.set_attn_implementation(before)
+        return [a.detach() for a in out.attentions]
+
+    def describe(self, model: nn.Module) -> dict:
+        c = model.config
+        return {
+            **super().describe(model),
+            "family": self.family(model).name,
+            "model_type": c.model_type,
+            "n_layers": self.n_layers(model),
+            "hidden_size": c.hidden_size,
+            "name_or_path": getattr(c, "name_or_path", "") or getattr(c, "_name_or_path", ""),
+        }
