@@ -75,8 +75,15 @@ def test_two_processes_fit_what_one_fits(tmp_path, solver):
     scope: dict = {}
     exec(SETUP, scope)  # the same model, prompt and queries in this process
     one = tp.thought_patch(scope["model"], scope["prompt"], scope["queries"], ridge=1e-3, solver=solver)
+    # The shards' sums are added in another order than one process adds them: a relative change of
+    # a few eps in the normal equations, which the solve amplifies by their condition number (the
+    # fits report it, ~1e4 here). So the bound is rounding times condition, not a fixed 1e-12: on some
+    # CPUs the unpenalised bias column differs by 3e-12 = 1.4 eps x cond.
+    cond = max(max(f.input_condition, f.output_condition) for f in one.fits)
+    bound = 64 * torch.finfo(torch.float64).eps * cond
+    assert bound < 1e-9, bound  # the problem stays well enough conditioned for the check to mean something
     for r in range(2):
-        assert _rel(one.patch, tp.load_patch(tmp_path / f"rank{r}.safetensors")) <= 1e-12
+        assert _rel(one.patch, tp.load_patch(tmp_path / f"rank{r}.safetensors")) <= bound
 
 
 def test_distributed_without_a_process_group_is_one_clear_error():
