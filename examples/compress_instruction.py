@@ -59,7 +59,7 @@ for r in rows:
     by_length.setdefault(len(r), []).append(r)
 queries = [torch.tensor(v) for v in by_length.values()]  # batches of equal length
 
-patch = tp.compress(model, prompt, queries, ridge=0.01, keep_bos=True, progress=False)
+patch = tp.thought_patch(model, prompt, queries, ridge=0.01, keep_bos=True, progress=False).patch
 path = Path(tempfile.mkdtemp()) / "french.safetensors"
 tp.save_patch(patch, path)
 patch = tp.load_patch(path, model)

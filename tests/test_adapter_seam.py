@@ -117,7 +117,7 @@ def test_a_basics_only_adapter_patches_and_is_refused_by_the_rest_naming_the_met
     registered(Basics())
     x = torch.randn(2, 5, 5, dtype=torch.float64)
     patch = tp.token_patch(wrapped, x)  # the basics are all token_patch needs
-    assert tp.verify(wrapped, x, patch).max_abs <= 1e-10
+    assert tp.verify(wrapped, patch, x).max_abs <= 1e-10
     calls = {
         "recording": lambda: tp.generate(wrapped, x),
         "n_heads": lambda: head_patches(wrapped, x),

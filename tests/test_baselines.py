@@ -302,7 +302,7 @@ def test_greedy_on_the_cache_equals_argmax_without_it():
     )
     last = Method("last", prefill=lambda b: steer(model, task_vectors(model, prompted).only(1)))
     with pytest.warns(tp.ThoughtWarning):
-        patch = tp.compress(model, prompted["input_ids"][0, -6:], plain["input_ids"][:, -2:])
+        patch = tp.thought_patch(model, prompted["input_ids"][0, -6:], plain["input_ids"][:, -2:]).patch
     patched = Method("patch", prefill=lambda b: tp.apply(model, patch), decode=lambda: tp.apply(model, patch))
     for method in (Method("plain"), every, last, patched):
         tokens, _ = greedy(model, plain, method, 4)

@@ -289,6 +289,19 @@ def test_the_lazy_face_in_a_fresh_process():
     assert done.stdout.strip() == "ok", done.stderr
 
 
+@pytest.mark.parametrize("first", ["from tokenpatch.tasks import wordpairs", "import tokenpatch.interp.phases"])
+def test_a_subpackage_imported_first_another_way_still_reaches_its_modules(first):
+    """``tp.tasks.linreg`` after ``tokenpatch.tasks`` was imported by another route (which binds the package
+    without the face's help): the subpackage imports its modules on first use."""
+    code = (
+        f"import tokenpatch as tp\n{first}\n"
+        "assert tp.tasks.linreg.task_of and tp.interp.circuits.phi and tp.interp.induction.head_scores\n"
+        "print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "ok", done.stderr
+
+
 def test_the_lazy_table_is_the_type_checking_block():
     """``tokenpatch/__init__.py`` names every public name twice: in the imports for readers and type
     checkers, and in the table the lazy imports read. They must agree."""

@@ -223,7 +223,7 @@ def test_thought_patch_of_one_query_is_exact_there(name, float64_gemma_norms):
 def test_thought_patch_generalises_and_round_trips(tmp_path):
     model = build("gpt2")
     prompt, cal, test = ids(1, 12, seed=6)[0], ids(300, 2, seed=7), ids(100, 2, seed=8)
-    patch = tp.compress(model, prompt, cal)
+    patch = tp.thought_patch(model, prompt, cal).patch
     want = model(torch.cat([prompt[None].expand(100, -1), test], 1)).logits[:, 12:]
     err = lambda p: float(((tp.functional_call(model, p, test).logits - want) ** 2).mean())  # noqa: E731
     base = float(((model(test).logits - want) ** 2).mean())

@@ -451,6 +451,8 @@ def test_phi_patching_with_itself_changes_nothing(tiny):
     assert torch.equal(moved[:, :-1], model(x)[:, :-1]) and not torch.allclose(moved[:, -1], model(x)[:, -1])
     out = circuits.phi_patching(model, task, pairs=16)
     assert set(out) == {"clean", "donor", "same_chain", "mean", "random"} and not non_snake_keys(out)
+    cells = [c for row in out.values() for c in row.values()]
+    assert len(cells) == 10 and all(set(c) == {"mean", "lo", "hi"} and c["lo"] <= c["mean"] <= c["hi"] for c in cells)
 
 
 def test_chain_probe_separates_separable_features():

@@ -153,8 +153,9 @@ def test_progress_bars_only_where_they_help(small_model, small_inputs, capsys):
 def test_verify_takes_the_patch_second_and_the_old_order_warns(small_model, small_inputs):
     patch = tp.token_patch(small_model, small_inputs)
     new = tp.verify(small_model, patch, small_inputs)
-    with pytest.warns(DeprecationWarning, match=r"tp.verify\(model, patch, inputs\)"):
+    with pytest.warns(DeprecationWarning, match=r"tp.verify\(model, patch, inputs\)") as caught:
         old = tp.verify(small_model, small_inputs, patch)
+    assert caught[0].filename == __file__  # the warning names the caller's line, not torch.no_grad's wrapper
     assert old.max_abs == new.max_abs <= 1e-10
     with pytest.raises(tp.InputError, match="the second argument must be a tp.Patch"):
         tp.verify(small_model, small_inputs, small_inputs)

@@ -120,9 +120,6 @@ def test_report_sections_use_the_one_shape(tmp_path):
 
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tokenpatch"
-# interp.circuits.phi_patching still reports a half-width under "ci95"; report/markov.py turns it into
-# the one shape (stats.interval) before the section's data. Nothing else may name the key.
-PENDING = {"interp/circuits.py", "workbench/report/markov.py"}
 
 
 def test_no_source_file_names_the_old_key():
@@ -131,4 +128,4 @@ def test_no_source_file_names_the_old_key():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         if any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "ci95" in n.value for n in ast.walk(tree)):
             named.add(path.relative_to(PACKAGE).as_posix())
-    assert named <= PENDING
+    assert named == set(), named

@@ -64,7 +64,7 @@ def test_few_queries_interpolate_every_position(layer):
         warnings.simplefilter("ignore", ThoughtWarning)  # rank 4 of 5 on the affine side: expected here
         fit = tp.thought_patch(model, prompt, q)
     ev = tp.evaluate_thought_patch(model, prompt, q, fit.patch)  # on the calibration queries themselves
-    assert ev["mse_to_context"]["thought patch"] <= 1e-20 < ev["mse_to_context"]["no prompt"]
+    assert ev["mse_to_context"]["thought_patch"] <= 1e-20 < ev["mse_to_context"]["no_prompt"]
 
 
 @sweep
@@ -202,7 +202,7 @@ def test_the_shipped_model_generalises_past_the_interpolation_threshold():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ThoughtWarning)
             fit = tp.thought_patch(model, prompt, cal)
-        gaps[m] = tp.evaluate_thought_patch(model, prompt, test, fit.patch)["gap_closed"]["thought patch"]
+        gaps[m] = tp.evaluate_thought_patch(model, prompt, test, fit.patch)["gap_closed"]["thought_patch"]
     assert gaps[2048] >= 0.9 > gaps[64]
 
 
@@ -300,3 +300,28 @@ def test_the_qr_solver_makes_batchings_agree_on_the_ill_conditioned_shipped_mode
         streamed = tp.thought_patch(model, prompt, q, solver="qr", batch_size=333, cache_bytes=0)
     assert max(f.input_condition for f in one.fits[1:]) > 1e8  # the hard case it is meant for
     assert _rel(one.patch, streamed.patch) <= 1e-10
+
+
+def test_one_verb_and_the_0_2_spellings_warn_with_the_new_ones(tmp_path):
+    model, prompt, cal = _setup(m=40, t_q=2)
+    fit = tp.thought_patch(model, prompt, cal, ridge=1e-3)
+    assert fit.patch.meta["thought"]["fits"] == [f.to_dict() for f in fit.fits]  # the fit record travels
+    tp.save_patch(fit.patch, tmp_path / "t.safetensors")
+    assert tp.load_patch(tmp_path / "t.safetensors").meta["thought"]["fits"][0]["n"] == 80
+    with pytest.warns(DeprecationWarning, match=r"use tp.thought_patch\(model, prompt, calibration") as caught:
+        old = tp.compress(model, prompt, cal, ridge=1e-3)
+    assert caught[0].filename == __file__
+    assert _rel(fit.patch, old) == 0 and old.meta == fit.patch.meta
+    with pytest.warns(
+        DeprecationWarning, match=r"thought_patch\(queries=...\) is deprecated; the argument is now calibration="
+    ):
+        again = tp.thought_patch(model, prompt, queries=cal, ridge=1e-3)
+    assert _rel(fit.patch, again.patch) == 0
+    with pytest.raises(InputError, match="pass calibration= only"):
+        tp.thought_patch(model, prompt, calibration=cal, queries=cal)
+    with pytest.warns(DeprecationWarning, match="the argument is now inputs="):
+        ev = tp.evaluate_thought_patch(model, prompt, queries=cal, patches=fit.patch)
+    assert set(ev["mse_to_context"]) == {"no_prompt", "thought_patch"}  # snake_case keys only
+    assert set(ev["gap_closed"]) == {"no_prompt", "thought_patch"}
+    with pytest.raises(InputError, match="may not be named 'no_prompt'"):
+        tp.evaluate_thought_patch(model, prompt, cal, {"no_prompt": fit.patch})

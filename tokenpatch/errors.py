@@ -2,9 +2,14 @@
 
 Each one also derives from the builtin a caller would naturally catch (``ValueError`` for bad
 values and files, ``TypeError`` for an unsupported model), so ``except ValueError`` still works.
+Warnings point at the right line: ``user_stacklevel()`` (runtime warnings: the user's call) and
+``caller_stacklevel()`` (deprecations: the call of the old spelling) give their ``stacklevel``.
 """
 
 from __future__ import annotations
+
+import inspect
+import os
 
 __all__ = [
     "TokenpatchError",
@@ -12,6 +17,8 @@ __all__ = [
     "ZeroAnchorError",
     "FileFormatError",
     "UnsupportedModelError",
+    "user_stacklevel",
+    "caller_stacklevel",
 ]
 
 
@@ -42,3 +49,26 @@ class FileFormatError(TokenpatchError, ValueError):
 
 class UnsupportedModelError(TokenpatchError, TypeError):
     """No adapter in ``tokenpatch.arch`` knows this model, or a parameter cannot be patched."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the tokenpatch/ folder
+_TORCH = f"{os.sep}torch{os.sep}"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` (for ``warnings.warn`` called by the caller of this function) of the first
+    frame outside tokenpatch and torch: a runtime warning points at the user's call."""
+    level, frame = 1, inspect.currentframe().f_back
+    while frame is not None and any(part in frame.f_code.co_filename for part in (_PACKAGE, _TORCH)):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` of whoever called the function that warns, past torch's decorators
+    (``torch.no_grad``) only: a deprecation points at the call of the old spelling, tokenpatch's own
+    calls included (the test suite turns those into errors)."""
+    level, frame = 2, inspect.currentframe().f_back.f_back
+    while frame is not None and _TORCH in frame.f_code.co_filename:
+        level, frame = level + 1, frame.f_back
+    return level

@@ -26,17 +26,9 @@ from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
 from tokenpatch.errors import FileFormatError
+from tokenpatch.file_header import META_KEY, read_header
 
 __all__ = ["write_file", "read_file", "tensor_digest", "fingerprint"]
-
-_META_KEY = "tokenpatch"
-_HINTS = {  # (found, wanted) -> what the user probably meant
-    (
-        "tokenpatch.patch/1",
-        "tokenpatch.model/1",
-    ): " (a patch file: load it with tp.load_patch, pass a model checkpoint here)",
-    ("tokenpatch.model/1", "tokenpatch.patch/1"): " (a model checkpoint: load it with tp.load_model)",
-}
 
 
 def _raw_bytes(t: Tensor):
@@ -65,7 +57,7 @@ def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, m
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     doc = {"format": kind, **meta}
     doc["sha256"] = tensor_digest(tensors, doc)
-    data = st_save(tensors, metadata={_META_KEY: json.dumps(doc)})
+    data = st_save(tensors, metadata={META_KEY: json.dumps(doc)})
     tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the usual mode: the OS applies the umask
     try:
@@ -81,37 +73,17 @@ def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, m
 
 
 def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Read a file written by ``write_file`` with the same ``kind``; verify its checksum."""
+    """Read a file written by ``write_file`` with the same ``kind``; verify its checksum. The path, the
+    header and the document are checked by ``file_header.read_header`` first (the same checks and
+    words as the command line's), then the tensors are read."""
     path = Path(path)
-    if path.is_dir():
-        raise FileFormatError(f"{path} is a directory; give the path of a {kind} file")
-    if not path.exists():
-        raise FileNotFoundError(f"no such file: {path}")
-    if not path.is_file():
-        raise FileFormatError(f"{path} is not a regular file")
-    data = path.read_bytes()
+    _, meta = read_header(path, kind)
     try:
-        if len(data) < 8:
-            raise ValueError(f"{len(data)} bytes, shorter than a safetensors header")
-        n = int.from_bytes(data[:8], "little")
-        if n > len(data) - 8:
-            raise ValueError(f"header claims {n} bytes but the file has {len(data) - 8} after it")
-        header = json.loads(data[8 : 8 + n])
-        tensors = st_load(data)
-    except Exception as exc:  # safetensors raises its own error type; json raises ValueError
+        tensors = st_load(path.read_bytes())
+    except Exception as exc:  # safetensors raises its own error type
         raise FileFormatError(
             f"{path} is not a readable safetensors file (truncated or corrupt?): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         ) from exc
-    raw = (header.get("__metadata__") or {}).get(_META_KEY)
-    if raw is None:
-        raise FileFormatError(f"{path} is a safetensors file but not one written by tokenpatch")
-    try:
-        meta = json.loads(raw)
-    except ValueError as exc:
-        raise FileFormatError(f"{path}: tokenpatch metadata is not valid JSON ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != kind:
-        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise FileFormatError(f"{path} holds a {found!r}, not a {kind!r}{_HINTS.get((found, kind), '')}")
     unsigned = {k: v for k, v in meta.items() if k != "sha256"}
     if meta.get("sha256") != tensor_digest(tensors, unsigned):
         raise FileFormatError(

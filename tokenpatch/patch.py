@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import files
-from tokenpatch.errors import InputError
+from tokenpatch.errors import InputError, caller_stacklevel
 from tokenpatch.lowrank import LowRank
 from tokenpatch.patch_fields import (
     BEHAVIOUR_KEYS,
@@ -108,7 +108,7 @@ class Patch(Mapping):
                 f"Patch(meta=...) with {sorted(k for k in BEHAVIOUR_KEYS if k in meta)} is deprecated: "
                 "pass plan=, static=, readers=, rows= (meta is provenance only)",
                 DeprecationWarning,
-                stacklevel=2,
+                stacklevel=caller_stacklevel(),
             )
             meta, old = split_behaviour(meta)
             plan, static = plan or old.get("plan"), static or old.get("static", False)

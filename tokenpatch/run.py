@@ -12,6 +12,7 @@ no-context inputs as it is.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from tokenpatch import files
 from tokenpatch.arch import weight_layout
 from tokenpatch.arch.families import scale_norm
+from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 
@@ -174,38 +176,36 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
             continue
         module_name, _, attr = name.rpartition(".")
         by_module.setdefault(module_name, {})[attr] = delta
-    handles = []
-    try:
-        for module_name, deltas in by_module.items():
-            module = model.get_submodule(module_name)
-            if (
-                set(deltas) - {"weight", "bias"}
-                or isinstance(deltas.get("bias"), LowRank)
-                or (isinstance(deltas.get("weight"), Tensor) and "bias" in deltas)
-            ):
-                raise UnsupportedModelError(
-                    f"cannot apply deltas {sorted(deltas)} to {module_name} ({type(module).__name__}): "
-                    "functional_call supports low-rank weight and dense bias deltas of linear layers, and dense "
-                    "scale deltas of known norms"
-                )
-            weight = deltas.get("weight")
-            if isinstance(weight, Tensor):  # a norm's scale
-                hook = DeltaHook(
-                    module_name, patch, broadcast, any_length, bias=weight, unit=scale_norm(module, module_name)[0]
-                )
-            else:
-                layout = weight_layout(module, module_name) if weight is not None else "out_in"
-                hook = DeltaHook(
-                    module_name, patch, broadcast, any_length, weight=weight, layout=layout, bias=deltas.get("bias")
-                )
-            handles.append(module.register_forward_hook(hook.after))
-        for module_name, delta in inputs.items():
-            hook = DeltaHook(module_name, patch, broadcast, any_length, weight=delta)
-            handles.append(model.get_submodule(module_name).register_forward_pre_hook(hook.before, with_kwargs=True))
+    pairs = []  # (register, hook): every delta checked before any hook goes on
+    for module_name, deltas in by_module.items():
+        module = model.get_submodule(module_name)
+        if (
+            set(deltas) - {"weight", "bias"}
+            or isinstance(deltas.get("bias"), LowRank)
+            or (isinstance(deltas.get("weight"), Tensor) and "bias" in deltas)
+        ):
+            raise UnsupportedModelError(
+                f"cannot apply deltas {sorted(deltas)} to {module_name} ({type(module).__name__}): "
+                "functional_call supports low-rank weight and dense bias deltas of linear layers, and dense "
+                "scale deltas of known norms"
+            )
+        weight = deltas.get("weight")
+        if isinstance(weight, Tensor):  # a norm's scale
+            hook = DeltaHook(
+                module_name, patch, broadcast, any_length, bias=weight, unit=scale_norm(module, module_name)[0]
+            )
+        else:
+            layout = weight_layout(module, module_name) if weight is not None else "out_in"
+            hook = DeltaHook(
+                module_name, patch, broadcast, any_length, weight=weight, layout=layout, bias=deltas.get("bias")
+            )
+        pairs.append((module.register_forward_hook, hook.after))
+    for module_name, delta in inputs.items():
+        hook = DeltaHook(module_name, patch, broadcast, any_length, weight=delta)
+        register = model.get_submodule(module_name).register_forward_pre_hook
+        pairs.append((functools.partial(register, with_kwargs=True), hook.before))
+    with registered_hooks(pairs):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def patched_run(

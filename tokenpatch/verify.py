@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for
-from tokenpatch.errors import InputError
+from tokenpatch.errors import InputError, caller_stacklevel
 from tokenpatch.patch import Patch
 from tokenpatch.plans import Plan, at_queries, make_plan, strip
 from tokenpatch.run import patched_run
@@ -168,7 +168,7 @@ def verify(model: nn.Module, patch: Patch, inputs: Any, query: Any = None, remov
             "tp.verify(model, inputs, patch) is deprecated: the patch comes second, as in "
             "functional_call: tp.verify(model, patch, inputs)",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=caller_stacklevel(),
         )
         patch, inputs = inputs, patch
     if not isinstance(patch, Patch):

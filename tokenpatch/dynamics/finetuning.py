@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for, weight_layout
+from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
 
@@ -139,19 +140,15 @@ def finetuned(model: nn.Module, deltas: Mapping[str, Tensor]) -> Iterator[nn.Mod
         by_module.setdefault(module_name, {})[attr] = delta
     if len(runs) > 1:
         raise InputError(f"deltas disagree on the number of runs: {sorted(runs)}")
-    handles = []
-    try:
-        for module_name, d in by_module.items():
-            module = model.get_submodule(module_name)
-            if set(d) - {"weight", "bias"}:
-                raise InputError(f"{module_name}: only weight and bias deltas can be run, got {sorted(d)}")
-            layout = weight_layout(module, module_name) if "weight" in d else "out_in"
-            hook = _DenseHook(module_name, d.get("weight"), d.get("bias"), layout)
-            handles.append(module.register_forward_hook(hook))
+    pairs = []  # (register, hook): every delta checked before any hook goes on
+    for module_name, d in by_module.items():
+        module = model.get_submodule(module_name)
+        if set(d) - {"weight", "bias"}:
+            raise InputError(f"{module_name}: only weight and bias deltas can be run, got {sorted(d)}")
+        layout = weight_layout(module, module_name) if "weight" in d else "out_in"
+        pairs.append((module.register_forward_hook, _DenseHook(module_name, d.get("weight"), d.get("bias"), layout)))
+    with registered_hooks(pairs):
         yield model
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _mse(pred: Tensor, target: Tensor) -> Tensor:

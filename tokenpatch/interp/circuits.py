@@ -27,6 +27,7 @@ from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.interp.ablation import ablate_heads
 from tokenpatch.models.icl import ICLTransformer
 from tokenpatch.models.markov import log_probs, model_inputs
+from tokenpatch.stats import mean_interval
 from tokenpatch.tasks.markov import STREAMS, sample_sequences
 
 __all__ = [
@@ -180,7 +181,7 @@ def phi_patching(model: ICLTransformer, task, pairs: int = 256, seed: int = 0, l
     ``KL(T^(a)(x_t, .) || p)`` (to the donor) and ``KL(T^(b)(x_t, .) || p)`` (to the recipient) at the
     recipient's final state ``x_t``. Controls: ``phi`` from another sequence of the recipient's own
     chain, the mean ``phi``, and a random direction of the recipient's ``phi`` norm. Each entry:
-    mean and 95% half-width over ``pairs``."""
+    mean and 95% interval over ``pairs`` (``{"mean", "lo", "hi"}``, Student t)."""
     chains = task.train_chains
     k = chains.shape[0]
     if k < 2:
@@ -218,6 +219,6 @@ def phi_patching(model: ICLTransformer, task, pairs: int = 256, seed: int = 0, l
         row = {}
         for key, ref in (("kl_donor", t_don), ("kl_recipient", t_rec)):
             v = _kl_rows(ref, lp)
-            row[key] = {"mean": v.mean().item(), "ci95": 1.96 * v.std().item() / pairs**0.5}
+            row[key] = mean_interval(v)  # {"mean", "lo", "hi"}, Student t over the pairs
         out[name] = row
     return out

@@ -1,7 +1,7 @@
 """Context distillation: the gradient baseline of the thought patch (``docs/thought-patches.md``).
 
 The same parameters the thought patch updates are trained by Adam so that the model *without*
-the prompt reproduces the model's outputs *with* it on the calibration queries:
+the prompt reproduces the model's outputs *with* it on the calibration inputs:
 
     min_dW  mean_j |f(q_j; W + dW) - f([prompt, q_j]; W)|^2
 
@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from tokenpatch import files
 from tokenpatch.arch import adapter_for
+from tokenpatch.deprecation import renamed_keywords
 from tokenpatch.dynamics.finetuning import finetuned
 from tokenpatch.errors import InputError
 from tokenpatch.patch import LowRank, Patch
@@ -40,10 +41,11 @@ class Distilled:
     seconds: float
 
 
+@renamed_keywords(queries="calibration")
 def distill(
     model: nn.Module,
     prompt: Tensor,
-    queries: Tensor,
+    calibration: Tensor,
     names: list[str],
     *,
     steps: int = 200,
@@ -54,7 +56,8 @@ def distill(
     progress: bool | None = None,
 ) -> Distilled:
     """Train deltas of parameters ``names`` (e.g. ``list(fit.patch)`` of a thought patch) by full-batch
-    Adam so the no-prompt model on ``queries [m, T_q, ...]`` matches the with-prompt outputs.
+    Adam so the no-prompt model on ``calibration [m, T_q, ...]`` (inputs each read after the prompt;
+    ``queries=`` is the 0.2 name) matches the with-prompt outputs.
     ``rank``: train rank-``rank`` factors of every matrix delta instead of full matrices (random
     small init, seeded). ``init``: start from this patch (its matrices are used in full)."""
     t0 = time.perf_counter()
@@ -66,9 +69,9 @@ def distill(
     if missing or not names:
         raise InputError(f"names must be parameters of the model, got unknown {missing or names}")
     prompt = adapter.check_inputs(model, prompt if prompt.ndim == 3 else prompt[None])
-    queries = adapter.check_inputs(model, queries)
+    calibration = adapter.check_inputs(model, calibration)
     with torch.no_grad():
-        target = adapter.run(model, torch.cat([prompt.expand(queries.shape[0], -1, -1), queries], 1))[0][
+        target = adapter.run(model, torch.cat([prompt.expand(calibration.shape[0], -1, -1), calibration], 1))[0][
             :, prompt.shape[1] :
         ]
     init = init.patch if isinstance(init, ThoughtPatch) else init
@@ -91,7 +94,7 @@ def distill(
     losses = []
     for _ in progress_bar(range(steps + 1), progress, desc="distill", unit="step"):
         with finetuned(model, deltas()):
-            loss = ((adapter.run(model, queries)[0] - target) ** 2).mean()
+            loss = ((adapter.run(model, calibration)[0] - target) ** 2).mean()
         losses.append(loss.detach())
         if len(losses) > steps:
             break

@@ -11,14 +11,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from tokenpatch import files
 from tokenpatch.arch import weight_layout
 from tokenpatch.errors import InputError
 from tokenpatch.patch import Delta, LowRank, Patch
 from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 
-__all__ = ["LayerFit", "ThoughtPatch", "cut_rank", "calibration_batches", "solve_output", "static_patch"]
+__all__ = [
+    "LayerFit",
+    "ThoughtPatch",
+    "cut_rank",
+    "calibration_batches",
+    "provenance",
+    "solve_output",
+    "static_patch",
+]
 
 
 @dataclass(frozen=True)
@@ -29,7 +39,7 @@ class LayerFit:
     * per side, the relative training residual ``|fit - target|_F / |target|_F`` (input side: of
       ``D s_0 ~ s_C - s_0``, in the MLP-input space). With ``solver="normal"`` it is read from the
       sums, so an exact fit reads as about ``sqrt(eps * condition)``, not 0; with ``"qr"`` it is
-      exact. ``evaluate_thought_patch`` on the calibration queries measures the fit itself;
+      exact. ``evaluate_thought_patch`` on the calibration inputs measures the fit itself;
     * per side, the rank and condition number of the normal equations, and the ``lambda`` used.
     """
 
@@ -90,20 +100,28 @@ def _subset(patch: Patch, dense: bool) -> Patch:
     return patch.replace(deltas=kept)
 
 
-def calibration_batches(queries: Any, batch_size: int) -> list:
-    """Calibration queries as a re-iterable of ``[b, T_q, ...]`` batches."""
-    if isinstance(queries, Tensor):
-        return list(queries.split(batch_size))
-    if isinstance(queries, Iterable) and not isinstance(queries, (str, bytes)):
-        if iter(queries) is queries:
+def calibration_batches(calibration: Any, batch_size: int) -> list:
+    """Calibration inputs as a re-iterable of ``[b, T_q, ...]`` batches."""
+    if isinstance(calibration, Tensor):
+        return list(calibration.split(batch_size))
+    if isinstance(calibration, Iterable) and not isinstance(calibration, (str, bytes)):
+        if iter(calibration) is calibration:
             raise InputError(
-                "queries is a one-shot iterator; the fit reads the calibration batches more than "
+                "calibration is a one-shot iterator; the fit reads the calibration batches more than "
                 "once: pass a tensor, a list of batches or a re-iterable loader"
             )
-        return queries
+        return calibration
     raise InputError(
-        f"queries must be a tensor [m, T_q, ...] or a re-iterable of such batches, got {type(queries).__name__}"
+        f"calibration must be a tensor [m, T_q, ...] or a re-iterable of such batches, got {type(calibration).__name__}"
     )
+
+
+def provenance(model: nn.Module, adapter, fits: list[LayerFit], **settings) -> dict:
+    """A thought patch's ``meta``: the model it was fitted on, and the fit's settings and size."""
+    return {
+        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
+        "thought": {**settings, "positions": fits[0].n},
+    }
 
 
 def static_patch(deltas: dict[str, Delta], meta: dict, readers=None) -> Patch:
@@ -123,10 +141,18 @@ def solve_output(
     distributed: bool,
     solver: str,
 ) -> dict:
-    """The output side's least squares on ``(features, target)`` pairs: the output matrix (``affine``
-    output) and its bias (``affine`` features, intercept last) into ``deltas``; returns diagnostics."""
+    """The output side's least squares on ``(hidden [N, d_hidden], target [N, d])`` pairs: the output
+    matrix (``output="affine"``; ``"vector"`` fits no matrix, so the features are empty) and, where the
+    site has a bias (``affine``), the intercept as a last feature of ones, into ``deltas``; returns
+    diagnostics."""
     module_name = name.rpartition(".")[0]
-    acc = accumulate(pairs, distributed, solver)
+
+    def design():
+        for x, t in pairs:
+            x = x if output == "affine" else t.new_zeros(t.shape[0], 0)
+            yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
+
+    acc = accumulate(design(), distributed, solver)
     a, rank, cond = solve(acc, ridge, affine, f"layer {i} output side")
     if output == "affine":
         dw = a[:, :-1] if affine else a  # [d, d_hidden]  math layout

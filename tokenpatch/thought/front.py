@@ -37,6 +37,7 @@ ill-conditioned system warns with its condition number and takes the minimum-nor
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -44,7 +45,8 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for
-from tokenpatch.errors import InputError
+from tokenpatch.deprecation import renamed_keywords
+from tokenpatch.errors import InputError, caller_stacklevel
 from tokenpatch.patch import Patch
 from tokenpatch.run import hooked
 from tokenpatch.thought.fit import LayerFit, ThoughtPatch, calibration_batches
@@ -63,11 +65,12 @@ __all__ = [
 ]
 
 
+@renamed_keywords(queries="calibration")
 @torch.no_grad()
 def thought_patch(
     model: nn.Module,
     prompt: Tensor,
-    queries: Any,
+    calibration: Any,
     *,
     ridge: float = 0.0,
     mode: Literal["sequential", "teacher"] = "sequential",
@@ -85,8 +88,9 @@ def thought_patch(
     """Fit one static patch that stands in for ``prompt`` (module docstring).
 
     ``prompt [P, ...]`` (or ``[1, P, ...]``): the context to drop, as model inputs (embeddings
-    ``[P, d_in]`` for our models). ``queries``: calibration queries ``[m, T_q, ...]`` read after the
-    prompt, every position fitted; or a re-iterable of such batches. ``ridge``: ``lambda`` of the
+    ``[P, d_in]`` for our models). ``calibration``: the calibration inputs ``[m, T_q, ...]``, each read
+    after the prompt, every position fitted; or a re-iterable of such batches (``queries=`` is its
+    0.2 name). ``ridge``: ``lambda`` of the
     per-position mean objective. ``inputs`` / ``output``: which sides to fit. ``rank``: keep every
     matrix delta at its top ``rank`` singular directions *during* the fit, so that the output side
     and the layers above fit on top of the truncated update (``ThoughtPatch.truncate`` cuts after
@@ -96,13 +100,14 @@ def thought_patch(
     exact training residuals). The states of the
     calibration positions are kept between layers while they fit in ``cache_bytes`` and recomputed
     otherwise (memory then independent of the number of queries). ``distributed=True``: this
-    process holds one shard of the calibration queries and every process of the default
+    process holds one shard of the calibration inputs and every process of the default
     ``torch.distributed`` group calls ``thought_patch`` with the same arguments (launch with
     ``torchrun``); the per-layer sums are all-reduced before each solve, so every process gets the
     fit of all the shards together. Language models only: ``keep_bos=True`` keeps the prompt's first
     token (a BOS the heads attend to) in front of every query in the no-prompt pass too;
     ``layers`` (indices, e.g. ``range(4, 12)``) fits only that band and leaves the others unpatched.
-    Returns a ``ThoughtPatch``.
+    Returns a ``ThoughtPatch``; its patch's ``meta["thought"]["fits"]`` records the ``LayerFit``s too
+    (provenance that ``save_patch`` keeps).
     """
     if mode not in ("sequential", "teacher"):
         raise InputError(f"mode must be 'sequential' or 'teacher', got {mode!r}")
@@ -117,9 +122,9 @@ def thought_patch(
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
         raise InputError(f"rank must be None or an int >= 1, got {rank!r}")
     adapter = adapter_for(model)
-    batches = calibration_batches(queries, batch_size)
+    batches = calibration_batches(calibration, batch_size)
     if adapter.traced:  # a language model: token ids, the model's own forward (hf.py)
-        return fit_lm(
+        fit = fit_lm(
             model,
             adapter,
             prompt,
@@ -135,84 +140,91 @@ def thought_patch(
             keep_bos=keep_bos,
             layers=layers,
         )
-    if keep_bos or layers is not None:
+    elif keep_bos or layers is not None:
         raise InputError("keep_bos and layers are for language models (token ids); this model fits every layer")
-    return fit_icl(
-        model,
-        prompt,
-        batches,
-        ridge=ridge,
-        mode=mode,
-        inputs=inputs,
-        output=output,
-        rank=rank,
-        solver=solver,
-        cache_bytes=cache_bytes,
-        distributed=distributed,
-        progress=progress,
-    )
-
-
-def compress(model: nn.Module, prompt: Tensor, queries: Any, **options) -> Patch:
-    """Prompt compression in one call: the thought patch of ``prompt`` fitted on the calibration
-    ``queries`` (``thought_patch`` and its ``options``), with its fit diagnostics in the metadata.
-
-        patch = tp.compress(model, prompt, queries)
-        tp.save_patch(patch, "prompt.safetensors")           # later, elsewhere:
-        out = tp.functional_call(model, tp.load_patch("prompt.safetensors"), new_queries)   # no prompt
-    """
-    fit = thought_patch(model, prompt, queries, **options)
+    else:
+        fit = fit_icl(
+            model,
+            prompt,
+            batches,
+            ridge=ridge,
+            mode=mode,
+            inputs=inputs,
+            output=output,
+            rank=rank,
+            solver=solver,
+            cache_bytes=cache_bytes,
+            distributed=distributed,
+            progress=progress,
+        )
     meta = dict(fit.patch.meta)
     meta["thought"] = {**meta["thought"], "fits": [f.to_dict() for f in fit.fits]}
-    return fit.patch.replace(meta=meta)
+    return ThoughtPatch(fit.patch.replace(meta=meta), fit.fits)
 
 
+def compress(model: nn.Module, prompt: Tensor, calibration: Any, **options) -> Patch:
+    """Deprecated: ``tp.thought_patch(model, prompt, calibration, **options).patch``, the same patch
+    with the same fit diagnostics in its metadata."""
+    warnings.warn(
+        "tp.compress is deprecated; use tp.thought_patch(model, prompt, calibration, ...).patch",
+        DeprecationWarning,
+        stacklevel=caller_stacklevel(),
+    )
+    return thought_patch(model, prompt, calibration, **options).patch
+
+
+@renamed_keywords(queries="inputs")
 @torch.no_grad()
 def evaluate_thought_patch(
     model: nn.Module,
     prompt: Tensor,
-    queries: Tensor,
+    inputs: Tensor,
     patches: Patch | Mapping[str, Patch],
     targets: Tensor | None = None,
     batch_size: int = 4096,
     reference: Tensor | None = None,
 ) -> dict:
-    """How well static patches stand in for ``prompt`` on ``queries [m, T_q, ...]`` (held out).
+    """How well static patches stand in for ``prompt`` on held-out ``inputs [m, T_q, ...]`` (each read
+    after the prompt; ``queries=`` is the 0.2 name).
 
-    Outputs at every query position of: the model with the prompt, without it, and without it
-    under each patch (``patches``: one, or ``name -> Patch``). Returns ``{"mse_to_context": {name:
-    mean squared difference to the with-prompt outputs}, "gap_closed": {name: 1 - that / the
-    no-prompt model's}, "task_mse": {...}}``; ``task_mse`` (with ``targets`` shaped like the outputs)
-    has the same keys plus ``"with prompt"`` and ``"no prompt"``. ``reference``: the with-prompt
-    outputs if already known (``[m, T_q, d_out]``, as the ``"with_prompt"`` entry of the return
-    value), to evaluate several patches on one test set without running the prompt again."""
-    patches = {"thought patch": patches} if isinstance(patches, Patch) else dict(patches)
+    Outputs at every position of ``inputs`` of: the model with the prompt, without it, and without it
+    under each patch (``patches``: one, named ``"thought_patch"``, or ``name -> Patch``). Returns
+    ``{"mse_to_context": {name: mean squared difference to the with-prompt outputs}, "gap_closed":
+    {name: 1 - that / the no-prompt model's}, "task_mse": {...}}``, where the names are the patches'
+    and ``"no_prompt"``; ``task_mse`` (with ``targets`` shaped like the outputs) adds
+    ``"with_prompt"``. ``reference``: the with-prompt outputs if already known (``[m, T_q, d_out]``,
+    as the ``"with_prompt"`` entry of the return value), to evaluate several patches on one test set
+    without running the prompt again."""
+    patches = {"thought_patch": patches} if isinstance(patches, Patch) else dict(patches)
+    taken = {"with_prompt", "no_prompt"} & set(patches)
+    if taken:
+        raise InputError(f"evaluate_thought_patch: a patch may not be named {sorted(taken)[0]!r} (a reserved key)")
     adapter = adapter_for(model)
     prompt = adapter.check_inputs(model, prompt if prompt.ndim == 3 else prompt[None])
     p = prompt.shape[1]
-    outs: dict[str, list[Tensor]] = {k: [] for k in ["with prompt", "no prompt", *patches]}
-    for q in queries.split(batch_size):
+    outs: dict[str, list[Tensor]] = {k: [] for k in ["with_prompt", "no_prompt", *patches]}
+    for q in inputs.split(batch_size):
         q = adapter.check_inputs(model, q)
         if reference is None:
-            outs["with prompt"].append(
+            outs["with_prompt"].append(
                 adapter.run(model, torch.cat([prompt.expand(q.shape[0], -1, -1), q], 1))[0][:, p:]
             )
-        outs["no prompt"].append(adapter.run(model, q)[0])
+        outs["no_prompt"].append(adapter.run(model, q)[0])
         for name, patch in patches.items():
             patch.check_model(model)
             with hooked(model, patch, True, True):
                 outs[name].append(adapter.run(model, q)[0])
     if reference is not None:
-        if reference.shape != torch.Size([sum(o.shape[0] for o in outs["no prompt"]), *outs["no prompt"][0].shape[1:]]):
-            raise InputError(f"reference {tuple(reference.shape)} is not the with-prompt outputs of these queries")
-        outs["with prompt"] = [reference]
+        if reference.shape != torch.Size([sum(o.shape[0] for o in outs["no_prompt"]), *outs["no_prompt"][0].shape[1:]]):
+            raise InputError(f"reference {tuple(reference.shape)} is not the with-prompt outputs of these inputs")
+        outs["with_prompt"] = [reference]
     cat = {k: torch.cat(v).double() for k, v in outs.items()}
-    ref = cat["with prompt"]
-    mse = {k: float(((v - ref) ** 2).mean()) for k, v in cat.items() if k != "with prompt"}
+    ref = cat["with_prompt"]
+    mse = {k: float(((v - ref) ** 2).mean()) for k, v in cat.items() if k != "with_prompt"}
     res = {
-        "with_prompt": cat["with prompt"],
+        "with_prompt": cat["with_prompt"],
         "mse_to_context": mse,
-        "gap_closed": {k: 1 - v / mse["no prompt"] if mse["no prompt"] > 0 else float("nan") for k, v in mse.items()},
+        "gap_closed": {k: 1 - v / mse["no_prompt"] if mse["no_prompt"] > 0 else float("nan") for k, v in mse.items()},
     }
     if targets is not None:
         t = targets.double().reshape(ref.shape)

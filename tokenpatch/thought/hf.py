@@ -12,7 +12,7 @@ sequential mode, with both passes the model's own forward:
   model's own forward gave it (masks, rotary embeddings), captured once, so a layer costs a few
   layer forwards, not a forward up to it.
 
-Calibration queries of different lengths are padded on the right (token 0) into a few batches;
+Calibration inputs of different lengths are padded on the right (token 0) into a few batches;
 causal attention keeps padding from reaching any real token, and only real positions are fitted.
 
 Input side: ``D`` with ``D s_0 ~ s_C - s_0`` (ridge), stored as the input change
@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tokenpatch import files
 from tokenpatch.arch import OutputSite
 from tokenpatch.arch.families import scale_norm
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
@@ -42,7 +41,7 @@ from tokenpatch.patch import INPUT_SUFFIX, Delta
 from tokenpatch.patching import param_layout
 from tokenpatch.progress import progress_bar
 from tokenpatch.run import hooked
-from tokenpatch.thought.fit import LayerFit, ThoughtPatch, cut_rank, solve_output, static_patch
+from tokenpatch.thought.fit import LayerFit, ThoughtPatch, cut_rank, provenance, solve_output, static_patch
 from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 
 
@@ -108,9 +107,9 @@ def fit_lm(
         raise UnsupportedModelError("on a language model only mode='sequential' is supported")
     prompt = _ids(prompt, "prompt")
     prompt = prompt[None] if prompt.ndim == 1 else prompt  # [1, P]
-    batches = [_ids(q, "queries") for q in batches]
+    batches = [_ids(q, "calibration") for q in batches]
     if any(q.ndim != 2 for q in batches):
-        raise InputError("queries must be token ids [m, T_q]")
+        raise InputError("calibration must be token ids [m, T_q]")
     n_layers, p = adapter.n_layers(model), prompt.shape[1]
     if keep_bos and p < 2:
         raise InputError("keep_bos=True needs a prompt of at least 2 tokens (the first is kept)")
@@ -190,21 +189,20 @@ def fit_lm(
             streams = list(run(deltas, False))  # the next layer's input, this layer patched
     if not deltas:
         raise InputError("nothing was fitted")
-    meta = {
-        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
-        "thought": {
-            "mode": mode,
-            "ridge": float(ridge),
-            "inputs": inputs,
-            "output": output,
-            "rank": rank,
-            "solver": solver,
-            "prompt_len": p,
-            "positions": fits[0].n,
-            "keep_bos": bool(keep_bos),
-            "layers": fitted,
-        },
-    }
+    meta = provenance(
+        model,
+        adapter,
+        fits,
+        mode=mode,
+        ridge=float(ridge),
+        inputs=inputs,
+        output=output,
+        rank=rank,
+        solver=solver,
+        prompt_len=p,
+        keep_bos=bool(keep_bos),
+        layers=fitted,
+    )
     return ThoughtPatch(static_patch(deltas, meta, readers), fits)
 
 
@@ -235,14 +233,13 @@ def _fit_output(
                 t = (rc["out"] - r0["out"])[v]  # [N, d]  what the layer still misses
             if kind == "gated":  # the matrix's output is scaled by sigmoid(gate): fit t / gate
                 t = t / torch.sigmoid(r0["gate"][v].to(t.dtype))
-            x = r0["hidden"][v] if output == "affine" else t.new_zeros(t.shape[0], 0)
-            yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
+            yield r0["hidden"][v], t
 
     return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
 
 
 def _right_padded(batches: list[Tensor], rows: int) -> tuple[list[Tensor], list[Tensor]]:
-    """Calibration queries of any lengths as few batches of up to ``rows`` rows, padded on the right
+    """Calibration inputs of any lengths as few batches of up to ``rows`` rows, padded on the right
     (token 0), and per batch the real positions ``[b, T]``. Causal attention: padding after a
     token never reaches it, so no mask is needed; the fits read the real positions only."""
     flat = [row for q in batches for row in q]

@@ -8,13 +8,12 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-from tokenpatch import files
 from tokenpatch.arch import OutputSite, adapter_for, weight_layout
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import Delta, Patch
 from tokenpatch.progress import progress_bar
 from tokenpatch.run import hooked
-from tokenpatch.thought.fit import LayerFit, ThoughtPatch, cut_rank, solve_output, static_patch
+from tokenpatch.thought.fit import LayerFit, ThoughtPatch, cut_rank, provenance, solve_output, static_patch
 from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 
 __all__ = ["fit_icl"]
@@ -28,7 +27,7 @@ class _Source:
     only its own state at layer ``i`` and ``ctx[i]``. Per batch the source keeps two states at the
     current layer, the with-prompt one ``hq`` and the patched no-prompt one ``h0`` (``[b, T_q, d]``),
     when they fit in ``cache_bytes``; otherwise it recomputes them from the inputs at every pass,
-    and memory does not grow with the number of queries.
+    and memory does not grow with the number of calibration inputs.
     """
 
     def __init__(self, model: nn.Module, prompt: Tensor, data: list, mode: str, cache_bytes: int):
@@ -153,19 +152,18 @@ def fit_icl(
         source.advance(Patch(deltas) if deltas else None)
     if not deltas:
         raise InputError("nothing was fitted: the model has no input sites and no output sites")
-    meta = {
-        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
-        "thought": {
-            "mode": mode,
-            "ridge": float(ridge),
-            "inputs": inputs,
-            "output": output,
-            "rank": rank,
-            "solver": solver,
-            "prompt_len": source.p,
-            "positions": fits[0].n,
-        },
-    }
+    meta = provenance(
+        model,
+        adapter,
+        fits,
+        mode=mode,
+        ridge=float(ridge),
+        inputs=inputs,
+        output=output,
+        rank=rank,
+        solver=solver,
+        prompt_len=source.p,
+    )
     return ThoughtPatch(static_patch(deltas, meta), fits)
 
 
@@ -204,7 +202,6 @@ def _fit_output(
             with hooked(model, current, True, True) if current is not None else contextlib.nullcontext():
                 hidden_0 = adapter.finish(model, i, m_0, s_0)[0]  # with this layer's input patch
             t = ((m_c + module(hidden_c)) - (m_0 + module(hidden_0))).flatten(0, -2)  # [N, d]  what is missing
-            x = hidden_0.flatten(0, -2) if output == "affine" else t.new_zeros(t.shape[0], 0)
-            yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
+            yield hidden_0.flatten(0, -2), t
 
     return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)

@@ -9,18 +9,16 @@ from an eigendecomposition with a ``ThoughtWarning`` naming the condition number
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import Tensor
 
-from tokenpatch.errors import InputError
+from tokenpatch.errors import InputError, user_stacklevel
 from tokenpatch.lowrank import LowRank
 
 __all__ = ["ThoughtWarning", "COND_WARN"]
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the tokenpatch/ folder
 COND_WARN = 1e10  # condition numbers above this warn and take the eigendecomposition path
 
 
@@ -78,9 +76,9 @@ def _warn(where: str, rank: int, p: int, cond: float) -> None:
     ) + f", condition number {cond:.2e})"
     warnings.warn(
         f"thought_patch: {where}: the least-squares system is {what}; taking the minimum-norm solution "
-        "(ridge > 0 regularises it; more calibration queries help if they add directions)",
+        "(ridge > 0 regularises it; more calibration inputs help if they add directions)",
         ThoughtWarning,
-        stacklevel=_caller(),
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -139,16 +137,6 @@ def solve(sums: Sums | QR, lam: float, free_last: bool, where: str) -> tuple[Ten
     return (b @ vecs) * inv @ vecs.T, rank, cond
 
 
-def _caller() -> int:
-    """The ``stacklevel`` of the first frame outside tokenpatch and torch: warnings point at the user's call."""
-    import inspect
-
-    level, frame = 1, inspect.currentframe().f_back
-    while frame is not None and any(part in frame.f_code.co_filename for part in (_PACKAGE, f"{os.sep}torch{os.sep}")):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
 def residual(sums: Sums | QR, a: Tensor) -> float:
     """``|A X - Y|_F / |Y|_F``: from the sums ``tr(A xx A^T) - 2 tr(A yx^T) + sum |y|^2`` (cancels: see
     ``LayerFit``), or exactly from a ``QR`` factor."""
@@ -177,7 +165,7 @@ def accumulate(pairs, distributed: bool = False, solver: str = "normal") -> Sums
         acc = acc or (QR if solver == "qr" else Sums)(x.shape[1], y.shape[1], x.device)
         acc.add(x, y)
     if acc is None:
-        raise InputError("queries hold no calibration batches")
+        raise InputError("calibration holds no batches")
     if distributed and isinstance(acc, QR):  # stack every process's R, factor again
         n = torch.tensor([float(acc.n)], dtype=torch.float64, device=acc.r.device)
         torch.distributed.all_reduce(n)

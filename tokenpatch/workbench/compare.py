@@ -35,7 +35,7 @@ from tokenpatch.progress import progress_bar
 from tokenpatch.run import apply
 from tokenpatch.stats import wilson
 from tokenpatch.tasks.wordpairs import Format, WordPairs, is_correct
-from tokenpatch.thought.front import compress
+from tokenpatch.thought.front import thought_patch
 
 # key (snake_case, as in the results) -> the name shown
 METHODS = {
@@ -232,16 +232,18 @@ def extract(
         prompt = torch.tensor(enc.prefix + enc.demos)
         keep_bos = bool(enc.prefix)
         output = "affine"
-        fit = lambda r, lam: compress(
-            model,
-            prompt,
-            queries,
-            ridge=lam,
-            rank=r,
-            output=output,  # noqa: E731
-            keep_bos=keep_bos,
-            layers=layers,
-            progress=progress,
+        fit = lambda r, lam: (
+            thought_patch(  # noqa: E731
+                model,
+                prompt,
+                queries,
+                ridge=lam,
+                rank=r,
+                output=output,
+                keep_bos=keep_bos,
+                layers=layers,
+                progress=progress,
+            ).patch
         )
         ridges = [float(ridge)] if isinstance(ridge, (int, float)) else [float(x) for x in ridge]
         dev, dev_kl, full, start = enc.batch("dev", False), {}, {}, time.perf_counter()

@@ -282,7 +282,7 @@ def _compress_prompt(args) -> int:
     import torch
 
     from tokenpatch.patch_files import save_patch
-    from tokenpatch.thought.front import compress
+    from tokenpatch.thought.front import thought_patch
     from tokenpatch.workbench.compare import leading_tokens
 
     lines = _query_lines(args.queries)
@@ -295,7 +295,7 @@ def _compress_prompt(args) -> int:
         by_len.setdefault(len(ids), []).append(ids)
     queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
     ridge = 0.01 if args.ridge is None else args.ridge
-    patch = compress(
+    patch = thought_patch(
         model,
         prompt,
         queries,
@@ -304,7 +304,7 @@ def _compress_prompt(args) -> int:
         output=None if args.output_side == "none" else args.output_side,
         rank=args.rank,
         progress=not args.quiet,
-    )
+    ).patch
     save_patch(patch, args.out)
     print(
         f"{args.out}: thought patch of a {len(prompt)}-token prompt from {len(lines)} calibration queries, "

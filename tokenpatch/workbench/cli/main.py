@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         "compress",
         help="compress a prompt into a static thought patch file",
         formatter_class=fmt,
-        description="Fit a thought patch (tp.compress): one static weight update that stands in for the "
+        description="Fit a thought patch (tp.thought_patch): one static weight update that stands in for the "
         "prompt on queries it has never seen, fitted by least squares on calibration queries "
         "read after the prompt. Writes the patch (tp.load_patch reads it; tp.functional_call "
         "runs the model with it and without the prompt), prints the per-layer fit and how "
@@ -421,7 +421,7 @@ def _compress(args) -> int:
     from tokenpatch.models.icl import load_model
     from tokenpatch.patch_files import save_patch
     from tokenpatch.tasks.linreg import task_of
-    from tokenpatch.thought.front import ThoughtWarning, compress, evaluate_thought_patch
+    from tokenpatch.thought.front import ThoughtWarning, evaluate_thought_patch, thought_patch
 
     model = load_model(args.checkpoint, dtype="float64")
     task = task_of(model)
@@ -443,7 +443,7 @@ def _compress(args) -> int:
         queries = queries[:, None]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ThoughtWarning)
-        patch = compress(
+        patch = thought_patch(
             model,
             prompt,
             queries,
@@ -452,7 +452,7 @@ def _compress(args) -> int:
             rank=args.rank,
             output=None if args.output_side == "none" else args.output_side,
             progress=not args.quiet,
-        )
+        ).patch
     save_patch(patch, args.out)
     fits = patch.meta["thought"]["fits"]
     print(

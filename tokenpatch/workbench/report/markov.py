@@ -27,7 +27,7 @@ from tokenpatch.interp.circuits import (
 )
 from tokenpatch.interp.phases import cross_entropy
 from tokenpatch.models.markov import MarkovModel, log_probs, model_inputs
-from tokenpatch.stats import half_width, interval
+from tokenpatch.stats import half_width
 from tokenpatch.tasks.markov import STREAMS, MarkovTask
 from tokenpatch.workbench.report.section import Section
 from tokenpatch.workbench.train.markov import MarkovTrain, load_run
@@ -215,11 +215,7 @@ def probe_run(run_dir: Path, seed: int = 0) -> dict:
         score, base = statistical_induction_score(pats[1], batch.states)
         out["induction_score"], out["induction_baseline"] = score.tolist(), base  # per layer-2 head
     if task.chains >= 2:
-        # interp.circuits gives a mean and a 95% half-width; the report's intervals are {"mean", "lo", "hi"}
-        out["phi_patching"] = {
-            cond: {key: interval(c["mean"], c["ci95"]) for key, c in row.items()}
-            for cond, row in phi_patching(model, task, 256, seed=seed).items()
-        }
+        out["phi_patching"] = phi_patching(model, task, 256, seed=seed)
         if task.chains <= 64:  # enough sequences per chain for a held-out split
             out["chain_probe"] = chain_probe(phi(model, x), batch.chain, seed=seed)
     with torch.no_grad():

@@ -65,7 +65,7 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
     tests = [query_tokens((n_test, 1), task.dim, g) for _ in prompts]  # one-token queries [n, 1, D+1]
     targets = [torch.einsum("md,d->m", t[:, 0, :-1], b.w[0])[:, None, None] for t, b in zip(tests, batches)]
     d_in, d_hidden = model.config.d_model, model.config.hidden
-    residual = lambda ev, key="thought patch": ev["mse_to_context"][key] / ev["mse_to_context"]["no prompt"]  # noqa: E731
+    residual = lambda ev, key="thought_patch": ev["mse_to_context"][key] / ev["mse_to_context"]["no_prompt"]  # noqa: E731
     refs = [evaluate_thought_patch(model, p, t, {})["with_prompt"] for p, t in zip(prompts, tests)]  # once per test set
 
     curve = {"m": list(SIZES), "train": [], "test": []}  # per m: quartiles over prompts of the relative error
@@ -119,8 +119,8 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
                     }
                 )
             if not options:
-                for key in ("with prompt", "no prompt"):
-                    ablation.setdefault(key, []).append({"task_mse": ev["task_mse"][key]})
+                for key, label in (("with_prompt", "with prompt"), ("no_prompt", "no prompt")):
+                    ablation.setdefault(label, []).append({"task_mse": ev["task_mse"][key]})
     for p, t, y in zip(prompts, tests, targets):  # the exact, per-query token patch: the with-prompt model again
         x = torch.cat([p.expand(t.shape[0], -1, -1), t], 1)
         with torch.no_grad():
@@ -177,7 +177,7 @@ def _baselines(model, prompts, cals, tests, fits, batches, progress) -> dict:
             rows.setdefault(key, []).append(
                 {
                     "seconds": d.seconds,
-                    "gap_closed": ev["gap_closed"]["thought patch"],
+                    "gap_closed": ev["gap_closed"]["thought_patch"],
                     "calibration_mse": float(d.losses[-1]),
                     "losses": d.losses.tolist(),
                 }
@@ -187,9 +187,9 @@ def _baselines(model, prompts, cals, tests, fits, batches, progress) -> dict:
         again = _quiet_fit(model, p, c, progress=False)
         seconds = time.perf_counter() - t0
         ev = evaluate_thought_patch(model, p, t, again.patch)
-        cal_mse = evaluate_thought_patch(model, p, c, again.patch)["mse_to_context"]["thought patch"]
+        cal_mse = evaluate_thought_patch(model, p, c, again.patch)["mse_to_context"]["thought_patch"]
         rows.setdefault("closed form", []).append(
-            {"seconds": seconds, "gap_closed": ev["gap_closed"]["thought patch"], "calibration_mse": cal_mse}
+            {"seconds": seconds, "gap_closed": ev["gap_closed"]["thought_patch"], "calibration_mse": cal_mse}
         )
     names = [n for n in fits[0].patch if n.endswith("fc_in.weight")]
     align = []

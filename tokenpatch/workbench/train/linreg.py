@@ -51,6 +51,13 @@ class TrainConfig(TrainingConfig):
         "eval_tasks",
     )
 
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr``."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
 
 # The shipped checkpoint (tokenpatch/models/data/linreg-pre10.safetensors) is exactly this recipe.
 DEFAULT_MODEL = ICLConfig(d_in=DEFAULT_TASK.d_in, d_out=1, d_model=64, n_layers=10, n_heads=4, norm="pre")
@@ -58,11 +65,8 @@ DEFAULT_TRAIN = TrainConfig()
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    """``cfg.lr_at(step)``: linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
+    return cfg.lr_at(step)
 
 
 def train(
@@ -128,7 +132,7 @@ def train(
         start=start,
         steps=cfg.steps,
         loss_at=loss_at,
-        lr_at=lambda step: lr_at(step, cfg),
+        lr_at=cfg.lr_at,
         grad_clip=cfg.grad_clip,
         checkpoint=checkpoint,
         checkpoint_every=cfg.checkpoint_every,

@@ -91,7 +91,7 @@ def train_lm(
         start=start,
         steps=cfg.steps,
         loss_at=loss_at,
-        lr_at=lambda step: cfg.lr * min(1.0, (step + 1) / cfg.warmup),
+        lr_at=cfg.lr_at,
         grad_clip=cfg.grad_clip,
         checkpoint=checkpoint,
         checkpoint_every=cfg.checkpoint_every,

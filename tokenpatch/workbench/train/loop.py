@@ -124,6 +124,11 @@ class TrainingConfig:
             nonnegative=self.NONNEGATIVE,
         )
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate at ``step``: linear warm-up over ``warmup`` steps, then constant (a
+        trainer with a decay overrides it)."""
+        return self.lr * min(1.0, (step + 1) / self.warmup)
+
     def to_dict(self) -> dict:
         """The fields, keys in ``RECIPE_KEYS`` order (then any field it does not list, in field order)."""
         fields = dataclasses.asdict(self)
