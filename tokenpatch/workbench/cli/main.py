@@ -1,4 +1,6 @@
-"""Command line: ``tokenpatch train | verify | compress | reproduce`` (``tokenpatch <command> --help``).
+"""Command line: ``tokenpatch train | verify | generate | compress | markov | induction | reproduce``
+(``tokenpatch <command> --help``): the parser, ``reproduce`` and the dispatch; each family of commands
+in its own module (``linreg``, ``lm``, ``markov``, ``induction``).
 
 A user mistake (a bad value, a missing or wrong file) is one line on stderr, ``tokenpatch:
 error: ...``, and exit status 2, never a traceback; ``--debug`` (or ``TOKENPATCH_DEBUG=1``) shows
@@ -13,42 +15,30 @@ is reported in a fraction of a second. The modules of the command line import no
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from tokenpatch.errors import FileFormatError, TokenpatchError
+from tokenpatch.errors import TokenpatchError
 from tokenpatch.version import __version__
-from tokenpatch.workbench.cli import induction, lm, markov
+from tokenpatch.workbench.cli import induction, linreg, lm, markov
 from tokenpatch.workbench.cli.args import (
     USAGE_ERROR,
     Help,
     Parser,
-    check_out_file,
     common,
     count,
     number,
-    read_header,
     usage,
 )
 from tokenpatch.workbench.cli.defaults import (
-    HEADED_LAYERS,
     LAYERS,
     LINREG_MODEL,
     LINREG_TASK,
     LINREG_TRAIN,
-    MODEL_FORMAT,
     NORMS,
 )
-
-if TYPE_CHECKING:
-    import torch
-
-log = logging.getLogger("tokenpatch")
 
 REPRODUCE_TIME = "about fourteen minutes on a 2-core CPU"  # the README says the same (tests/test_cli.py)
 
@@ -259,235 +249,15 @@ def _parser() -> argparse.ArgumentParser:
 
 # Every command is a check of its arguments that needs no torch, then the run. ``main`` runs the check
 # first, so a mistake is reported before torch or a model loads; the run may still find what only a
-# model can tell (a checksum, a fingerprint, a prompt longer than the model reads).
-
-
-def _check_checkpoint(path: str | None) -> None:
-    if path is not None:
-        read_header(path, MODEL_FORMAT)
-
-
-def _check_train(args) -> None:
-    check_out_file(args.out, "--out", may_exist=True)
-    if args.export:
-        check_out_file(args.export, "--export", may_exist=False)
-    out = Path(args.out)
-    if out.exists():  # only a training checkpoint of tokenpatch is resumed or replaced
-        try:
-            names, _ = read_header(args.out, MODEL_FORMAT)
-        except (FileFormatError, OSError) as exc:
-            raise usage(
-                f"--out {out} exists and is not a tokenpatch training checkpoint; "
-                "choose another path (nothing is overwritten)"
-            ) from exc
-        if "train.rng" not in names and not args.no_resume:
-            raise usage(
-                f"--out {out} holds weights only (an export), so training cannot resume from it; choose another path"
-            )
-    if args.layer in HEADED_LAYERS and args.d_model % args.heads:
-        raise usage(f"d_model={args.d_model} is not divisible by n_heads={args.heads}")
-
-
-def _train(args) -> int:
-    from tokenpatch.models.icl import ICLConfig, read_checkpoint, save_model
-    from tokenpatch.tasks.linreg import LinRegTask
-    from tokenpatch.workbench.train.linreg import TrainConfig, train
-
-    out = Path(args.out)
-    task = LinRegTask(dim=args.dim, n_context=args.context, noise=args.noise)
-    model_config = ICLConfig(
-        d_in=task.d_in,
-        d_out=1,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        layer=args.layer,
-        norm=args.norm,
-        residual=not args.no_residual,
-    )
-    cfg = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every
-    )
-    train(out, model_config, task, cfg, resume=not args.no_resume, progress=not args.quiet)
-    model, doc, _ = read_checkpoint(out)
-    ev = doc["meta"]["eval"]
-    print(
-        f"{out}: in-context MSE {ev['mse_model']:.4f} = {100 * ev['ratio_zero']:.1f}% of the zero predictor "
-        f"({ev['mse_zero']:.4f}); least squares {ev['mse_least_squares']:.4f}, ridge {ev['mse_ridge']:.4f}"
-    )
-    if args.export:
-        save_model(model, args.export, meta=doc["meta"])
-        print(f"weights-only copy: {args.export}")
-    return 0
-
-
-def _check_verify(args) -> None:
-    if args.model is not None:
-        lm.check_verify(args)
-        return
-    if args.prompt is not None:
-        raise usage("--prompt is for a language model: add --model NAME")
-    args.query = args.query or "last"
-    if args.query not in ("last", "all"):
-        raise usage(f"--query {args.query!r}: on a checkpoint it is 'last' or 'all' (query text needs --model NAME)")
-    _check_checkpoint(args.checkpoint)
-
-
-def _verify(args) -> int:
-    if args.model is not None:
-        return lm.verify_lm(args)
-    import torch
-
-    from tokenpatch.models.icl import load_model
-    from tokenpatch.patching import token_patch
-    from tokenpatch.tasks.linreg import task_of
-    from tokenpatch.verify import verify
-
-    model = load_model(args.checkpoint, dtype=args.dtype)
-    task = task_of(model)
-    tokens = task.sample(args.tasks, torch.Generator().manual_seed(args.seed), dtype=model.read_in.weight.dtype).tokens
-    patch = token_patch(model, tokens, query=-1 if args.query == "last" else "all", progress=not args.quiet)
-    result = verify(model, patch, tokens)
-    ok = result.ok()
-    if args.json:
-        print(
-            json.dumps(
-                {"checkpoint": args.checkpoint or "shipped", "tolerance": result.target, "ok": ok, **result.to_dict()},
-                indent=1,
-            )
-        )
-    else:
-        print(
-            f"{args.checkpoint or 'shipped checkpoint'}: {model.config.describe()}, {args.dtype}, "
-            f"{args.tasks} tasks, query {args.query} ({result.n} patches)"
-        )
-        print(result.table())
-        print(
-            f"max abs {result.max_abs:.2e}, max rel {result.max_rel:.2e}: {'OK' if ok else 'FAILED'} ({result.target})"
-        )
-    return 0 if ok else 1
-
-
-def _check_tensor_file(path: str, key: str, flag: str) -> None:
-    """``path`` is a safetensors file with a tensor named ``key``, by its header."""
-    try:
-        names, _ = read_header(path)
-    except FileFormatError as exc:
-        raise usage(f"{flag} {path} is not a safetensors file ({exc})") from None
-    if key not in names:
-        names = sorted(names)
-        raise usage(
-            f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}"
-        )
-
-
-def _tensor(path: str, key: str, flag: str) -> torch.Tensor:
-    """Tensor ``key`` of the safetensors file ``path`` (float64)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(path)
-    except SafetensorError as exc:
-        raise usage(f"{flag} {path} is not a safetensors file ({exc})") from None
-    if key not in tensors:
-        names = sorted(tensors)
-        raise usage(
-            f"{flag} {path} holds {names[:4]}{' and more' if len(names) > 4 else ''}, not a tensor named {key!r}"
-        )
-    return tensors[key].double()
-
-
-def _check_compress(args) -> None:
-    if args.model is not None:
-        lm.check_compress(args)
-        return
-    if args.task is not None:
-        raise usage("--task is for a language model: add --model NAME")
-    check_out_file(args.out, "--out", may_exist=False)
-    _check_checkpoint(args.checkpoint)
-    if args.prompt:
-        _check_tensor_file(args.prompt, "prompt", "--prompt")
-    if args.queries:
-        _check_tensor_file(args.queries, "queries", "--queries")
-
-
-def _compress(args) -> int:
-    if args.model is not None:
-        return lm.compress_lm(args)
-    args.test = 1000 if args.test is None else args.test
-    import torch
-
-    from tokenpatch.models.icl import load_model
-    from tokenpatch.patch_files import save_patch
-    from tokenpatch.tasks.linreg import task_of
-    from tokenpatch.thought.front import ThoughtWarning, evaluate_thought_patch, thought_patch
-
-    model = load_model(args.checkpoint, dtype="float64")
-    task = task_of(model)
-    g = torch.Generator().manual_seed(args.seed)
-    draw = lambda n: torch.cat(
-        [
-            torch.randn(n, 1, task.dim, generator=g, dtype=torch.float64),  # noqa: E731
-            torch.zeros(n, 1, 1, dtype=torch.float64),
-        ],
-        -1,
-    )
-    prompt = (
-        _tensor(args.prompt, "prompt", "--prompt")
-        if args.prompt
-        else task.sample(1, g, dtype=torch.float64).tokens[0, :-1]
-    )
-    queries = _tensor(args.queries, "queries", "--queries") if args.queries else draw(args.calibration)
-    if queries.ndim == 2:
-        queries = queries[:, None]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ThoughtWarning)
-        patch = thought_patch(
-            model,
-            prompt,
-            queries,
-            ridge=args.ridge or 0.0,
-            mode=args.mode,
-            rank=args.rank,
-            output=None if args.output_side == "none" else args.output_side,
-            progress=not args.quiet,
-        ).patch
-    save_patch(patch, args.out)
-    fits = patch.meta["thought"]["fits"]
-    print(
-        f"{args.out}: thought patch of a {prompt.shape[0]}-token prompt from {queries.shape[0]} calibration queries "
-        f"({fits[0]['n']} positions), {args.mode} fit, ridge {args.ridge or 0.0:g}"
-    )
-    print("layer | input residual | rank | condition | output residual | rank | condition")
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    for f in fits:
-        print(
-            f"{f['layer']:>5} | {fmt(f['input_residual'], '.2e'):>14} | {fmt(f['input_rank'], 'd'):>4} | "
-            f"{fmt(f['input_condition'], '.1e'):>9} | {fmt(f['output_residual'], '.2e'):>15} | "
-            f"{fmt(f['output_rank'], 'd'):>4} | {fmt(f['output_condition'], '.1e'):>9}"
-        )
-    ill = [w for w in caught if issubclass(w.category, ThoughtWarning)]
-    if ill:
-        print(
-            f"note: {len(ill)} of the least-squares systems were rank-deficient or ill-conditioned (conditions above); "
-            "they took the minimum-norm solution. --ridge (e.g. 1e-6) regularises them"
-        )
-    if args.test:
-        ev = evaluate_thought_patch(model, prompt, draw(args.test), patch)
-        print(
-            f"on {args.test} fresh queries without the prompt: {100 * ev['gap_closed']['thought patch']:.2f}% of the "
-            f"prompt's effect kept (output MSE to the with-prompt model {ev['mse_to_context']['thought patch']:.3e}, "
-            f"without the patch {ev['mse_to_context']['no prompt']:.3e})"
-        )
-    return 0
+# model can tell (a checksum, a fingerprint, a prompt longer than the model reads). The commands on our
+# own models live in ``linreg.py``, on pretrained language models in ``lm.py``.
 
 
 def _check_reproduce(args) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise usage(f"--out {out} is a file; give a folder for the report (it is created if missing)")
-    _check_checkpoint(args.checkpoint)
+    linreg.check_checkpoint(args.checkpoint)
 
 
 def _reproduce(args) -> int:
@@ -501,10 +271,10 @@ def _reproduce(args) -> int:
 
 
 COMMANDS = {  # command -> (check, run)
-    "train": (_check_train, _train),
-    "verify": (_check_verify, _verify),
+    "train": (linreg.check_train, linreg.train),
+    "verify": (linreg.check_verify, linreg.verify),
     "generate": (lm.check_generate, lm.generate_lm),
-    "compress": (_check_compress, _compress),
+    "compress": (linreg.check_compress, linreg.compress),
     "reproduce": (_check_reproduce, _reproduce),
     "markov": (markov.check, markov.run),
     "induction": (induction.check, induction.run),
