@@ -33,7 +33,8 @@ from tokenpatch.baselines import (
 from tokenpatch.baselines.vectors import _states  # noqa: E402
 from tokenpatch.stats import wilson
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPairs, is_correct, load_task, task_names  # noqa: E402
-from tokenpatch.workbench.compare import Method, compare, greedy
+from tokenpatch.workbench.compare import compare
+from tokenpatch.workbench.methods import Method, greedy
 
 float64_gemma_norms = _float64_gemma_norms  # test_hf's fixture, shared
 

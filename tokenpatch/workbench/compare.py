@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from tokenpatch.baselines.steering import Steering, steer
-from tokenpatch.baselines.vectors import attention_shift, function_vectors, pad_left, task_vectors, thought_vector
+from tokenpatch.baselines.vectors import attention_shift, function_vectors, task_vectors, thought_vector
 from tokenpatch.errors import InputError
 from tokenpatch.patch import Patch
 from tokenpatch.progress import progress_bar
@@ -36,6 +33,14 @@ from tokenpatch.run import apply
 from tokenpatch.stats import wilson
 from tokenpatch.tasks.wordpairs import Format, WordPairs, is_correct
 from tokenpatch.thought.front import thought_patch
+from tokenpatch.workbench.methods import (
+    Encoded,
+    Method,
+    answer_logits,
+    greedy,
+    on_device,
+    single_token_answers,
+)
 
 # key (snake_case, as in the results) -> the name shown
 METHODS = {
@@ -48,20 +53,6 @@ METHODS = {
     "task_vector": "task vector",
     "function_vector": "function vector",
 }
-
-
-@dataclass
-class Method:
-    """How one method runs a batch of queries: with the prompt in front (ICL) or not, inside
-    ``prefill`` for the queries' forward and ``decode`` while generating."""
-
-    name: str
-    prompted: bool = False
-    prefill: Callable[[dict], AbstractContextManager] = lambda batch: contextlib.nullcontext()
-    decode: Callable[[], AbstractContextManager] = contextlib.nullcontext
-    extraction_s: float = 0.0
-    nbytes: int = 0
-    info: dict | None = None
 
 
 def _steered(model: nn.Module, name: str, s: Steering, seconds: float, skip: int, info: dict | None = None) -> Method:
@@ -83,103 +74,6 @@ def _patched(model: nn.Module, name: str, patch: Patch, seconds: float, info: di
         t.numel() * t.element_size() for d in patch.values() for t in ((d.u, d.v) if hasattr(d, "u") else (d,))
     )
     return Method(name, False, lambda batch: apply(model, patch), lambda: apply(model, patch), seconds, nbytes, info)
-
-
-class Encoded:
-    """A task's splits as token ids: ``prefix`` (the tokenizer's BOS, possibly none), the k-shot
-    ``demos`` block, per split the queries and the answers' token ids."""
-
-    def __init__(self, tokenizer, splits: dict, shots: int, fmt: Format):
-        self.tokenizer, self.fmt, self.splits = tokenizer, fmt, splits
-        ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        self.prefix = leading_tokens(tokenizer)
-        if len(self.prefix) > 1:
-            raise InputError(
-                f"the tokenizer starts every sequence with {len(self.prefix)} tokens; the comparison keeps "
-                "one leading token (a BOS) in both passes"
-            )
-        if len(splits["demos"]) < shots:
-            raise InputError(f"{shots} shots asked, the split has {len(splits['demos'])} demonstrations")
-        self.demo_pairs = splits["demos"][:shots]
-        self.demos = ids(fmt.demos(self.demo_pairs))
-        self.query = {k: [ids(fmt.query.format(x=x)) for x, _ in v] for k, v in splits.items()}
-        self.answer = {k: [ids(fmt.answer.format(y=ys[0])) for _, ys in v] for k, v in splits.items()}
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def batch(self, split: str, prompted: bool, answers: bool = False, demos: list[int] | None = None) -> dict:
-        head = self.prefix + ((self.demos if demos is None else demos) if prompted else [])
-        rows = [head + q + (a if answers else []) for q, a in zip(self.query[split], self.answer[split])]
-        return pad_left(rows, self.pad)
-
-    def n_query(self, split: str, answers: bool = False) -> Tensor:
-        return torch.tensor(
-            [len(q) + (len(a) if answers else 0) for q, a in zip(self.query[split], self.answer[split])]
-        )
-
-    def first(self, split: str) -> Tensor:
-        return torch.tensor([a[0] for a in self.answer[split]])
-
-    def shuffled_demos(self, seed: int) -> list[int]:
-        """The demonstrations with their answers shuffled among them (function-vector corruption)."""
-        xs = [x for x, _ in self.demo_pairs]
-        ys = [ys for _, ys in self.demo_pairs]
-        order = list(range(len(ys)))
-        rng = random.Random(seed)
-        while len(ys) > 1 and order == sorted(order):
-            rng.shuffle(order)
-        pairs = [(x, ys[o]) for x, o in zip(xs, order)]
-        return self.tokenizer(self.fmt.demos(pairs), add_special_tokens=False)["input_ids"]
-
-
-def leading_tokens(tokenizer) -> list[int]:
-    """What every sequence starts with, prompt or not: the tokenizer's own prefix (Gemma's BOS), else
-    its BOS or end-of-text token. A model's first position is an attention sink with outsized states;
-    without a fixed first token the query's own first token would become that sink without the
-    prompt and an ordinary token with it, and no small update maps the one onto the other."""
-    own = tokenizer("", add_special_tokens=True)["input_ids"]
-    if own:
-        return own
-    for tid in (tokenizer.bos_token_id, tokenizer.eos_token_id):
-        if tid is not None:
-            return [int(tid)]
-    return []
-
-
-def _to(model: nn.Module, batch: dict) -> dict:
-    device = model.get_input_embeddings().weight.device
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def answer_logits(model: nn.Module, batch: dict, method: Method) -> Tensor:
-    """The next-token log-probabilities at the last position ``[B, vocab]`` (float64)."""
-    batch = _to(model, batch)
-    with torch.no_grad(), method.prefill(batch):
-        return model(**batch, use_cache=False, logits_to_keep=1).logits[:, -1].double().log_softmax(-1)
-
-
-def greedy(model: nn.Module, batch: dict, method: Method, steps: int) -> tuple[Tensor, Tensor]:
-    """Greedy decoding of ``steps`` tokens on a KV cache: ``(tokens [B, steps], log-probabilities of
-    the first step [B, vocab])``."""
-    batch = _to(model, batch)
-    with torch.no_grad():
-        with method.prefill(batch):
-            out = model(**batch, use_cache=True, logits_to_keep=1)
-        first = out.logits[:, -1].double().log_softmax(-1)
-        tokens = [first.argmax(-1)]
-        mask, pos = batch["attention_mask"], batch["position_ids"][:, -1:]
-        with method.decode():
-            for _ in range(steps - 1):
-                mask, pos = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), pos + 1
-                out = model(
-                    input_ids=tokens[-1][:, None],
-                    attention_mask=mask,
-                    position_ids=pos,
-                    cache=out.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                tokens.append(out.logits[:, -1].argmax(-1))
-    return torch.stack(tokens, 1), first
 
 
 def choose_layer(
@@ -316,7 +210,7 @@ def extract(
 def _prefill_seconds(model: nn.Module, batch: dict, method: Method, repeats: int = 2) -> float:
     """The best of ``repeats`` timed forwards of ``batch`` with the method in place (a patch is
     written once, before the clock starts: its forward is the plain model's)."""
-    batch, best = _to(model, batch), math.inf
+    batch, best = on_device(model, batch), math.inf
     with torch.no_grad(), method.prefill(batch):
         for _ in range(repeats):
             _, secs = _timed(lambda: model(**batch, use_cache=False, logits_to_keep=1))
@@ -375,14 +269,6 @@ def evaluate(
             ],
         }
     return rows
-
-
-def single_token_answers(tokenizer, task: WordPairs, fmt: Format = Format()) -> dict:
-    """How many of the task's answers are one token under ``tokenizer`` (as they follow the query)."""
-    ones = sum(
-        len(tokenizer(fmt.answer.format(y=ys[0]), add_special_tokens=False)["input_ids"]) == 1 for _, ys in task.pairs
-    )
-    return {"single_token": int(ones), "pairs": len(task.pairs)}
 
 
 def compare(

@@ -193,7 +193,8 @@ def _train(args) -> int:
 
 
 def _report(args) -> int:
-    from tokenpatch.workbench.report.induction import run_lm, run_model, write
+    from tokenpatch.workbench.report.induction import run_lm, run_model
+    from tokenpatch.workbench.report.induction_page import write
 
     known = args.model in pretrained_names()
     out = Path(args.out)

@@ -283,7 +283,7 @@ def _compress_prompt(args) -> int:
 
     from tokenpatch.patch_files import save_patch
     from tokenpatch.thought.front import thought_patch
-    from tokenpatch.workbench.compare import leading_tokens
+    from tokenpatch.workbench.methods import leading_tokens
 
     lines = _query_lines(args.queries)
     model, tokenizer = _pretrained(args)
@@ -321,7 +321,7 @@ def generate_with_patch(args) -> int:
 
     from tokenpatch.patch_files import load_patch
     from tokenpatch.run import apply
-    from tokenpatch.workbench.compare import leading_tokens
+    from tokenpatch.workbench.methods import leading_tokens
 
     patch = load_patch(args.patch)
     model, tokenizer = _pretrained(args)

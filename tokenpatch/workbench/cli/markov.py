@@ -162,7 +162,7 @@ def _check_run_folder(path: str) -> Path:
 def _train(args) -> int:
     from tokenpatch.models.markov import MarkovModel
     from tokenpatch.tasks.markov import MarkovTask
-    from tokenpatch.workbench.report.markov import curves_figure
+    from tokenpatch.workbench.report.markov_figures import curves_figure
     from tokenpatch.workbench.train.markov import MarkovTrain, train_markov
 
     out = Path(args.out)

@@ -1,0 +1,140 @@
+"""A compared method and how it answers (``docs/prompt-compression.md``): ``Method`` (a patch or a steering
+vector, and whether it reads the prompt), the encoded word-pair prompts (``Encoded``), and the two
+ways a method is scored: the answer's log-probabilities and greedy decoding."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tokenpatch.baselines.vectors import pad_left
+from tokenpatch.errors import InputError
+from tokenpatch.tasks.wordpairs import Format, WordPairs
+
+__all__ = ["Method", "Encoded", "leading_tokens", "single_token_answers", "on_device", "answer_logits", "greedy"]
+
+
+@dataclass
+class Method:
+    """How one method runs a batch of queries: with the prompt in front (ICL) or not, inside
+    ``prefill`` for the queries' forward and ``decode`` while generating."""
+
+    name: str
+    prompted: bool = False
+    prefill: Callable[[dict], AbstractContextManager] = lambda batch: contextlib.nullcontext()
+    decode: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    extraction_s: float = 0.0
+    nbytes: int = 0
+    info: dict | None = None
+
+
+class Encoded:
+    """A task's splits as token ids: ``prefix`` (the tokenizer's BOS, possibly none), the k-shot
+    ``demos`` block, per split the queries and the answers' token ids."""
+
+    def __init__(self, tokenizer, splits: dict, shots: int, fmt: Format):
+        self.tokenizer, self.fmt, self.splits = tokenizer, fmt, splits
+        ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        self.prefix = leading_tokens(tokenizer)
+        if len(self.prefix) > 1:
+            raise InputError(
+                f"the tokenizer starts every sequence with {len(self.prefix)} tokens; the comparison keeps "
+                "one leading token (a BOS) in both passes"
+            )
+        if len(splits["demos"]) < shots:
+            raise InputError(f"{shots} shots asked, the split has {len(splits['demos'])} demonstrations")
+        self.demo_pairs = splits["demos"][:shots]
+        self.demos = ids(fmt.demos(self.demo_pairs))
+        self.query = {k: [ids(fmt.query.format(x=x)) for x, _ in v] for k, v in splits.items()}
+        self.answer = {k: [ids(fmt.answer.format(y=ys[0])) for _, ys in v] for k, v in splits.items()}
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def batch(self, split: str, prompted: bool, answers: bool = False, demos: list[int] | None = None) -> dict:
+        head = self.prefix + ((self.demos if demos is None else demos) if prompted else [])
+        rows = [head + q + (a if answers else []) for q, a in zip(self.query[split], self.answer[split])]
+        return pad_left(rows, self.pad)
+
+    def n_query(self, split: str, answers: bool = False) -> Tensor:
+        return torch.tensor(
+            [len(q) + (len(a) if answers else 0) for q, a in zip(self.query[split], self.answer[split])]
+        )
+
+    def first(self, split: str) -> Tensor:
+        return torch.tensor([a[0] for a in self.answer[split]])
+
+    def shuffled_demos(self, seed: int) -> list[int]:
+        """The demonstrations with their answers shuffled among them (function-vector corruption)."""
+        xs = [x for x, _ in self.demo_pairs]
+        ys = [ys for _, ys in self.demo_pairs]
+        order = list(range(len(ys)))
+        rng = random.Random(seed)
+        while len(ys) > 1 and order == sorted(order):
+            rng.shuffle(order)
+        pairs = [(x, ys[o]) for x, o in zip(xs, order)]
+        return self.tokenizer(self.fmt.demos(pairs), add_special_tokens=False)["input_ids"]
+
+
+def leading_tokens(tokenizer) -> list[int]:
+    """What every sequence starts with, prompt or not: the tokenizer's own prefix (Gemma's BOS), else
+    its BOS or end-of-text token. A model's first position is an attention sink with outsized states;
+    without a fixed first token the query's own first token would become that sink without the
+    prompt and an ordinary token with it, and no small update maps the one onto the other."""
+    own = tokenizer("", add_special_tokens=True)["input_ids"]
+    if own:
+        return own
+    for tid in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return [int(tid)]
+    return []
+
+
+def single_token_answers(tokenizer, task: WordPairs, fmt: Format = Format()) -> dict:
+    """How many of the task's answers are one token under ``tokenizer`` (as they follow the query)."""
+    ones = sum(
+        len(tokenizer(fmt.answer.format(y=ys[0]), add_special_tokens=False)["input_ids"]) == 1 for _, ys in task.pairs
+    )
+    return {"single_token": int(ones), "pairs": len(task.pairs)}
+
+
+def on_device(model: nn.Module, batch: dict) -> dict:
+    """The batch's tensors on the device of the model's input embeddings."""
+    device = model.get_input_embeddings().weight.device
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def answer_logits(model: nn.Module, batch: dict, method: Method) -> Tensor:
+    """The next-token log-probabilities at the last position ``[B, vocab]`` (float64)."""
+    batch = on_device(model, batch)
+    with torch.no_grad(), method.prefill(batch):
+        return model(**batch, use_cache=False, logits_to_keep=1).logits[:, -1].double().log_softmax(-1)
+
+
+def greedy(model: nn.Module, batch: dict, method: Method, steps: int) -> tuple[Tensor, Tensor]:
+    """Greedy decoding of ``steps`` tokens on a KV cache: ``(tokens [B, steps], log-probabilities of
+    the first step [B, vocab])``."""
+    batch = on_device(model, batch)
+    with torch.no_grad():
+        with method.prefill(batch):
+            out = model(**batch, use_cache=True, logits_to_keep=1)
+        first = out.logits[:, -1].double().log_softmax(-1)
+        tokens = [first.argmax(-1)]
+        mask, pos = batch["attention_mask"], batch["position_ids"][:, -1:]
+        with method.decode():
+            for _ in range(steps - 1):
+                mask, pos = torch.cat([mask, mask.new_ones(len(mask), 1)], 1), pos + 1
+                out = model(
+                    input_ids=tokens[-1][:, None],
+                    attention_mask=mask,
+                    position_ids=pos,
+                    cache=out.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                tokens.append(out.logits[:, -1].argmax(-1))
+    return torch.stack(tokens, 1), first
