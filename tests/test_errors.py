@@ -45,7 +45,8 @@ def test_bad_inputs(small_model, small_inputs, make, match):
         (-1, slice(0, 7), "every position"),
         (3, slice(2, 5), "inside the removed chunk"),
         (-1, torch.ones(6, dtype=torch.bool), "shape \\(6,\\)"),
-        (-1, [0, 1, 2], "boolean mask"),
+        (-1, [0, 0, 2], "remove indices repeat"),
+        (-1, [0, 9], "remove index 9 is outside the sequence of length 7"),
     ],
 )
 def test_bad_query_or_remove(small_model, small_inputs, query, remove, match):

@@ -145,13 +145,17 @@ def test_functional_call_apply_and_save_round_trip(name, tmp_path, float64_gemma
 @torch.no_grad()
 def test_gpt2_needs_the_original_position():
     """Absolute position embeddings: the stripped query keeps its position id; at position 0 the
-    patched pass would be wrong (this is what strip_context's position_ids are for)."""
+    patched pass would be wrong (this is what strip_context's position_ids are for), so leaving them
+    out is refused (``tests/test_no_silent_core.py``)."""
     model, x = build("gpt2"), ids(1, 10)
     patch = tp.token_patch(model, x)
     stripped = tp.strip_context(model, x)
     want = model(x).logits[:, -1]
     right = tp.functional_call(model, patch, **stripped).logits[:, -1]
-    wrong = tp.functional_call(model, patch, input_ids=stripped["input_ids"]).logits[:, -1]
+    with pytest.raises(tp.InputError, match="position_ids"):
+        tp.functional_call(model, patch, input_ids=stripped["input_ids"])
+    zero = torch.zeros_like(stripped["position_ids"])  # given ids are the caller's: not compared
+    wrong = tp.functional_call(model, patch, input_ids=stripped["input_ids"], position_ids=zero).logits[:, -1]
     assert float((right - want).abs().max()) <= 1e-12 < float((wrong - want).abs().max())
 
 

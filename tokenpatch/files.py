@@ -11,6 +11,7 @@ so a truncated file fails to parse and an edited one fails the checksum; both ra
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,10 +26,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from tokenpatch.errors import FileFormatError
+from tokenpatch.errors import FileFormatError, InputError
 from tokenpatch.file_header import META_KEY, read_header
 
-__all__ = ["write_file", "read_file", "tensor_digest", "fingerprint"]
+__all__ = ["write_file", "read_file", "tensor_digest", "fingerprint", "config_record", "check_config"]
 
 
 def _raw_bytes(t: Tensor):
@@ -98,10 +99,14 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
 # fingerprint and every use checks it. The digest hashes every weight once per model state; a
 # later check reads two integers per parameter (storage address, torch's version counter) of the
 # parameters it saw last time: no walk over the modules, no pass over the weights, no device sync.
+# The cache is a plain dict keyed by ``id(model)``, each entry holding a weak reference (without a
+# callback) to its model: a weakref callback is where Python swallows a KeyboardInterrupt, so none
+# runs here; entries of dead models are dropped when another model is hashed.
 
 
 @dataclass
 class _State:
+    owner: weakref.ref  # the model (no callback)
     refs: list  # weak references to the parameters, in named_parameters order
     ptrs: tuple  # storage address of each
     versions: tuple  # torch version counter of each (bumped by in-place ops, optimizer steps, load_state_dict)
@@ -118,7 +123,7 @@ class _State:
         return params is not None and tuple(_version(p) for p in params) == self.versions
 
 
-_FINGERPRINTS: weakref.WeakKeyDictionary[nn.Module, _State] = weakref.WeakKeyDictionary()
+_FINGERPRINTS: dict[int, _State] = {}
 _CHUNK = 1 << 22  # elements hashed per step: bounds the float32 copy of a half-precision weight
 
 
@@ -140,9 +145,23 @@ def _digest(params: list[tuple[str, Tensor]]) -> str:
     return h.hexdigest()[:32]
 
 
-def _state(params: list[tuple[str, Tensor]], digest: str) -> _State:
+def _cached(model: nn.Module) -> _State | None:
+    """The cache entry of ``model`` (not of a dead model whose id it reuses)."""
+    hit = _FINGERPRINTS.get(id(model))
+    return hit if hit is not None and hit.owner() is model else None
+
+
+def _remember(model: nn.Module, params: list[tuple[str, Tensor]], digest: str) -> None:
+    for key in [k for k, s in _FINGERPRINTS.items() if s.owner() is None]:
+        del _FINGERPRINTS[key]
     ps = [p for _, p in params]
-    return _State([weakref.ref(p) for p in ps], tuple(p.data_ptr() for p in ps), tuple(_version(p) for p in ps), digest)
+    _FINGERPRINTS[id(model)] = _State(
+        weakref.ref(model),
+        [weakref.ref(p) for p in ps],
+        tuple(p.data_ptr() for p in ps),
+        tuple(_version(p) for p in ps),
+        digest,
+    )
 
 
 def fingerprint(model: nn.Module, cached: bool = True) -> str:
@@ -153,21 +172,22 @@ def fingerprint(model: nn.Module, cached: bool = True) -> str:
     storage and version counter and are still alive (``_State.current``), which catches in-place
     edits, optimizer steps, ``load_state_dict``, ``.to()`` and replaced modules. Writes through
     ``p.data`` bypass torch's version counter and escape it; ``cached=False`` (what
-    ``load_patch(path, model)`` uses) always re-hashes.
+    ``load_patch(path, model)`` uses) always re-hashes. The config is recorded beside it
+    (``config_record``): a digest of the weights alone keeps the checkpoints' fingerprints valid.
     """
-    hit = _FINGERPRINTS.get(model)
+    hit = _cached(model)
     if cached and hit is not None and hit.current():
         return hit.digest
     params = list(model.named_parameters())
     digest = _digest(params)
-    _FINGERPRINTS[model] = _state(params, digest)
+    _remember(model, params, digest)
     return digest
 
 
 def restored(model: nn.Module, before: _State | None, touched: set[int]) -> None:
     """After ``apply`` wrote and restored the parameters with ids ``touched`` bit for bit, keep the
     cached digest: only their version counters moved. Anything else changed: re-hash next time."""
-    hit = _FINGERPRINTS.get(model)
+    hit = _cached(model)
     if before is None or hit is not before:
         return
     params = hit.same_storage()
@@ -180,5 +200,63 @@ def restored(model: nn.Module, before: _State | None, touched: set[int]) -> None
 
 def cached_state(model: nn.Module) -> _State | None:
     """The current cached fingerprint state of ``model`` (``None`` if stale or absent)."""
-    hit = _FINGERPRINTS.get(model)
+    hit = _cached(model)
     return hit if hit is not None and hit.current() else None
+
+
+# --------------------------------------------------------------------------- model configs
+#
+# Weights alone do not make the computation: a norm's epsilon, the rotary base, the activation live
+# in the config. A patch records its model's config fields (``config_record``, in its ``meta["model"]
+# ["config"]``, written by ``Adapter.describe``) beside the weight fingerprint, and every check
+# compares them (``check_config``); a record without them (files of tokenpatch 0.2) checks the
+# weights only. Which fields do not change the forward (names, versions, output flags) the adapter
+# says (``Adapter.config_ignored``); every other field counts.
+
+_MISSING = "<not set>"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as its JSON form (what a patch file gives back): tuples as lists, a nested config as its
+    dict, other objects as text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if callable(getattr(value, "to_dict", None)):  # a nested config
+        return _plain(value.to_dict())
+    return str(value)
+
+
+def _fields(config: Any, names) -> dict[str, Any]:
+    """The config fields ``names``, JSON-able, read from the instance's dict first (a Hugging Face
+    config's attribute lookup costs microseconds each)."""
+    held = getattr(config, "__dict__", {})
+    return {n: _plain(held[n] if n in held else getattr(config, n, _MISSING)) for n in names}
+
+
+def config_record(config: Any, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of a model's ``config`` (a dataclass, or an object with ``to_dict`` such as a Hugging
+    Face config), JSON-able, without ``ignored``; ``{}`` for a model without one."""
+    if dataclasses.is_dataclass(config):
+        names = [f.name for f in dataclasses.fields(config)]
+    elif callable(getattr(config, "to_dict", None)):
+        names = list(config.to_dict())
+    else:
+        return {}
+    return _fields(config, [n for n in names if n not in ignored and hasattr(config, n)])
+
+
+def check_config(model: nn.Module, record: dict[str, Any] | None) -> None:
+    """Raise ``InputError`` if the model's config now holds another value in a field of ``record`` (a
+    patch's record, ``config_record``; ``None``: nothing recorded). A few attribute reads: every call."""
+    config = getattr(model, "config", None)
+    now = _fields(config, record or {})
+    changed = [f"{k}: {record[k]!r} then, {now[k]!r} now" for k in now if now[k] != record[k]]
+    if changed:
+        raise InputError(
+            f"this patch was computed for another model config ({'; '.join(changed[:3])}); a token patch "
+            "is exact only for the model it came from: use that model, or compute the patch again on this one"
+        )

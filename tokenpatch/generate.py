@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError
-from tokenpatch.patch import INPUT_SUFFIX, LowRank, Patch
+from tokenpatch.lowrank import LowRank, norm_of
+from tokenpatch.patch import INPUT_SUFFIX, Patch
 from tokenpatch.patching import assemble, traced_deltas
 from tokenpatch.plans import make_plan
 from tokenpatch.progress import progress_bar
@@ -67,7 +68,9 @@ class Generation:
 
 def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
     """``[B, L]``: per layer, the Frobenius norm of its whole weight update, ``sqrt(sum |dW|_F^2)``.
-    An input change ``D = d v^T`` counts as ``W D`` on every matrix reading it: ``|W d| |v|``."""
+    An input change ``D = sum_k d_k v_k^T`` counts as ``W D = sum_k (W d_k) v_k^T`` on every matrix
+    reading it; every norm from the factors as ``Patch.norms`` takes them (``lowrank.norm_of``: a huge
+    ``v`` of a tiny anchor does not overflow), summed in float64."""
     params = dict(model.named_parameters())
     readers = patch.readers
     per_layer = []
@@ -84,12 +87,10 @@ def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
                     if layout == "out_in"
                     else torch.einsum("io,bqri->bqro", w, d.u)
                 )
-                total = total + (wd.flatten(3).norm(dim=-1) * d.v.norm(dim=-1)).square().sum(-1)[:, 0].double()
+                total = total + norm_of(LowRank(wd.flatten(3), d.v))[:, 0].double().square()
         for name in sites.output.names if sites.output is not None else ():
             if name in patch:
-                delta = patch[name]
-                norm = delta.norm() if isinstance(delta, LowRank) else delta.flatten(2).norm(dim=-1)
-                total = total + norm[:, 0].double().square()
+                total = total + norm_of(patch[name])[:, 0].double().square()
         per_layer.append(torch.as_tensor(total).sqrt().cpu())  # layers may sit on different devices
     return torch.stack(per_layer, -1)
 

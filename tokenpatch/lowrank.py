@@ -3,7 +3,9 @@
 ``u [*lead, rank, rows]``, ``v [*lead, rank, cols]`` and ``delta[i] = sum_k outer(u[i, k], v[i, k])``
 in the parameter's own layout (rows x cols as stored: ``[out, in]`` for ``nn.Linear``). A token
 patch has rank 1; a sum of k patches has rank k and is stored as stacked factors. The matrix is
-formed only by ``.dense()``; norms and products come from the factors.
+formed only by ``.dense()``; norms and products come from the factors, rescaled by powers of two
+first (``LowRank.scaled``): a tiny anchor gives a huge ``v`` whose square overflows (``|v|^2`` past
+3e38 in float32) while every entry of ``u v^T`` is finite, and the norm must be too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,42 @@ from torch import Tensor
 
 from tokenpatch.errors import InputError
 
-__all__ = ["LowRank"]
+__all__ = ["LowRank", "norm_of", "check_finite"]
+
+
+def _exponent(t: Tensor) -> Tensor:
+    """The power of two ``e`` with ``t / 2^e`` in ``[0.5, 1)`` (``t > 0``), as int32."""
+    return torch.frexp(t.detach())[1]
+
+
+def _times_pow2(x: Tensor, e: Tensor) -> Tensor:
+    """``x * 2^e`` exactly, in two halves (``2^e`` alone may overflow the dtype where the product does not)."""
+    half = torch.div(e, 2, rounding_mode="floor")
+    return torch.ldexp(torch.ldexp(x, half.to(x.dtype)), (e - half).to(x.dtype))
+
+
+def norm_of(delta: LowRank | Tensor) -> Tensor:
+    """The Frobenius (or Euclidean) norm ``[batch, query]`` of a patch delta: ``LowRank.norm``, or a
+    dense ``[batch, query, ...]`` tensor's, divided by a power of two near its largest entry first."""
+    if isinstance(delta, LowRank):
+        return delta.norm()
+    flat = delta.flatten(2)
+    top = flat.abs().amax(-1, keepdim=True)
+    e = _exponent(torch.where((top > 0) & torch.isfinite(top), top, 1))
+    return _times_pow2(_times_pow2(flat, -e).norm(dim=-1), e[..., 0])
+
+
+def check_finite(deltas: dict[str, LowRank | Tensor]) -> None:
+    """Raise ``InputError`` naming the first of ``deltas`` that holds NaN or inf (one device sync)."""
+    parts = [(n, t) for n, d in deltas.items() for t in ((d.u, d.v) if isinstance(d, LowRank) else (d,))]
+    where = parts[0][1].device
+    if bool(torch.stack([torch.isfinite(t).all().to(where) for _, t in parts]).all()):
+        return
+    name = next(n for n, t in parts if not bool(torch.isfinite(t).all()))
+    raise InputError(
+        f"the patch's delta for {name} holds NaN or inf; a patch must be finite (an anchor too small for "
+        "the dtype overflows: compute the patch in float64, model.double())"
+    )
 
 
 @dataclass(frozen=True)
@@ -57,14 +94,35 @@ class LowRank:
         """The materialised delta ``[*lead, rows, cols]``."""
         return torch.einsum("...kr,...kc->...rc", self.u, self.v)
 
-    def inner(self, other: LowRank) -> Tensor:
-        """Frobenius inner product ``[*lead]`` from the factors:
-        ``<U^T V, X^T Y>_F = sum((U X^T) * (V Y^T))`` (``U [r, rows]``, ``X [r', rows]``, ...)."""
+    def scaled(self) -> tuple[LowRank, Tensor]:
+        """``(delta', c)`` with ``delta = c * delta'`` (``c [*lead]``), exactly: each term's factors
+        balanced (``u_k 2^e, v_k 2^-e`` with about equal largest entries), then both factors divided by
+        their largest entry, all by powers of two; the factors of ``delta'`` lie in ``[-1, 1]``."""
+        u, v = self.u, self.v
+        mu, mv = u.abs().amax(-1, keepdim=True), v.abs().amax(-1, keepdim=True)  # [*lead, r, 1]
+        ok = (mu > 0) & (mv > 0) & torch.isfinite(mu) & torch.isfinite(mv)
+        eu, ev = _exponent(torch.where(ok, mu, 1)), _exponent(torch.where(ok, mv, 1))
+        shift = torch.div(ev - eu, 2, rounding_mode="floor")
+        u, v = _times_pow2(u, shift), _times_pow2(v, -shift)
+        cu = _exponent(u.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(u.dtype).tiny))
+        cv = _exponent(v.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(v.dtype).tiny))
+        one = torch.ones((), dtype=u.dtype, device=u.device)
+        return LowRank(_times_pow2(u, -cu), _times_pow2(v, -cv)), _times_pow2(one, cu + cv)[..., 0, 0]
+
+    def _raw_inner(self, other: LowRank) -> Tensor:
         return ((self.u @ other.u.transpose(-1, -2)) * (self.v @ other.v.transpose(-1, -2))).sum((-1, -2))
 
+    def inner(self, other: LowRank) -> Tensor:
+        """Frobenius inner product ``[*lead]`` from the (rescaled, ``scaled``) factors:
+        ``<U^T V, X^T Y>_F = sum((U X^T) * (V Y^T))`` (``U [r, rows]``, ``X [r', rows]``, ...)."""
+        (a, ca), (b, cb) = self.scaled(), other.scaled()
+        return a._raw_inner(b) * ca * cb
+
     def norm(self) -> Tensor:
-        """Frobenius norm ``[*lead]`` from the factors: ``sqrt(<delta, delta>_F)``."""
-        return self.inner(self).clamp_min(0).sqrt()
+        """Frobenius norm ``[*lead]`` from the rescaled factors: ``c sqrt(<delta', delta'>_F)``, finite
+        wherever the norm is (``scaled``)."""
+        d, c = self.scaled()
+        return d._raw_inner(d).clamp_min(0).sqrt() * c
 
     def matvec(self, x: Tensor) -> Tensor:
         """``delta @ x`` for ``x [*lead, cols]`` -> ``[*lead, rows]`` without forming ``delta``."""

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from tokenpatch import files
 from tokenpatch.errors import InputError, caller_stacklevel
-from tokenpatch.lowrank import LowRank
+from tokenpatch.lowrank import LowRank, check_finite, norm_of
 from tokenpatch.patch_fields import (
     BEHAVIOUR_KEYS,
     INPUT_SUFFIX,
@@ -243,8 +243,12 @@ class Patch(Mapping):
         return {n: d.dense() if isinstance(d, LowRank) else d for n, d in self._deltas.items()}
 
     def norms(self) -> dict[str, Tensor]:
-        """Frobenius (or Euclidean) norm of every delta, ``{name: [batch, query]}``, from factors."""
-        return {n: d.norm() if isinstance(d, LowRank) else d.flatten(2).norm(dim=-1) for n, d in self._deltas.items()}
+        """Frobenius (or Euclidean) norm of every delta, ``{name: [batch, query]}``, from factors (``norm_of``)."""
+        return {n: norm_of(d) for n, d in self._deltas.items()}
+
+    def check_finite(self) -> None:
+        """Raise ``InputError`` naming the first delta that holds NaN or inf (``lowrank.check_finite``)."""
+        check_finite(self._deltas)
 
     def __add__(self, other: Patch) -> Patch:
         """Sum of two patches of the same model acting at the same place (low-rank terms stack;
@@ -350,14 +354,14 @@ class Patch(Mapping):
         return Patch(deltas, positions, common_meta(patches), **fields)
 
     def check_model(self, model: nn.Module, cached: bool = True) -> None:
-        """Raise unless every key names a parameter of ``model`` of the right shape, and (when the
-        patch records one) the model's weights are the ones the patch was computed from
-        (``tokenpatch.files.fingerprint``; ``cached=False`` re-hashes every weight). Once a model
-        passes, later checks against the same unchanged model cost a few integer reads per parameter."""
-        digest = files.fingerprint(model, cached)
+        """Raise unless every key names a parameter of ``model`` of the right shape, and (when the patch
+        records them) the model's weights and config are the ones it was computed from (``files.fingerprint``,
+        ``cached=False`` re-hashing every weight; ``files.check_config``). Once a model passes, later checks
+        cost a few integer reads per parameter and one attribute read per config field."""
+        digest, config = files.fingerprint(model, cached), self.meta.get("model", {}).get("config")
         seen = self.__dict__.get("_checked")
         if cached and seen is not None and seen[0]() is model and seen[1] == digest:
-            return
+            return files.check_config(model, config)  # every time: an edited config leaves no trace
         params = dict(model.named_parameters())
         for name, d in self._deltas.items():
             if name.endswith(INPUT_SUFFIX):  # a change of a module's input: the module exists, its readers fit
@@ -390,4 +394,5 @@ class Patch(Mapping):
                 f"this patch was computed for another model (fingerprint {want}, this model "
                 f"{digest}); a token patch is exact only for the weights it came from"
             )
+        files.check_config(model, config)
         self._checked = (weakref.ref(model), digest)

@@ -24,7 +24,9 @@ PATCH_FORMAT = "tokenpatch.patch/1"
 
 
 def save_patch(patch: Patch, path: str | os.PathLike) -> None:
-    """Write ``patch`` to ``path``: safetensors, ``name.u``/``name.v`` or ``name``, its fields and meta."""
+    """Write ``patch`` to ``path``: safetensors, ``name.u``/``name.v`` or ``name``, its fields and meta.
+    A patch holding NaN or inf is refused (``Patch.check_finite``)."""
+    patch.check_finite()
     tensors: dict[str, Tensor] = {}
     for name, d in patch.items():
         if isinstance(d, LowRank):

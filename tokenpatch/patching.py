@@ -32,9 +32,9 @@ from torch import Tensor, nn
 from tokenpatch import files, solve
 from tokenpatch.arch import Sites, adapter_for, weight_layout
 from tokenpatch.arch.families import scale_norm
-from tokenpatch.errors import InputError, ZeroAnchorError
+from tokenpatch.errors import InputError, UnsupportedModelError, ZeroAnchorError
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
-from tokenpatch.plans import Plan, at_queries, make_plan, strip
+from tokenpatch.plans import Plan, at_queries, make_plan, refuse_padded_queries, strip
 from tokenpatch.progress import progress_bar
 
 __all__ = ["token_patch", "strip_context", "layer_patch", "take"]
@@ -54,15 +54,30 @@ def strip_context(model: nn.Module, inputs: Any, query: Any = -1, remove: Any = 
 
 
 def _plan(adapter, inputs: Any, query: Any, remove: Any, keep_bos: bool):
-    """The plan of ``query`` / ``remove``; ``keep_bos``: remove everything but the first token and the queries."""
-    seq_len = adapter.seq_len(inputs)
+    """The plan of ``query`` / ``remove``; ``keep_bos``: remove everything but the first token and the
+    queries. Padding is refused the same way in every mode (``refuse_padded_queries``)."""
+    seq_len, pad = adapter.seq_len(inputs), adapter.padding(inputs)
     if not keep_bos:
-        return make_plan(seq_len, query, remove)
+        plan = make_plan(seq_len, query, remove)
+        refuse_padded_queries(pad, plan.query)
+        return plan
     if remove is not None:
         raise InputError("keep_bos=True removes all context but the first token; do not pass remove as well")
-    queries = set(make_plan(seq_len, query).query)
-    removed = torch.tensor([0 < p and p not in queries for p in range(seq_len)])  # a boolean mask
-    return make_plan(seq_len, query, removed)
+    queries = make_plan(seq_len, query).query
+    refuse_padded_queries(pad, queries)
+    if pad is not None and bool(pad[:, 0].any()):
+        rows = [int(b) for b in pad[:, 0].nonzero()[:, 0]]
+        raise InputError(
+            f"keep_bos=True keeps position 0, which is padding in batch rows {rows[:5]} (a left-padded row "
+            "starts later): pass rows of one length without padding, one call per length"
+        )
+    removed = [0 < p and p not in queries for p in range(seq_len)]
+    if not any(removed[: max(queries)]):  # what a query never saw is no context of it
+        raise InputError(
+            f"keep_bos=True: there is no context to remove (up to the last query, the positions are the first "
+            f"token and the queries {list(queries)}): pass a longer prompt, or drop keep_bos"
+        )
+    return make_plan(seq_len, query, torch.tensor(removed))  # a boolean mask
 
 
 def take(t: Tensor, positions: list[int]) -> Tensor:
@@ -151,10 +166,12 @@ def token_patch(
 
     ``inputs``: ``[batch, pos, d]`` embeddings for our models (token ids ``[batch, pos]`` for
     language models). ``query``: an int (default ``-1``, the last position), a list of ints, a
-    slice or ``"all"``. ``remove``: ``None`` removes all context before each query; a slice or
-    a boolean mask ``[pos]`` removes that chunk ``Y`` (shared by the batch) instead.
-    ``keep_bos``: keep the first token (a language model's BOS, which many heads attend to) and remove
-    the rest of the context: the no-context sequence is the first token followed by the queries.
+    slice or ``"all"``. ``remove``: ``None`` removes all context before each query; a slice, a
+    list of indices (``[i - 1]``) or a boolean mask ``[pos]`` removes that chunk ``Y`` (shared by the
+    batch) instead. ``keep_bos``: keep the first token (a language model's BOS, which many heads
+    attend to) and remove the rest of the context: the no-context sequence is the first token
+    followed by the queries. A query that is padding is refused in every mode (pad on the left), and
+    ``keep_bos`` on a row whose position 0 is padding.
     ``progress``: a bar per layer (``None``: only on a terminal, once the call takes over a second).
 
     Returns a ``Patch`` with deltas ``[batch, query, ...]`` such that the model without the
@@ -174,6 +191,7 @@ def token_patch(
     inputs = adapter.check_inputs(model, inputs)
     batch = adapter.batch_size(inputs)
     plan = _plan(adapter, inputs, query, remove, keep_bos)
+    check_own_weights(model, adapter)
     q = list(plan.query)
     if adapter.traced:
         return _traced_patch(model, adapter, inputs, plan, batch, progress)
@@ -202,6 +220,21 @@ def token_patch(
     return assemble(model, adapter, deltas, plan, batch, h.dtype)
 
 
+def check_own_weights(model: nn.Module, adapter) -> None:
+    """Refuse a model whose layers share a parameter the patch writes (one ``nn.Module`` object used
+    by two layers): each layer's patch is a delta of its own weights."""
+    owner: dict[int, int] = {}
+    for i in range(adapter.n_layers(model)):
+        sites = adapter.sites(model, i)
+        for name in (*sites.inputs, *(() if sites.output is None else sites.output.names)):
+            j = owner.setdefault(id(model.get_parameter(name)), i)
+            if j != i:
+                raise UnsupportedModelError(
+                    f"layers {j} and {i} share one module ({name} is layer {j}'s parameter): each layer's patch "
+                    "changes its own weights; give every layer its own copy (copy.deepcopy)"
+                )
+
+
 def provenance(model: nn.Module, adapter, batch: int, dtype: torch.dtype) -> dict:
     """How a patch of ``model`` was made, for its ``meta``: the model record and fingerprint, the batch
     size, the dtype of the states it came from."""
@@ -214,14 +247,16 @@ def provenance(model: nn.Module, adapter, batch: int, dtype: torch.dtype) -> dic
 
 def assemble(model: nn.Module, adapter, deltas: dict[str, Delta], plan: Plan, batch: int, dtype: torch.dtype) -> Patch:
     """The token patch of ``plan`` from its deltas: where it acts, its plan, the matrices reading each
-    input change (``Patch.readers``) and its provenance."""
-    return Patch(
+    input change (``Patch.readers``) and its provenance. The deltas are in ``dtype``, the one the model
+    computed in (the math runs in at least float32: a bfloat16 model's patch is cast back)."""
+    patch = Patch(
         deltas,
         plan.positions if plan.mode == "chunk" else None,
         provenance(model, adapter, batch, dtype),
         plan=plan,
         readers=input_readers(model, adapter),
     )
+    return patch if patch.dtype == dtype else patch.to(dtype)
 
 
 def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Patch:

@@ -5,7 +5,7 @@ Two modes, named, never encoded as ``None``:
 * ``"alone"`` (``remove=None``, the default): all context before each query is removed, so each
   query is a no-context sequence of its own, of length 1. The no-context inputs are
   ``[batch * query, 1, ...]``, batch-major: sequence ``b * Q + q`` belongs to patch ``[b, q]``.
-* ``"chunk"`` (``remove`` = a slice or a boolean mask): the chunk ``Y`` is removed and the rest,
+* ``"chunk"`` (``remove`` = a slice, indices or a boolean mask): the chunk ``Y`` is removed and the rest,
   ``C \\ Y``, is one shorter sequence per batch row, ``[batch, len(C \\ Y), ...]``; patch
   ``[b, q]`` acts at the query's position in it.
 
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from tokenpatch.errors import InputError
 
-__all__ = ["Plan", "make_plan", "Mode"]
+__all__ = ["Plan", "make_plan", "Mode", "refuse_padded_queries"]
 
 Mode = Literal["alone", "chunk"]
 
@@ -72,27 +72,50 @@ class Plan:
         )
 
 
-def _as_int(q: Any) -> int:
+def _as_int(q: Any, what: str = "query positions") -> int:
     if not isinstance(q, bool) and not (isinstance(q, Tensor) and q.dtype == torch.bool):
         try:
             return operator.index(q)  # ints, numpy integers, integer 0-d tensors
         except TypeError:
             pass
-    raise InputError(f"query positions must be integers, got {q!r}")
+    raise InputError(f"{what} must be integers, got {q!r}")
+
+
+def _indices(seq_len: int, values: Any, one: str, many: str) -> list[int]:
+    """``values`` (an int, ints, a tensor or array of ints) as distinct positions in ``[0, seq_len)``,
+    negative ones counted from the end; ``one`` / ``many`` name them in the one-line errors."""
+    if hasattr(values, "tolist"):  # tensors and arrays
+        values = values.tolist()
+    listed = isinstance(values, (list, tuple, range))
+    positions = [_as_int(q, many) for q in values] if listed else [_as_int(values, many)]
+    for q in positions:
+        if not -seq_len <= q < seq_len:
+            raise InputError(f"{one} {q} is outside the sequence of length {seq_len}")
+    out = [q % seq_len for q in positions]
+    if len(set(out)) != len(out):
+        raise InputError(f"{many} repeat: {out}")
+    return out
+
+
+def _is_mask(remove: Any) -> bool:
+    """Whether ``remove`` is a boolean mask (a bool tensor or array, or a list of bools), not indices."""
+    if hasattr(remove, "dtype"):
+        return str(remove.dtype) in ("torch.bool", "bool")
+    return isinstance(remove, (list, tuple)) and bool(remove) and all(isinstance(r, bool) for r in remove)
 
 
 def _removed_mask(seq_len: int, remove: Any) -> list[bool]:
-    """``remove`` (a slice, or a boolean mask ``[seq_len]``) as a list of bools."""
+    """``remove`` (a slice, indices, or a boolean mask ``[seq_len]``) as a list of bools."""
     if isinstance(remove, slice):
         chosen = set(range(seq_len)[remove])
-        removed = [p in chosen for p in range(seq_len)]
-    else:
+    elif _is_mask(remove):
         mask = torch.as_tensor(remove)
-        if mask.dtype != torch.bool:
-            raise InputError(f"remove must be a slice or a boolean mask of length {seq_len}, got dtype {mask.dtype}")
         if mask.shape != (seq_len,):
             raise InputError(f"remove mask has shape {tuple(mask.shape)}; the sequence has {seq_len} positions")
-        removed = mask.tolist()
+        chosen = {p for p, r in enumerate(mask.tolist()) if r}
+    else:
+        chosen = set(_indices(seq_len, remove, "remove index", "remove indices"))
+    removed = [p in chosen for p in range(seq_len)]
     if not any(removed):
         raise InputError(f"the removed chunk {remove!r} is empty: there is no context to turn into a patch")
     if all(removed):
@@ -109,17 +132,10 @@ def _query_positions(seq_len: int, query: Any, candidates: list[int]) -> list[in
     elif isinstance(query, slice):
         positions = list(range(seq_len))[query]
     else:
-        if hasattr(query, "tolist"):  # tensors and arrays
-            query = query.tolist()
-        positions = [_as_int(q) for q in query] if isinstance(query, (list, tuple, range)) else [_as_int(query)]
-    if not positions:
+        positions = query
+    out = _indices(seq_len, positions, "query position", "query positions")
+    if not out:
         raise InputError(f"query {query!r} selects no position of a sequence of length {seq_len}")
-    for q in positions:
-        if not -seq_len <= q < seq_len:
-            raise InputError(f"query position {q} is outside the sequence of length {seq_len}")
-    out = [q % seq_len for q in positions]
-    if len(set(out)) != len(out):
-        raise InputError(f"query positions repeat: {out}")
     return out
 
 
@@ -134,6 +150,20 @@ def make_plan(seq_len: int, query: Any = -1, remove: Any = None) -> Plan:
     if inside:
         raise InputError(f"query positions {inside} lie inside the removed chunk")
     return Plan(seq_len, tuple(query), "chunk", tuple(kept))
+
+
+def refuse_padded_queries(pad: Tensor | None, query) -> None:
+    """The one refusal of padding at a query, whatever the mode: ``pad`` ``[batch, pos]`` is True at
+    padding (``Adapter.padding``; ``None``: no padding), ``query`` the query positions. A right-padded
+    row's last position is padding; left padding keeps it a token, with the row's own positions."""
+    if pad is None:
+        return
+    rows = sorted({int(b) for b in pad[:, list(query)].nonzero()[:, 0]})
+    if rows:
+        raise InputError(
+            f"a query position is padding in batch rows {rows[:5]}: pad on the left "
+            "(tokenizer.padding_side = 'left') so the last position is a token in every row"
+        )
 
 
 def strip(adapter, inputs: Any, plan: Plan) -> Any:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import files
-from tokenpatch.arch import weight_layout
+from tokenpatch.arch import ADAPTERS, weight_layout
 from tokenpatch.arch.families import scale_norm
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError, UnsupportedModelError
@@ -211,8 +211,9 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
 def patched_run(
     run, model: nn.Module, patch: Patch, *args, broadcast: bool = False, any_length: bool = False, **kwargs
 ):
-    """``run(*args, **kwargs)`` with ``patch``'s hooks on ``model`` (checked against it first)."""
+    """``run(*args, **kwargs)`` with ``patch``'s hooks on ``model`` (checked against it, and finite, first)."""
     patch.check_model(model)
+    patch.check_finite()
     with hooked(model, patch, broadcast, any_length):
         return run(*args, **kwargs)
 
@@ -233,7 +234,13 @@ def functional_call(model: nn.Module, patch: Patch, *args, broadcast: bool = Fal
     error): weights are never touched, but another thread running the same model meanwhile
     would see the patch. (``torch.func.functional_call`` substitutes whole parameters, which
     would mean materialising ``W + u v^T`` per patch, and cannot vary them along the batch.)
+
+    Positions: where the model's adapter can tell (``Adapter.check_positions``), a forward that leaves
+    out the position ids a patch needs is refused (a Hugging Face model then counts them from 0).
     """
+    adapter = next((a for a in ADAPTERS if a.matches(model)), None)  # a model of no family runs unchecked
+    if adapter is not None:
+        adapter.check_positions(model, patch, args, kwargs)
     return patched_run(model, model, patch, *args, broadcast=broadcast, any_length=any_length, **kwargs)
 
 
@@ -245,6 +252,8 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
     Only a single patch (``patch.lead == (1, 1)``, e.g. ``patch[b, q]``) acting everywhere can be
     written into weights; position-specific patches (a chunk removed from the middle of a deep
     model) need ``functional_call``. The delta is materialised here, cast to the weight's dtype.
+    Inside the block nothing sees the inputs: run the query at the position id it was made for
+    (``position_ids=`` on a Hugging Face model with absolute positions, GPT-2; ``tp.strip_context``).
     """
     if patch.lead != (1, 1):
         raise InputError(
@@ -258,6 +267,7 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
             "Use functional_call"
         )
     patch.check_model(model)
+    patch.check_finite()
     params = dict(model.named_parameters())
     state = files.cached_state(model)  # unchanged by the round trip below, so kept valid after it
     saved: dict[str, Tensor] = {}

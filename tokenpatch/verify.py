@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError, caller_stacklevel
 from tokenpatch.patch import Patch
-from tokenpatch.plans import Plan, at_queries, make_plan, strip
+from tokenpatch.plans import Plan, at_queries, make_plan, refuse_padded_queries, strip
 from tokenpatch.run import patched_run
 
 __all__ = ["SiteError", "Verification", "TOLERANCES", "REAL_MODEL_RULE", "tolerance", "verify"]
@@ -179,6 +179,7 @@ def verify(model: nn.Module, patch: Patch, inputs: Any, query: Any = None, remov
     inputs = adapter.check_inputs(model, inputs)
     seq_len, batch = adapter.seq_len(inputs), adapter.batch_size(inputs)
     plan = _plan_for(patch, seq_len, query, remove)
+    refuse_padded_queries(adapter.padding(inputs), plan.query)  # in every mode, as token_patch
     if patch.lead != (batch, len(plan.query)):  # each row's patch is checked against that row
         rows = None if patch.rows is None else list(patch.rows)
         hint = f" (it holds the patches of rows {rows} of the batch it was made from)" if rows is not None else ""

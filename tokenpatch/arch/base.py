@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
+from tokenpatch import files
 from tokenpatch.errors import UnsupportedModelError
 
 __all__ = ["OutputSite", "OUTPUT_KINDS", "Sites", "Adapter", "WEIGHT_LAYOUTS", "weight_layout"]
@@ -167,8 +168,8 @@ NEEDED_BY = {
 class Adapter:
     """Base class; see the module docstring. Subclasses are stateless and registered in
     ``tokenpatch.arch.ADAPTERS``. Every method here that a subclass does not override raises an
-    ``UnsupportedModelError`` naming it and its callers (``mix_with_alone`` and ``describe`` have
-    defaults)."""
+    ``UnsupportedModelError`` naming it and its callers (``mix_with_alone``, ``describe``,
+    ``padding`` and ``check_positions`` have defaults)."""
 
     name: str = "base"
     # Are the two passes the model's own forward, recorded by hooks (``trace`` and ``anchors``,
@@ -177,6 +178,9 @@ class Adapter:
     # Does the embedding of a token depend on its position (absolute position embeddings)? Then
     # the first layer's anchor comes from the no-context embedding, not the with-context one.
     position_dependent_embedding: bool = True
+    # Config fields that do not change the forward (names, versions, output flags, ...): left out of
+    # the config record a patch keeps beside the weight fingerprint (``describe``, ``files.config_record``).
+    config_ignored: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------------- what is implemented
     def implements(self, method: str) -> bool:
@@ -214,6 +218,12 @@ class Adapter:
     def batch_size(self, inputs: Any) -> int:
         self._missing("batch_size")
 
+    def padding(self, inputs: Any) -> Tensor | None:
+        """Where ``inputs`` (as ``check_inputs`` returns them) are padding: ``[batch, pos]`` bool, True at
+        padding; ``None`` where every position is a token (the default). Every query mode refuses a
+        query that is padding the same way (``plans.refuse_padded_queries``)."""
+        return None
+
     def strip(self, inputs: Any, positions: Tensor, separate: bool) -> Any:
         """No-context inputs: the positions ``positions`` [K] of every sequence, either as one
         shorter sequence each (``separate=False``, [B, K, ...]) or each position as a sequence
@@ -229,8 +239,15 @@ class Adapter:
         self._missing("run")
 
     def describe(self, model: nn.Module) -> dict:
-        """JSON-able description stored in patch metadata."""
-        return {"class": type(model).__name__, "adapter": self.name}
+        """JSON-able description stored in patch metadata: the class, the adapter and, for a model
+        with a ``config``, its fields but ``config_ignored`` (``Patch.check_model`` compares them)."""
+        record = files.config_record(getattr(model, "config", None), self.config_ignored)
+        return {"class": type(model).__name__, "adapter": self.name, **({"config": record} if record else {})}
+
+    def check_positions(self, model: nn.Module, patch: Any, args: tuple, kwargs: dict) -> None:
+        """Raise ``InputError`` if the forward arguments ``(args, kwargs)`` run ``patch`` at other
+        positions than it was made for, where the adapter can tell (``functional_call``). The default
+        checks nothing: a model without position ids (ours)."""
 
     # ------------------------------------------------------------------------- layer by layer
     def embed(self, model: nn.Module, inputs: Any) -> Tensor:

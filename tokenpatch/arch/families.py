@@ -32,7 +32,44 @@ from torch import Tensor, nn
 
 from tokenpatch.errors import UnsupportedModelError
 
-__all__ = ["Family", "FAMILIES", "SCALE_NORMS", "scale_norm"]
+__all__ = ["Family", "FAMILIES", "SCALE_NORMS", "scale_norm", "CONFIG_IGNORED"]
+
+# Hugging Face config fields that do not change a causal LM's forward, left out of a patch's config
+# record (every other field counts, ``Adapter.config_ignored``): names and versions, the dtype (the
+# weight fingerprint survives ``.double()``), the cache and output flags, the attention and experts
+# implementations, the initialisation, labels and special token ids (read by tokenizers and
+# generation, not the forward), and GPT-2's sequence-summary head (a double-heads model's, not the LM's).
+CONFIG_IGNORED = (
+    "_name_or_path",
+    "name_or_path",
+    "transformers_version",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "attn_implementation",
+    "_attn_implementation",
+    "experts_implementation",
+    "_experts_implementation",
+    "initializer_range",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +89,8 @@ class Family:
     no-context pass. ``o_proj``: the attention's output matrix, whose input is the heads' outputs
     side by side (per-head baselines read and patch it). ``attn_out``: the module whose output is
     the attention's contribution to the residual stream, if not ``attn`` (a norm after it: Gemma 2/3).
+    ``position_table``: the learned position embedding under the base model (GPT-2's ``wpe``), whose
+    size bounds the position ids; ``None`` for rotary positions.
     """
 
     name: str
@@ -69,6 +108,7 @@ class Family:
     lone_zero: tuple[str, ...] = ()
     o_proj: str = "self_attn.o_proj"
     attn_out: str | None = None
+    position_table: str | None = None
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
@@ -95,7 +135,17 @@ FAMILIES: list[Family] = [
         lone_zero=_QK,
         attn_out="post_attention_layernorm",
     ),
-    Family("gpt2", ("gpt2",), "h", "ln_2", "attn", ("mlp.c_fc.weight",), "mlp.c_proj", o_proj="attn.c_proj"),
+    Family(
+        "gpt2",
+        ("gpt2",),
+        "h",
+        "ln_2",
+        "attn",
+        ("mlp.c_fc.weight",),
+        "mlp.c_proj",
+        o_proj="attn.c_proj",
+        position_table="wpe",
+    ),
     Family(
         "gpt_neox",
         ("gpt_neox",),

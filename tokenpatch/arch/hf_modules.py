@@ -78,6 +78,27 @@ class HFModules(Adapter):
             out["down_gate"] = layer.get_submodule(fam.down_gate)
         return out
 
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse a model that is not a causal LM (a base model, a sequence or token classifier: no LM
+        head), or whose layers share a module tokenpatch hooks or patches (one ``nn.Module`` object in
+        two layers: its hooks would fire once per layer and mix their records)."""
+        if model.get_output_embeddings() is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is not a causal language model (it has no LM head): tokenpatch "
+                "patches causal LMs; load the model with AutoModelForCausalLM"
+            )
+        owner: dict[int, int] = {}
+        for i, layer in enumerate(self.layers(model)):
+            fam = self._layer_family(model, i)
+            names = (fam.mlp, fam.mlp_norm, fam.attn, fam.down, fam.out_norm, fam.down_gate)
+            for name, module in [("the layer", layer), *((n, layer.get_submodule(n)) for n in names if n)]:
+                j = owner.setdefault(id(module), i)
+                if j != i:
+                    raise UnsupportedModelError(
+                        f"layers {j} and {i} share one module ({name}: the same nn.Module object): each layer's "
+                        "patch needs its own modules; give every layer its own copy (copy.deepcopy)"
+                    )
+
     def sites(self, model: nn.Module, i: int) -> Sites:
         fam, p = self._layer_family(model, i), self._prefix(model, i)
         parallel = fam.parallel(model.config)

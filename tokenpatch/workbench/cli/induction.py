@@ -11,7 +11,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenpatch.workbench.cli.args import Help, common, count, number, read_header, usage
+from tokenpatch.workbench.cli.args import (
+    Help,
+    check_out_file,
+    check_out_folder,
+    common,
+    count,
+    new_file,
+    number,
+    read_header,
+    usage,
+)
 from tokenpatch.workbench.cli.defaults import MODEL_FORMAT
 from tokenpatch.workbench.zoo.pretrained import load_pretrained, pretrained_names
 
@@ -110,19 +120,26 @@ def check(args) -> None:
                 )
             read_header(args.model, MODEL_FORMAT)  # a small LM's checkpoint, by its header
     if args.induction_command == "report":
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise usage(f"--out {out} is a file; give a folder for the report")
+        check_out_folder(args.out, "--out", " for the report")
+        for path in _outputs(args).values():  # nothing is overwritten
+            check_out_file(str(path), "--out", may_exist=False)
     if args.induction_command == "train":
         out = Path(args.out)
         if out.is_dir() or out.suffix != ".safetensors":
             raise usage(f"--out {out}: give a file path ending in .safetensors")
+        check_out_file(args.out, "--out", may_exist=True)  # resumed if it exists
         if not args.follow <= 1:
             raise usage(f"--follow {args.follow}: a probability, in [0, 1]")
         if args.d_model % args.heads:
             raise usage(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
         if out.exists() and not args.no_resume:
             read_header(str(out), MODEL_FORMAT)  # resumed: it must be a checkpoint
+
+
+def _outputs(args) -> dict[str, Path]:
+    """The report's files: ``induction-NAME.md/.json/.png`` (NAME: the model's, or a small LM file's stem)."""
+    name = args.model if args.model in pretrained_names() else Path(args.model).stem
+    return {k: Path(args.out) / f"induction-{name}.{k}" for k in ("md", "json", "png")}
 
 
 def run(args) -> int:
@@ -194,10 +211,9 @@ def _train(args) -> int:
 
 def _report(args) -> int:
     from tokenpatch.workbench.report.induction import run_lm, run_model
-    from tokenpatch.workbench.report.induction_page import write
+    from tokenpatch.workbench.report.induction_page import figure, markdown
 
     known = args.model in pretrained_names()
-    out = Path(args.out)
     given = {
         k: v
         for k, v in (
@@ -212,5 +228,12 @@ def _report(args) -> int:
         result = run_model(args.model, lists=args.lists, seed=args.seed, progress=not args.quiet, **given)
     else:
         result = run_lm(args.model, seed=args.seed, progress=not args.quiet, **given)
-    print(f"report: {write(result, out)}")
+    paths = _outputs(args)  # as induction_page.write, but each file new (checked before the run)
+    with new_file(paths["png"], "--out") as tmp:
+        figure(result, tmp)
+    with new_file(paths["json"], "--out") as tmp:
+        tmp.write_text(json.dumps(result, indent=1))
+    with new_file(paths["md"], "--out") as tmp:
+        tmp.write_text(markdown(result, paths["png"].name) + "\n")
+    print(f"report: {paths['md']}")
     return 0

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from tokenpatch.errors import FileFormatError
 from tokenpatch.workbench.cli import lm
-from tokenpatch.workbench.cli.args import check_out_file, read_header, usage
+from tokenpatch.workbench.cli.args import check_out_file, new_file, read_header, usage
 from tokenpatch.workbench.cli.defaults import HEADED_LAYERS, MODEL_FORMAT
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ def check_checkpoint(path: str | None) -> None:
 
 def check_train(args) -> None:
     check_out_file(args.out, "--out", may_exist=True)
-    if args.export:
+    if args.export is not None:
         check_out_file(args.export, "--export", may_exist=False)
     out = Path(args.out)
     if out.exists():  # only a training checkpoint of tokenpatch is resumed or replaced
@@ -74,8 +74,9 @@ def train(args) -> int:
         f"{out}: in-context MSE {ev['mse_model']:.4f} = {100 * ev['ratio_zero']:.1f}% of the zero predictor "
         f"({ev['mse_zero']:.4f}); least squares {ev['mse_least_squares']:.4f}, ridge {ev['mse_ridge']:.4f}"
     )
-    if args.export:
-        save_model(model, args.export, meta=doc["meta"])
+    if args.export is not None:
+        with new_file(args.export, "--export") as tmp:
+            save_model(model, tmp, meta=doc["meta"])
         print(f"weights-only copy: {args.export}")
     return 0
 
@@ -165,9 +166,9 @@ def check_compress(args) -> None:
         raise usage("--task is for a language model: add --model NAME")
     check_out_file(args.out, "--out", may_exist=False)
     check_checkpoint(args.checkpoint)
-    if args.prompt:
+    if args.prompt is not None:
         check_tensor_file(args.prompt, "prompt", "--prompt")
-    if args.queries:
+    if args.queries is not None:
         check_tensor_file(args.queries, "queries", "--queries")
 
 
@@ -212,7 +213,8 @@ def compress(args) -> int:
             output=None if args.output_side == "none" else args.output_side,
             progress=not args.quiet,
         ).patch
-    save_patch(patch, args.out)
+    with new_file(args.out, "--out") as tmp:
+        save_patch(patch, tmp)
     fits = patch.meta["thought"]["fits"]
     print(
         f"{args.out}: thought patch of a {prompt.shape[0]}-token prompt from {queries.shape[0]} calibration queries "

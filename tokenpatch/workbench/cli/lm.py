@@ -9,7 +9,14 @@ import json
 from pathlib import Path
 
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, task_names
-from tokenpatch.workbench.cli.args import check_out_file, read_header, usage
+from tokenpatch.workbench.cli.args import (
+    check_out_file,
+    check_out_folder,
+    new_file,
+    read_header,
+    read_text_file,
+    usage,
+)
 from tokenpatch.workbench.cli.defaults import PATCH_FORMAT
 from tokenpatch.workbench.zoo.pretrained import load_pretrained, pretrained_names, record_mismatch
 
@@ -105,6 +112,8 @@ def _sparkline(values: list[float], low: float, high: float) -> str:
 
 def check_generate(args) -> None:
     _check_name(args.model)
+    if args.patch is not None and args.plot is not None:
+        raise usage("--plot draws the update norms of token patches; with --patch there are none: drop --plot")
     if args.patch:  # by its header: a patch of another model fails here, before the model loads
         _, doc = read_header(args.patch, PATCH_FORMAT)
         why = record_mismatch(args.model, (doc.get("meta") or {}).get("model"))
@@ -113,7 +122,7 @@ def check_generate(args) -> None:
                 f"--patch {args.patch} is not a patch of {args.model}: {why}; make one with "
                 f"tokenpatch compress --model {args.model}"
             )
-    elif args.plot:
+    elif args.plot is not None:
         check_out_file(args.plot, "--plot", may_exist=False)
 
 
@@ -171,12 +180,13 @@ def generate_lm(args) -> int:
     if args.plot:
         from tokenpatch.workbench.report.plots import update_norms_figure
 
-        update_norms_figure(
-            norms,
-            [tokenizer.decode(t) for t in patched.view(-1, 1)],
-            args.plot,
-            title=f"{args.model}: implicit update per layer and generated token",
-        )
+        with new_file(args.plot, "--plot") as tmp:
+            update_norms_figure(
+                norms,
+                [tokenizer.decode(t) for t in patched.view(-1, 1)],
+                tmp,
+                title=f"{args.model}: implicit update per layer and generated token",
+            )
         if not args.json:
             print(f"figure: {args.plot}")
     differ = [t for t in range(min(len(ordinary), len(patched))) if int(ordinary[t]) != int(patched[t])]
@@ -206,7 +216,7 @@ def _outputs(args) -> dict[str, Path]:
 
 
 def _query_lines(path: str) -> list[str]:
-    lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines = [ln for ln in read_text_file(path, "--queries").splitlines() if ln.strip()]
     if not lines:
         raise usage(f"--queries {path} has no non-empty line; write one calibration query per line")
     return lines
@@ -228,9 +238,7 @@ def check_compress(args) -> None:
         check_out_file(args.out, "--out", may_exist=False)
         _query_lines(args.queries)
         return
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise usage(f"--out {out} is a file; with --task give a folder (it is created if missing)")
+    check_out_folder(args.out, "--out", " with --task")
     _tasks(args)
     for p in _outputs(args).values():
         check_out_file(str(p), "--out", may_exist=False)
@@ -239,12 +247,10 @@ def check_compress(args) -> None:
             "--output-side: the comparison fits the thought patch with its affine output side; for the "
             "thought vector alone it reports the 'thought vector' row"
         )
-    taken = sorted(out.glob(f"{_slug(args)}-*-thought-*.safetensors")) if out.is_dir() else []
-    if taken:
-        raise usage(
-            f"--out {out} already holds thought patches of this model ({taken[0].name}); nothing is "
-            "overwritten: give a new folder"
-        )
+    if args.test == 0:
+        raise usage("--test 0: the comparison needs test pairs (at least 1; default 100)")
+    if args.shots < 2:
+        raise usage(f"--shots {args.shots}: the function vector's corrupted prompts need at least 2 demonstrations")
 
 
 def compress_lm(args) -> int:
@@ -270,11 +276,22 @@ def _compare_tasks(args, out) -> int:
         progress=not args.quiet,
     )
     text = markdown(run)
-    paths["json"].write_text(json.dumps(run, indent=1))
-    paths["md"].write_text(f"# Prompt compression: {args.model}\n\n{text}\n\n![figure]({paths['png'].name})\n")
-    figure(run, paths["png"])
+    with new_file(paths["json"], "--out") as tmp:
+        tmp.write_text(json.dumps(run, indent=1))
+    with new_file(paths["md"], "--out") as tmp:
+        tmp.write_text(f"# Prompt compression: {args.model}\n\n{text}\n\n![figure]({paths['png'].name})\n")
+    with new_file(paths["png"], "--out") as tmp:
+        figure(run, tmp)
     print(text)
-    print(f"wrote {', '.join(str(p) for p in paths.values())} and the thought patches")
+    back = run["read_back"]
+    print(
+        f"wrote {', '.join(str(p) for p in paths.values())} and the thought patches"
+        + (
+            f"; read back {len(back)} finished task{'s' * (len(back) > 1)} ({', '.join(back)}) from an earlier run"
+            if back
+            else ""
+        )
+    )
     return 0
 
 
@@ -305,7 +322,8 @@ def _compress_prompt(args) -> int:
         rank=args.rank,
         progress=not args.quiet,
     ).patch
-    save_patch(patch, args.out)
+    with new_file(args.out, "--out") as tmp:
+        save_patch(patch, tmp)
     print(
         f"{args.out}: thought patch of a {len(prompt)}-token prompt from {len(lines)} calibration queries, "
         f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "

@@ -27,10 +27,11 @@ from tokenpatch.workbench.cli.args import (
     USAGE_ERROR,
     Help,
     Parser,
+    check_out_folder,
+    check_values,
     common,
     count,
     number,
-    usage,
 )
 from tokenpatch.workbench.cli.defaults import (
     LAYERS,
@@ -162,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
         "--out",
         required=True,
         help="patch file to write (a new file; nothing is overwritten); with "
-        "--model and --task: a folder for the comparison's JSON, table, figure and patches",
+        "--model and --task: a folder for the comparison's JSON, table, figure and patches, where an "
+        "interrupted run resumes (each finished task is kept there and read back)",
     )
     c.add_argument(
         "--model",
@@ -237,7 +239,9 @@ def _parser() -> argparse.ArgumentParser:
         help="run the paper experiments; write results/report.md, figures, JSON",
         formatter_class=fmt,
         description=f"Run every section of the report on the shipped checkpoint ({REPRODUCE_TIME}) "
-        "and write report.md, its PNG figures and results.json to --out.",
+        "and write report.md, its PNG figures and results.json to --out. Each section is kept in "
+        "--out/sections/ as it finishes; a rerun reads back the sections that ran with the same inputs "
+        "(an interrupted run resumes; delete a section's file to run it again).",
     )
     r.add_argument("--out", default="results", help="output folder")
     r.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
@@ -254,9 +258,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_reproduce(args) -> None:
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise usage(f"--out {out} is a file; give a folder for the report (it is created if missing)")
+    check_out_folder(args.out, "--out", " for the report")
     linreg.check_checkpoint(args.checkpoint)
 
 
@@ -287,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("TOKENPATCH_DEBUG", "") not in ("", "0")
     check, run = COMMANDS[args.command]
     try:
+        check_values(args)  # every text, path and name: not empty, UTF-8
         check(args)  # no torch yet
         if args.threads:
             import torch

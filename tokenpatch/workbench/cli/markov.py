@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenpatch.workbench.cli.args import Help, common, count, number, usage
+from tokenpatch.workbench.cli.args import Help, check_out_folder, common, count, number, usage
 from tokenpatch.workbench.cli.defaults import MARKOV_MODEL, MARKOV_TASK, MARKOV_TRAIN
 
 __all__ = ["add_parser", "check", "run"]
@@ -114,8 +114,8 @@ def check(args) -> None:
         raise usage(
             f"--run {args.run} holds no Markov run (no model.safetensors); train one with `tokenpatch markov train`"
         )
-    elif args.markov_command == "report" and Path(args.out).exists() and not Path(args.out).is_dir():
-        raise usage(f"--out {args.out} is a file; give a folder for the report")
+    elif args.markov_command == "report":
+        check_out_folder(args.out, "--out", " for the report")
 
 
 def run(args) -> int:
@@ -151,9 +151,7 @@ def _predictors(args) -> int:
 
 
 def _check_run_folder(path: str) -> Path:
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise usage(f"--out {path} is a file; give a folder for the run")
+    p = check_out_folder(path, "--out", " for the run")
     if p.is_dir() and any(p.iterdir()) and not (p / "model.safetensors").exists():
         raise usage(f"--out {path} is a folder with other files in it; give a new or empty folder")
     return p
@@ -196,6 +194,11 @@ def _report(args) -> int:
     from tokenpatch.workbench.report.markov import FULL, REDUCED, markov_section
 
     out = Path(args.out)
+    runs = out / "markov-runs"
+    if runs.is_dir() and any(runs.iterdir()) and not args.quiet:
+        print(
+            f"resuming in {out}: the runs under {runs} are read back or resumed; report.md and markov.json are rewritten"
+        )
     out.mkdir(parents=True, exist_ok=True)
     section = markov_section(out, REDUCED if args.reduced else FULL, workers=args.workers, progress=not args.quiet)
     (out / "report.md").write_text(f"# {section.title}\n\n{section.body}\n")

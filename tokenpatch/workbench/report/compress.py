@@ -4,7 +4,9 @@ published numbers beside ours (context, not targets).
 
 ``run_model`` runs one model over the main tasks and, while fewer than ``min_informative`` of
 them are informative (ICL at least 20 points above zero-shot on the test split), the reserve
-tasks; ``markdown`` and ``figure`` present it; ``compression_section`` is the reduced run of
+tasks; with an ``out`` folder it keeps each finished task there (its thought patches and a
+``NAME-TASK-result.json``), and a rerun reads finished tasks back instead of running them again;
+``markdown`` and ``figure`` present it; ``compression_section`` is the reduced run of
 ``tokenpatch reproduce``.
 """
 
@@ -16,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch_files import save_patch
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, load_task
 from tokenpatch.workbench.compare import compare
 from tokenpatch.workbench.report.plots import plt
-from tokenpatch.workbench.report.section import Section
+from tokenpatch.workbench.report.section import Section, differences, part_inputs, read_part, write_part
 from tokenpatch.workbench.zoo import pretrained
 
 log = logging.getLogger(__name__)
@@ -54,16 +56,52 @@ def run_model(
 ) -> dict:
     """``compare`` on ``tasks`` (default: the main tasks, then reserves until ``min_informative``
     are informative) for the pretrained model ``name``; thought patches are saved to ``out``.
-    ``options``: more of ``compare``'s (``calibration``, ``dev``, ``n_heads``, ``layers``...)."""
-    model, tokenizer = pretrained.load_pretrained(name, dtype=torch.float32, progress=False)
+    ``options``: more of ``compare``'s (``calibration``, ``dev``, ``n_heads``, ``layers``...).
+
+    With ``out``, each task is kept there as it finishes (``result_path``); a rerun reads a finished
+    task back (``"read_back"`` lists them) when it ran with the same settings, and refuses, before the
+    model loads, a folder whose finished tasks ran with others (nothing is mixed or overwritten)."""
     t0 = time.perf_counter()
     queue = list(tasks) if tasks else [*MAIN_TASKS, *RESERVE_TASKS]
+    settings = lambda task: {  # noqa: E731  what a task's result depends on
+        "model": name,
+        "task": task,
+        "shots": shots,
+        "test": test,
+        "seed": seed,
+        "ridge": ridge,
+        "rank": rank,
+        "options": options,
+    }
+    saved = {}
+    for task in queue if out is not None else []:
+        path = result_path(out, name, task)
+        before = part_inputs(path)
+        changed = differences(before, settings(task)) if before is not None else ""
+        if changed:
+            raise InputError(
+                f"{path} is a finished {task} run with other settings ({changed}); rerun with its "
+                "settings to resume, or give a new folder"
+            )
+        data = read_part(path, settings(task))
+        if data is not None and all((Path(out) / p).exists() for p in data["patch_files"]):
+            saved[task] = data
+    if saved:
+        log.info("%s: read back %d finished tasks from %s (%s)", name, len(saved), out, ", ".join(saved))
+    model, tokenizer = (None, None) if set(queue) <= set(saved) else _load(name)
     results: dict[str, dict] = {}
+    earlier = 0.0
     for task in queue:
         informative = sum(r["informative"] for r in results.values())
         if not tasks and task in RESERVE_TASKS and informative >= min_informative:
             break
+        if task in saved:
+            results[task], earlier = saved[task]["result"], earlier + saved[task]["seconds"]
+            continue
+        if model is None:
+            model, tokenizer = _load(name)
         log.info("%s: %s", name, task)
+        t1 = time.perf_counter()
         res = compare(
             model,
             tokenizer,
@@ -78,20 +116,34 @@ def run_model(
         )
         patches = res.pop("patches")
         if out is not None:
+            files = []
             for method, patch in patches.items():
                 tag = "full" if method == "thought_patch" else f"rank{rank}"
-                save_patch(patch, Path(out) / f"{_slug(name)}-{task}-thought-{tag}.safetensors")
+                files.append(f"{_slug(name)}-{task}-thought-{tag}.safetensors")
+                save_patch(patch, Path(out) / files[-1])
+            data = {"result": res, "seconds": time.perf_counter() - t1, "patch_files": files}
+            write_part(result_path(out, name, task), settings(task), data)
         results[task] = res
         log.info("%s", _line(task, res))
     return {
         "model": name,
         "shots": shots,
         "seed": seed,
-        "seconds": time.perf_counter() - t0,
+        "seconds": time.perf_counter() - t0 + earlier,
         "threads": torch.get_num_threads(),
         "tasks": results,
+        "read_back": [t for t in results if t in saved],
         "goal": goal(results),
     }
+
+
+def _load(name: str):
+    return pretrained.load_pretrained(name, dtype=torch.float32, progress=False)
+
+
+def result_path(out: Path, name: str, task: str) -> Path:
+    """Where ``run_model`` keeps the finished ``task`` of the model ``name`` in ``out``."""
+    return Path(out) / f"{_slug(name)}-{task}-result.json"
 
 
 def _slug(name: str) -> str:

@@ -1,12 +1,15 @@
 """The main job: ``tokenpatch reproduce`` -> ``results/report.md``, PNG figures, ``results.json``.
 
 Each capability contributes a ``Section`` (markdown, figures, and the numbers behind them);
-``reproduce`` runs them on the shipped checkpoint (or another) and writes everything out.
+``reproduce`` runs them on the shipped checkpoint (or another) and writes everything out. Each finished
+section is kept in ``out/sections/KEY.json`` with what it was run with, so an interrupted run resumes:
+a rerun reads back the sections whose inputs match instead of running them again.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import platform
@@ -17,6 +20,7 @@ import torch
 
 from tokenpatch import __version__
 from tokenpatch.errors import InputError
+from tokenpatch.files import fingerprint
 from tokenpatch.models.icl import ICLTransformer, load_model
 from tokenpatch.patching import token_patch
 from tokenpatch.progress import progress_bar
@@ -29,7 +33,7 @@ from tokenpatch.workbench.report.finetune import finetune_section
 from tokenpatch.workbench.report.induction import induction_section
 from tokenpatch.workbench.report.markov import markov_section
 from tokenpatch.workbench.report.real_models import real_models_section
-from tokenpatch.workbench.report.section import Section
+from tokenpatch.workbench.report.section import Section, code_digest, read_part, write_part
 from tokenpatch.workbench.report.thought import thought_section
 
 __all__ = ["Section", "equivalence_section", "model_section", "reproduce"]
@@ -209,7 +213,14 @@ def reproduce(
     ``sections``: which sections run, in report order (``SECTIONS``): ``None`` for all of them (only
     ``equivalence`` and ``model`` with a ``checkpoint``); a list of keys; or a dict ``key ->
     function(out, progress=...)`` whose functions replace the default of their key (``None`` keeps it),
-    e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run."""
+    e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run.
+
+    Each section is kept in ``out/sections/KEY.json`` as it finishes, with what it ran with (the
+    tokenpatch and torch versions, the checkpoint's weights for ``equivalence`` and ``model``, ``n_tasks``
+    and ``seed`` for ``equivalence``, the function given for its key: its name, a partial's arguments,
+    what it closes over). A rerun reads back every section whose record matches and whose figures are
+    still in ``out`` (one log line names them) and runs the others: an interrupted run resumes. A
+    section given as a lambda always runs; delete a section's file to run it again."""
     out = Path(out)
     if sections is None:
         sections = CHECKPOINT_SECTIONS if checkpoint is not None else SECTIONS
@@ -223,15 +234,54 @@ def reproduce(
     t0 = time.perf_counter()
     model = load_model(checkpoint) if set(chosen) & set(CHECKPOINT_SECTIONS) else None
     builders = _default_builders(model, n_tasks, seed)
-    sections = [(chosen[key] or builders[key])(out, progress=progress) for key in SECTIONS if key in chosen]
-    seconds = time.perf_counter() - t0
+    common = {"tokenpatch": __version__, "code": code_digest(), "torch": torch.__version__}
+    if model is not None:
+        common.update(checkpoint=str(checkpoint) if checkpoint else "shipped", weights=fingerprint(model))
+    plan = {}  # key -> (function, inputs, record path, saved record or None)
+    for key in (k for k in SECTIONS if k in chosen):
+        inputs = {**common, "section": key, "builder": _describe(chosen[key]) if chosen[key] else "default"}
+        if key == "equivalence":
+            inputs.update(n_tasks=n_tasks, seed=seed)
+        path = out / "sections" / f"{key}.json"
+        saved = read_part(path, inputs) if inputs["builder"] is not None else None
+        if saved is not None and not all((out / f).exists() for f in saved["section"]["figures"]):
+            saved = None  # a figure is gone: run it again
+        plan[key] = (chosen[key] or builders[key], inputs, path, saved)
+    read_back = [k for k, (*_, saved) in plan.items() if saved is not None]
+    if read_back:
+        log.info(
+            "read back %d finished section%s from %s (run earlier with the same inputs): %s; delete a file "
+            "there to run its section again",
+            len(read_back),
+            "s" * (len(read_back) > 1),
+            out / "sections",
+            ", ".join(read_back),
+        )
+    sections, earlier = [], 0.0
+    for build, inputs, path, saved in plan.values():
+        if saved is not None:
+            sections.append(Section(**saved["section"]))
+            earlier += saved["seconds"]
+            continue
+        t1 = time.perf_counter()
+        s = build(out, progress=progress)
+        sections.append(s)
+        record = {"key": s.key, "title": s.title, "body": s.body, "figures": s.figures, "data": s.data}
+        write_part(path, inputs, {"section": record, "seconds": time.perf_counter() - t1})
+    seconds = time.perf_counter() - t0 + earlier
     threads = torch.get_num_threads()
     source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"
+    resumed = (
+        f" Sections {', '.join(read_back)} were read back from an earlier run with the same inputs "
+        f"(`{out.name}/sections/`)."
+        if read_back
+        else ""
+    )
     header = [
         "# tokenpatch report",
         "",
         f"Written by `tokenpatch reproduce` from {source}; tokenpatch {__version__}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {threads} thread{'' if threads == 1 else 's'}, {seconds:.1f} s.",
+        f"Python {platform.python_version()}, {threads} thread{'' if threads == 1 else 's'}, {seconds:.1f} s.{resumed}",
         "",
     ]
     body = header + [f"## {i}. {s.title}\n\n{s.body}\n" for i, s in enumerate(sections, 1)]
@@ -246,3 +296,19 @@ def reproduce(
     (out / "results.json").write_text(json.dumps(data, indent=1))
     log.info("wrote %s", out / "report.md")
     return out / "report.md"
+
+
+def _describe(build) -> str | None:
+    """A section function given to ``reproduce``, in words that are the same on a rerun only if it would
+    compute the same: its module and name, and the values it is given (a ``functools.partial``'s
+    arguments, its defaults, what it closes over). None where no such words exist (a lambda, a value
+    shown by its address): that section always runs."""
+    args, keywords = (), {}
+    while isinstance(build, functools.partial):
+        args, keywords = build.args + args, {**build.keywords, **keywords}
+        build = build.func
+    name = getattr(build, "__qualname__", type(build).__qualname__)
+    cells = [c.cell_contents for c in getattr(build, "__closure__", None) or ()]
+    given = (args, dict(sorted(keywords.items())), getattr(build, "__defaults__", None), cells)
+    text = f"{getattr(build, '__module__', '?')}.{name}{given!r}"
+    return None if "<lambda>" in name or " at 0x" in text or "object at" in text else text

@@ -12,9 +12,12 @@ subfolder per model: ``cache_dir``, else ``$TOKENPATCH_CACHE``, else ``$XDG_CACH
 or ``~/.cache/tokenpatch``); every later load reads that copy in about a second. The copy is
 written into a temporary sibling folder and renamed into place only when complete, and a JSON
 marker records what it was made from (the package version, the source files' sizes and mtimes,
-the ``transformers`` and ``gguf`` versions): an interrupted first load, an upgraded package or an
-upgraded ``transformers`` makes the next load rebuild it instead of trusting it. The weights are
-exactly the dequantised GGUF weights: cached and fresh loads give bit-identical logits.
+the ``transformers`` and ``gguf`` versions) and a CRC-32 of every file and every tensor: an
+interrupted first load, an upgraded package or ``transformers`` makes the next load rebuild it,
+and so does a damaged copy (any changed byte: the load reads every file first, 0.2-0.6 s for
+SmolLM2, twice that for Gemma; ``verify="sample"`` or ``TOKENPATCH_VERIFY=sample`` checks a sample
+of every tensor instead, see ``tokenpatch.workbench.zoo.verify``), with one line saying why. The
+weights are exactly the dequantised GGUF weights: cached and fresh loads give bit-identical logits.
 
 Licences (the weights are not part of tokenpatch; whoever installs a model package accepts its terms):
 
@@ -34,21 +37,18 @@ Licences (the weights are not part of tokenpatch; whoever installs a model packa
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import importlib
-import importlib.metadata
 import importlib.util
-import io
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenpatch.errors import FileFormatError, InputError, UnsupportedModelError
+from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.workbench.zoo import convert
+from tokenpatch.workbench.zoo import verify as digests
 from tokenpatch.workbench.zoo.cache import ensure, matches
 
 # The registry (names, specs, requirements, the cache folder) imports no torch, so the command line
@@ -70,14 +70,13 @@ __all__ = [
     "record_mismatch",
 ]
 
-CACHE_FORMAT = "tokenpatch.workbench.zoo.pretrained/1"
+CACHE_FORMAT = "tokenpatch.workbench.zoo.pretrained/2"  # /2: the marker holds digests
 HF_PACKAGES = ("transformers", "gguf", "accelerate")  # import names; the [hf] extra of setup.cfg
 HF_INSTALL = 'pip install "tokenpatch[hf]"'
 DTYPES = (
     "float32",
     "float64",
 )  # torch dtypes: float32 holds the dequantised weights exactly, float64 widens them exactly
-PROBE_TEXT = "The capital of France is Paris. 12,345 naïve cafés, 東京!\n    indented code()  "
 GEMMA_NOTICE = "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms"
 
 
@@ -227,13 +226,6 @@ def find_spec(module: str):
         return None
 
 
-def _dist_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def check_requirements(name: str) -> None:
     """Raise ``UnsupportedModelError`` (one line, with the pip command) unless ``name`` can be loaded here.
 
@@ -247,7 +239,7 @@ def check_requirements(name: str) -> None:
             f"{name} needs the Python packages {', '.join(HF_PACKAGES)}; missing here: {', '.join(missing)}; "
             f"install them with: {HF_INSTALL}"
         )
-    version = _dist_version("transformers")
+    version = convert.dist_version("transformers")
     major = version.split(".")[0] if version else ""
     if major.isdigit() and int(major) < 5:
         raise UnsupportedModelError(
@@ -282,11 +274,17 @@ def pretrained_cache_dir(name: str | None = None, cache_dir: str | os.PathLike |
     return root if name is None else root / _spec(name).name
 
 
-def is_cached(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
+def is_cached(name: str, cache_dir: str | os.PathLike | None = None, verify: str | None = None) -> bool:
     """Whether ``load_pretrained(name)`` will read its cache (seconds) instead of converting the GGUF (a minute);
-    False when the model's package is missing."""
+    False when the model's package is missing.
+
+    It makes the check the load makes (``verify``: None for ``$TOKENPATCH_VERIFY`` or ``"full"``,
+    every byte checksummed; ``"sample"``), so a damaged copy is not reported as cached. A successful
+    check is remembered for the process: the load that follows does not hash the files again.
+    """
+    mode = digests.resolve_mode(verify)
     try:
-        return matches(pretrained_cache_dir(name, cache_dir), _expected_marker(_spec(name)))
+        return matches(pretrained_cache_dir(name, cache_dir), _expected_marker(_spec(name)), mode)
     except (OSError, InputError, UnsupportedModelError):
         return False
 
@@ -297,7 +295,7 @@ def _source_fingerprint(spec: PretrainedSpec) -> dict[str, Any]:
     for path in spec.source_files():
         stat = path.stat()
         files.append({"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-    return {"package": spec.package, "version": _dist_version(spec.package), "files": files}
+    return {"package": spec.package, "version": convert.dist_version(spec.package), "files": files}
 
 
 def _expected_marker(spec: PretrainedSpec) -> dict[str, Any]:
@@ -306,98 +304,13 @@ def _expected_marker(spec: PretrainedSpec) -> dict[str, Any]:
         "format": CACHE_FORMAT,
         "name": spec.name,
         "source": _source_fingerprint(spec),
-        "transformers": _dist_version("transformers"),
-        "gguf": _dist_version("gguf"),
+        "transformers": convert.dist_version("transformers"),
+        "gguf": convert.dist_version("gguf"),
     }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Loading.
-
-
-@contextlib.contextmanager
-def _hf_calls(progress: bool | None):
-    """Around calls into transformers: offline, and quiet unless ``progress`` is True.
-
-    transformers and huggingface_hub are imported first: huggingface_hub reads ``HF_HUB_OFFLINE``
-    once at import, and importing it inside this block would leave the whole process offline. The
-    variable is still set for the duration (code that reads it later sees it), every call also
-    passes ``local_files_only=True``, and the environment is restored afterwards. The progress
-    bars of transformers and gguf go to ``sys.stderr``, which is redirected here unless ``progress``
-    is True (their loggers keep their own handlers, so real warnings still show).
-    """
-    importlib.import_module("transformers")
-
-    saved = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        with contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        if saved is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = saved
-
-
-def _check_loaded(spec: PretrainedSpec, model: Any, where: Path) -> None:
-    cls, config = type(model).__name__, model.config
-    got = (cls, getattr(config, "model_type", None), getattr(config, "num_hidden_layers", None))
-    if got != (spec.hf_class, spec.model_type, spec.n_layers):
-        raise UnsupportedModelError(
-            f"{spec.name}: transformers {_dist_version('transformers')} loaded {where} as {got[0]} "
-            f"(model_type {got[1]!r}, {got[2]} layers), expected {spec.hf_class} ({spec.model_type!r}, "
-            f"{spec.n_layers} layers); use a transformers 5.x release tokenpatch supports"
-        )
-
-
-def _convert(spec: PretrainedSpec, tmp: Path, progress: bool | None) -> None:
-    """Load ``spec``'s GGUF with transformers (dequantised to float32) and save it as safetensors into ``tmp``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    scratch = tmp / "gguf-source"
-    gguf = spec.gguf(scratch)
-    with _hf_calls(progress):
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-        _check_loaded(spec, model, gguf)
-        # save_pretrained refuses GGUF-loaded models ("quantized with gguf and is not serializable"),
-        # although the weights are plain float32 by now: drop the quantisation record, then save.
-        if getattr(model.config, "quantization_config", None) is not None:
-            del model.config.quantization_config
-        model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        # The saved tokenizer is what every later load uses: it must split text as the GGUF one does.
-        saved = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
-        if saved(PROBE_TEXT).input_ids != tokenizer(PROBE_TEXT).input_ids:
-            raise UnsupportedModelError(
-                f"{spec.name}: transformers {_dist_version('transformers')} saves a tokenizer that splits text "
-                "differently from the GGUF one; use a transformers 5.x release tokenpatch supports"
-            )
-    del model, tokenizer, saved
-    shutil.rmtree(scratch, ignore_errors=True)  # the assembled GGUF (Gemma: 253 MB) is not kept
-    gc.collect()
-
-
-def _read_cache(spec: PretrainedSpec, folder: Path, dtype: torch.dtype, progress: bool | None):
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        with _hf_calls(progress):
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError, KeyError, SafetensorError) as exc:  # a damaged file, not a bug or lack of memory
-        raise FileFormatError(
-            f"{spec.name}: the cached copy in {folder} cannot be read ({type(exc).__name__}: {exc}); "
-            "delete that folder and call load_pretrained again to rebuild it"
-        ) from exc
-    _check_loaded(spec, model, folder)
-    return model, tokenizer
+# Loading (the transformers calls are in ``convert``).
 
 
 def _note(message: str) -> None:
@@ -411,6 +324,7 @@ def load_pretrained(
     device: torch.device | str = "cpu",
     cache_dir: str | os.PathLike | None = None,
     progress: bool | None = None,
+    verify: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A real pretrained causal LM and its tokenizer, in eval mode, in ``dtype`` on ``device``.
 
@@ -422,10 +336,17 @@ def load_pretrained(
     or float64 (the same values, widened). ``progress``: None prints one line on stderr on the slow
     first load only, False prints nothing, True also shows transformers' progress bars.
 
-    Raises ``InputError`` (unknown name, unsupported dtype or device, cache folder not writable),
-    ``UnsupportedModelError`` (a package missing, with the pip command to run; transformers
-    building an unexpected model) and ``FileFormatError`` (a cache that passed its marker check but
-    cannot be read).
+    The cache is checked against the digests recorded when it was written before it is read:
+    ``verify="full"`` (the default, or ``$TOKENPATCH_VERIFY``) checksums every byte (0.2-0.6 s for
+    SmolLM2, twice that for Gemma; once per process for an unchanged folder), ``"sample"`` the
+    headers, small files and a sample of every tensor (0.07 s; a few changed values can pass). A
+    damaged copy is rebuilt from the GGUF with one line on stderr saying what was damaged (printed
+    even with ``progress=False``). Temporary folders of killed conversions are removed.
+
+    Raises ``InputError`` (unknown name, unsupported dtype, device or ``verify``, cache folder not
+    writable: then also what was damaged), ``UnsupportedModelError`` (a package missing, with the
+    pip command to run; transformers building an unexpected model) and ``FileFormatError`` (a
+    cache that passed its check but cannot be read).
     """
     spec = _spec(name)
     import torch
@@ -437,21 +358,30 @@ def load_pretrained(
             f"dtype {dtype} is not supported for pretrained models; use torch.float32 (default) or torch.float64"
         )
     device = icl.as_device(device)
+    mode = digests.resolve_mode(verify)
     check_requirements(name)
     folder = pretrained_cache_dir(name, cache_dir)
     expected = _expected_marker(spec)
+    noted = []
+
+    def damaged(why: str) -> None:
+        noted.append(why)
+        _note(
+            f"the cached copy of {name} in {folder} is damaged ({why}); "
+            f"rebuilding it from the GGUF (about {spec.first_load_s} s)"
+        )
 
     def build(tmp: Path) -> None:
-        if progress is not False:
+        if progress is not False and not noted:
             notice = f"; {spec.notice}" if spec.notice else ""
             _note(
                 f"converting {name} from GGUF once (about {spec.first_load_s} s, {spec.cache_mb} MB); "
                 f"cached in {folder}{notice}"
             )
-        _convert(spec, tmp, progress)
+        convert.convert(spec, tmp, progress)
 
-    built = ensure(folder, expected, build)
+    built = ensure(folder, expected, build, mode, damaged)
     if progress and not built:
         _note(f"loading {name} from {folder}")
-    model, tokenizer = _read_cache(spec, folder, dtype, progress)
+    model, tokenizer = convert.read_cache(spec, folder, dtype, progress)
     return model.to(device).eval(), tokenizer
