@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import tokenpatch as tp
-from tokenpatch.workbench.compare import leading_tokens
+from tokenpatch.workbench.methods import leading_tokens
 from tokenpatch.workbench.zoo.pretrained import load_pretrained
 
 torch.set_num_threads(2)
