@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +16,11 @@ from conftest import CONFIGS, T, build, ids, random_model
 import tokenpatch as tp
 from tokenpatch import files
 from tokenpatch.arch import adapter_for
+from tokenpatch.dynamics.diagnostics import step_norms
 from tokenpatch.generate import _layer_norms
+from tokenpatch.interp.ablation import ablate_heads, active_modes
 from tokenpatch.lowrank import LowRank
+from tokenpatch.per_model import PerModel
 
 
 def _err(a, b) -> float:
@@ -147,6 +151,27 @@ def test_generate_update_norms_do_not_overflow():
     assert float(((got - want) / want).abs().max()) < 1e-5
 
 
+def test_norms_of_cancelling_low_rank_sums_keep_their_digits():
+    """``|a - b|_F`` for nearly equal rank-1 ``a``, ``b`` (a small step after a large update) and
+    ``p + (-p)``. Before: the Gram form's error was about ``sqrt(eps) |a|``, 11 times the step's
+    size in float64 (``step_norms``' ``|a|^2 - 2<a, b> + |b|^2`` the same)."""
+    g = torch.Generator().manual_seed(0)
+    u, v, w = (torch.randn(3, 1, n, generator=g, dtype=torch.float64) for n in (40, 30, 30))
+    eps = 1e-9
+    a, b = LowRank(u, v), LowRank(u, v + eps * w)
+    want = eps * u.norm(dim=-1)[..., 0] * w.norm(dim=-1)[..., 0]  # |u (eps w)^T|_F
+    got = (b + LowRank(-a.u, a.v)).norm()
+    assert float(((got - want) / want).abs().max()) < 1e-6
+    p = LowRank(
+        torch.randn(2, 3, 40, generator=g, dtype=torch.float64), torch.randn(2, 3, 30, generator=g, dtype=torch.float64)
+    )
+    assert float(((p + LowRank(-p.u, p.v)).norm() / p.norm()).max()) < 1e-14
+    traj = SimpleNamespace(
+        patches={"w": LowRank(torch.stack([a.u, b.u], 1), torch.stack([a.v, b.v], 1))}
+    )  # [B, 2, 1, .]
+    assert float(((step_norms(traj, "w")[:, 0] - want) / want).abs().max()) < 1e-6
+
+
 # ----------------------------------------------------------------------------- item 7: non-finite patches
 
 
@@ -168,6 +193,20 @@ def test_non_finite_patch_refused_at_save_and_run(small_model, small_inputs, tmp
     inf = patch.replace({**patch, bias: patch[bias].clone().fill_(float("inf"))})
     with pytest.raises(tp.InputError, match=bias):
         tp.functional_call(small_model, inf, tp.strip_context(small_model, small_inputs))
+
+
+def test_a_patch_file_holding_nan_is_refused_at_load(small_model, small_inputs, tmp_path, monkeypatch):
+    """A file with NaN and a valid checksum: written by tokenpatch 0.2, whose ``save_patch`` did
+    not check (a damaged file fails its checksum first). Before: loaded without a word."""
+    patch = tp.token_patch(small_model, small_inputs)
+    name = "blocks.1.mlp.fc_in.weight"
+    d = patch[name]
+    bad = patch.replace({**patch, name: LowRank(d.u, d.v.clone().index_fill_(-1, torch.tensor([0]), float("nan")))})
+    with monkeypatch.context() as m:
+        m.setattr(tp.Patch, "check_finite", lambda self: None)  # 0.2's save_patch
+        tp.save_patch(bad, tmp_path / "p.safetensors")
+    with pytest.raises(tp.FileFormatError, match=rf"p.safetensors: damaged patch file: .*{name}.*NaN"):
+        tp.load_patch(tmp_path / "p.safetensors")
 
 
 # ----------------------------------------------------------------------------- item 3: positions
@@ -229,6 +268,34 @@ def test_fingerprint_cache_runs_no_weakref_callbacks(small_model):
     with torch.no_grad():
         small_model.get_parameter("blocks.0.mlp.fc_in.weight").mul_(2)
     assert files.cached_state(small_model) is None and files.fingerprint(small_model) != digest
+
+
+def test_no_per_model_cache_runs_weakref_callbacks():
+    """The same for the layer-name map of Hugging Face models and the ablation modes in force
+    (both were ``WeakKeyDictionary``s, which drop entries from a callback)."""
+    model = build("llama")
+    tp.verify(model, tp.token_patch(model, ids(1, 5)), ids(1, 5))  # the layer-name map
+    with ablate_heads(model, [(0, 1)]):
+        assert active_modes(model) == ("zero",)
+        with ablate_heads(model, [(1, 0)], mode="mean", reference=ids(2, 5)):
+            assert active_modes(model) == ("zero", "mean")
+            assert all(r.__callback__ is None for r in weakref.getweakrefs(model))
+        assert active_modes(model) == ("zero",)
+    assert active_modes(model) == ()
+    assert all(r.__callback__ is None for r in weakref.getweakrefs(model))
+
+
+def test_per_model_answers_only_for_the_object_it_was_made_for():
+    cache, a = PerModel(), torch.nn.Linear(1, 1)
+    cache[a] = "a"
+    assert cache.get(a) == "a" and len(cache) == 1
+    key = id(a)
+    del a
+    gc.collect()
+    b = torch.nn.Linear(1, 1)
+    assert cache.get(b) is None and len(cache) == 0  # even if b reuses a's id
+    cache[b] = "b"
+    assert cache.pop(b) == "b" and cache.get(b) is None and key is not None
 
 
 def test_fingerprint_cache_forgets_dead_models():

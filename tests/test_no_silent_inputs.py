@@ -159,6 +159,14 @@ def test_models_that_are_not_causal_lms_are_refused_by_token_patch(cls, config):
     model = getattr(transformers, cls)(CONFIGS[config]()).double().eval()
     with pytest.raises(tp.UnsupportedModelError, match=rf"{cls} is not a causal language model"):
         tp.token_patch(model, ids(2, 5))
+    with pytest.raises(tp.UnsupportedModelError, match=rf"{cls} is not a causal language model"):
+        tp.thought_patch(model, ids(1, 5)[0], ids(8, 3), progress=False)  # was fitted without a word
+
+
+def test_thought_patch_refuses_a_model_in_training_mode():
+    """Like ``token_patch``: with dropout the with-prompt targets and the fit's passes differ."""
+    with pytest.raises(tp.InputError, match=r"the model is in training mode .*call model.eval\(\)"):
+        tp.thought_patch(build("llama").train(), ids(1, 5)[0], ids(8, 3), progress=False)
 
 
 def test_positions_past_the_learned_position_table_are_refused():
@@ -168,6 +176,18 @@ def test_positions_past_the_learned_position_table_are_refused():
     with pytest.raises(tp.InputError, match=r"position id 80 is past"):
         tp.token_patch(model, {"input_ids": ids(1, 4), "position_ids": torch.tensor([[0, 1, 2, 80]])})
     assert tp.verify(model, tp.token_patch(model, ids(1, 64)), ids(1, 64)).max_abs <= 1e-10  # the last one fits
+
+
+def test_generation_past_the_learned_position_table_is_refused_before_it_starts():
+    """``tp.generate`` ran into a raw ``IndexError`` of the position embedding at the step that left
+    the table; the whole run is checked before the first step."""
+    model = build("gpt2")  # n_positions=64: a 60-token prompt may run 5 steps (positions 59..63)
+    with pytest.raises(
+        tp.InputError,
+        match=r"60 positions and max_new_tokens=6 run past the model.s 64 positions: pass max_new_tokens <= 5",
+    ):
+        tp.generate(model, ids(1, 60), max_new_tokens=6, progress=False)
+    assert tp.generate(model, ids(1, 60), max_new_tokens=5, progress=False).tokens.shape == (1, 5)
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (2, 0)])

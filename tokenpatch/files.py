@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from tokenpatch.errors import FileFormatError, InputError
 from tokenpatch.file_header import META_KEY, read_header
+from tokenpatch.per_model import PerModel
 
 __all__ = ["write_file", "read_file", "tensor_digest", "fingerprint", "config_record", "check_config"]
 
@@ -99,14 +100,11 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
 # fingerprint and every use checks it. The digest hashes every weight once per model state; a
 # later check reads two integers per parameter (storage address, torch's version counter) of the
 # parameters it saw last time: no walk over the modules, no pass over the weights, no device sync.
-# The cache is a plain dict keyed by ``id(model)``, each entry holding a weak reference (without a
-# callback) to its model: a weakref callback is where Python swallows a KeyboardInterrupt, so none
-# runs here; entries of dead models are dropped when another model is hashed.
+# The cache is a ``PerModel`` (no weakref callback: one is where Python swallows a KeyboardInterrupt).
 
 
 @dataclass
 class _State:
-    owner: weakref.ref  # the model (no callback)
     refs: list  # weak references to the parameters, in named_parameters order
     ptrs: tuple  # storage address of each
     versions: tuple  # torch version counter of each (bumped by in-place ops, optimizer steps, load_state_dict)
@@ -123,7 +121,7 @@ class _State:
         return params is not None and tuple(_version(p) for p in params) == self.versions
 
 
-_FINGERPRINTS: dict[int, _State] = {}
+_FINGERPRINTS: PerModel[_State] = PerModel()
 _CHUNK = 1 << 22  # elements hashed per step: bounds the float32 copy of a half-precision weight
 
 
@@ -147,16 +145,12 @@ def _digest(params: list[tuple[str, Tensor]]) -> str:
 
 def _cached(model: nn.Module) -> _State | None:
     """The cache entry of ``model`` (not of a dead model whose id it reuses)."""
-    hit = _FINGERPRINTS.get(id(model))
-    return hit if hit is not None and hit.owner() is model else None
+    return _FINGERPRINTS.get(model)
 
 
 def _remember(model: nn.Module, params: list[tuple[str, Tensor]], digest: str) -> None:
-    for key in [k for k, s in _FINGERPRINTS.items() if s.owner() is None]:
-        del _FINGERPRINTS[key]
     ps = [p for _, p in params]
-    _FINGERPRINTS[id(model)] = _State(
-        weakref.ref(model),
+    _FINGERPRINTS[model] = _State(
         [weakref.ref(p) for p in ps],
         tuple(p.data_ptr() for p in ps),
         tuple(_version(p) for p in ps),

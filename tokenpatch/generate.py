@@ -118,6 +118,12 @@ def generate(
     inputs = adapter.check_inputs(model, prompt)
     ids, pos, mask = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
     batch = ids.shape[0]
+    limit = adapter.position_limit(model)  # step t runs the token at position max(pos) + t
+    if limit is not None and int(pos.max()) + max_new_tokens - 1 >= limit:
+        raise InputError(
+            f"a prompt of {int(pos.max()) + 1} positions and max_new_tokens={max_new_tokens} run past the "
+            f"model's {limit} positions: pass max_new_tokens <= {limit - int(pos.max())}"
+        )
     if mask is None:
         mask = torch.ones_like(ids)
     adapter.strip(inputs, torch.tensor([ids.shape[1] - 1]), separate=True)  # the last position must be a token

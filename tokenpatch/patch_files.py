@@ -47,7 +47,8 @@ def save_patch(patch: Patch, path: str | os.PathLike) -> None:
 
 
 def load_patch(path: str | os.PathLike, model: nn.Module | None = None) -> Patch:
-    """Read a patch written by ``save_patch``. With ``model``, also check it belongs to that model."""
+    """Read a patch written by ``save_patch``. With ``model``, also check it belongs to that model.
+    A file holding NaN or inf is refused (``save_patch`` never writes one)."""
     tensors, doc = files.read_file(path, PATCH_FORMAT)
     kinds = doc.get("kinds")
     if not isinstance(kinds, dict):
@@ -84,6 +85,10 @@ def load_patch(path: str | os.PathLike, model: nn.Module | None = None) -> Patch
         patch = Patch(deltas, doc.get("positions"), meta, **fields)
     except (InputError, KeyError, TypeError, ValueError) as exc:
         raise FileFormatError(f"{path}: inconsistent patch: {exc}") from exc
+    try:  # save_patch writes finite patches only: NaN or inf here is a damaged file
+        patch.check_finite()
+    except InputError as exc:
+        raise FileFormatError(f"{path}: damaged patch file: {exc}") from exc
     if model is not None:
         try:
             patch.check_model(model, cached=False)

@@ -212,6 +212,12 @@ class Adapter:
         """Validate (shape, dtype, finiteness) and return the inputs."""
         self._missing("check_inputs")
 
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ``UnsupportedModelError`` or ``InputError`` for a model this adapter cannot patch
+        exactly as it stands (not a causal LM, layers sharing a module, training mode). ``check_inputs``
+        calls it; methods that read no inputs through the adapter call it themselves. The default
+        checks nothing."""
+
     def seq_len(self, inputs: Any) -> int:
         self._missing("seq_len")
 
@@ -248,6 +254,11 @@ class Adapter:
         """Raise ``InputError`` if the forward arguments ``(args, kwargs)`` run ``patch`` at other
         positions than it was made for, where the adapter can tell (``functional_call``). The default
         checks nothing: a model without position ids (ours)."""
+
+    def position_limit(self, model: nn.Module) -> int | None:
+        """How many positions the model can address (a learned position table's size, GPT-2's
+        ``n_positions``), or ``None`` where positions are unbounded (rotary, ours)."""
+        return None
 
     # ------------------------------------------------------------------------- layer by layer
     def embed(self, model: nn.Module, inputs: Any) -> Tensor:

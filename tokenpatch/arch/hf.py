@@ -133,14 +133,14 @@ class HFAdapter(HFModules):
                 "from 0: pass position_ids= as tp.strip_context gives them (**tp.strip_context(model, inputs))"
             )
 
+    def position_limit(self, model: nn.Module) -> int | None:
+        table = self.family(model).position_table
+        return getattr(model.base_model, table).num_embeddings if table else None
+
     # ------------------------------------------------------------------------- inputs
     def check_inputs(self, model: nn.Module, inputs: Any) -> dict:
         """``{"input_ids" [B, T], "attention_mask" [B, T] or None, "position_ids" [B, T]}``."""
-        self.check_model(model)  # a causal LM whose layers have their own modules
-        if model.training:
-            raise InputError(
-                "the model is in training mode (dropout would make the two passes differ): call model.eval()"
-            )
+        self.check_model(model)  # a causal LM in eval mode whose layers have their own modules
         if isinstance(inputs, Tensor):
             inputs = {"input_ids": inputs}
         if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
@@ -184,12 +184,11 @@ class HFAdapter(HFModules):
             raise InputError(f"position_ids must be an integer tensor of the shape of input_ids {tuple(ids.shape)}")
         if int(pos.min()) < 0:
             raise InputError(f"position_ids must be >= 0, got {int(pos.min())}")
-        table = self.family(model).position_table  # learned absolute positions (GPT-2) end somewhere
-        size = getattr(model.base_model, table).num_embeddings if table else None
+        size = self.position_limit(model)  # learned absolute positions (GPT-2) end somewhere
         if size is not None and int(pos.max()) >= size:
             raise InputError(
-                f"position id {int(pos.max())} is past the model's learned position table ({table}, "
-                f"{size} positions): pass at most {size} tokens per row"
+                f"position id {int(pos.max())} is past the model's learned position table "
+                f"({self.family(model).position_table}, {size} positions): pass at most {size} tokens per row"
             )
         return {"input_ids": ids.to(device), "attention_mask": mask, "position_ids": pos.to(device)}
 

@@ -7,7 +7,6 @@ methods of ``Adapter`` that name modules and parameters, not the ones that run t
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +17,11 @@ from tokenpatch.arch.base import Adapter, OutputSite, Sites
 from tokenpatch.arch.families import FAMILIES, Family
 from tokenpatch.arch.float64 import linear64, norm64
 from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.per_model import PerModel
 
 __all__ = ["HFModules"]
 
-_PREFIXES: weakref.WeakKeyDictionary[nn.Module, tuple[nn.ModuleList, list[str]]] = weakref.WeakKeyDictionary()
+_PREFIXES: PerModel[tuple[nn.ModuleList, list[str]]] = PerModel()  # model -> (its layers, their names)
 
 
 class HFModules(Adapter):
@@ -81,7 +81,8 @@ class HFModules(Adapter):
     def check_model(self, model: nn.Module) -> None:
         """Refuse a model that is not a causal LM (a base model, a sequence or token classifier: no LM
         head), or whose layers share a module tokenpatch hooks or patches (one ``nn.Module`` object in
-        two layers: its hooks would fire once per layer and mix their records)."""
+        two layers: its hooks would fire once per layer and mix their records), or that is in training
+        mode (dropout would make the passes differ)."""
         if model.get_output_embeddings() is None:
             raise UnsupportedModelError(
                 f"{type(model).__name__} is not a causal language model (it has no LM head): tokenpatch "
@@ -98,6 +99,10 @@ class HFModules(Adapter):
                         f"layers {j} and {i} share one module ({name}: the same nn.Module object): each layer's "
                         "patch needs its own modules; give every layer its own copy (copy.deepcopy)"
                     )
+        if model.training:
+            raise InputError(
+                "the model is in training mode (dropout would make the two passes differ): call model.eval()"
+            )
 
     def sites(self, model: nn.Module, i: int) -> Sites:
         fam, p = self._layer_family(model, i), self._prefix(model, i)

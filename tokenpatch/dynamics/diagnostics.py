@@ -1,7 +1,7 @@
 """Convergence diagnostics of a trajectory, from the factors (``docs/dynamics.md``).
 
-Every quantity is a Frobenius norm or inner product of low-rank matrices, read from Gram
-matrices of the factors (``LowRank.inner``). No dense update is formed.
+Every quantity is a Frobenius norm or inner product of low-rank matrices, read from the factors
+(``LowRank.norm``, ``LowRank.inner``). No dense update is formed.
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ def total_norms(traj: Trajectory, name: str) -> Tensor:
 
 
 def step_norms(traj: Trajectory, name: str) -> Tensor:
-    """``|dW_i - dW_{i-1}|_F`` for ``i = 1..N`` -> ``[B, N]``: the size of the update token ``c_i`` makes."""
+    """``|dW_i - dW_{i-1}|_F`` for ``i = 1..N`` -> ``[B, N]``: the size of the update token ``c_i`` makes.
+    The difference is kept as factors (``[U_i, -U_{i-1}]``, ``[V_i, V_{i-1}]``) and its norm taken by
+    ``LowRank.norm``, which does not cancel: ``|a|^2 - 2<a, b> + |b|^2`` lost half the digits of a
+    small step after a large update."""
     d = _matrix(traj, name)
     now, before = d.index((slice(None), slice(1, None))), d.index((slice(None), slice(None, -1)))
-    sq = now.inner(now) - 2 * now.inner(before) + before.inner(before)
-    return sq.clamp_min(0).sqrt()
+    return (now + LowRank(-before.u, before.v)).norm()
 
 
 def decay_exponent(norms: Tensor, start: int = 2) -> Tensor:

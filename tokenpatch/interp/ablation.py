@@ -18,7 +18,6 @@ layer range.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import combinations
@@ -32,6 +31,7 @@ from torch import Tensor, nn
 from tokenpatch.arch import adapter_for
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError
+from tokenpatch.per_model import PerModel
 
 __all__ = [
     "head_sites",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 MODES = ("zero", "mean", "resample")
-_ACTIVE: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()  # model -> modes in force
+_ACTIVE: PerModel[list[str]] = PerModel()  # model -> modes in force
 
 
 def active_modes(model: nn.Module) -> tuple[str, ...]:
@@ -221,11 +221,13 @@ def ablate_heads(model: nn.Module, heads, mode: str = "zero", reference=None, se
         [(lambda h: model.register_forward_pre_hook(h, with_kwargs=True), refuse_cached)] if mode == "resample" else []
     )
     pairs += [(modules[layer].register_forward_pre_hook, hook_for(layer)) for layer in sorted(by_layer)]
-    _ACTIVE.setdefault(model, []).append(mode)
+    modes = _ACTIVE.get(model) or []
+    _ACTIVE[model] = [*modes, mode]
     try:
         with registered_hooks(pairs):
             yield model
     finally:
-        _ACTIVE[model].pop()
-        if not _ACTIVE[model]:
-            del _ACTIVE[model]
+        if modes:
+            _ACTIVE[model] = modes
+        else:
+            _ACTIVE.pop(model)

@@ -103,6 +103,7 @@ def fit_lm(
     calibration query ids ``[b, T_q]`` (the same length in a batch). ``keep_bos``: the prompt's first
     token stays in front of the queries in the no-prompt pass. ``layers``: the layers fitted (default
     all). Returns a ``ThoughtPatch``."""
+    adapter.check_model(model)  # a causal LM in eval mode
     if mode != "sequential":
         raise UnsupportedModelError("on a language model only mode='sequential' is supported")
     prompt = _ids(prompt, "prompt")
