@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what the names below are, for readers and type checkers; at
     from tokenpatch.dynamics.trajectories import Trajectory, trajectory
     from tokenpatch.errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
     from tokenpatch.generate import Generation, generate
+    from tokenpatch.lora import LoraExport, save_lora
     from tokenpatch.lowrank import LowRank
     from tokenpatch.models.icl import Block, ICLConfig, ICLTransformer, load_model, save_model
     from tokenpatch.models.layers import LAYERS, make_layer
@@ -81,6 +82,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {  # public name -> (module, its nam
     **{n: ("tokenpatch.run", n) for n in ("apply", "functional_call")},
     **{n: ("tokenpatch.models.layers", n) for n in ("LAYERS", "make_layer")},
     "LowRank": ("tokenpatch.lowrank", "LowRank"),
+    **{n: ("tokenpatch.lora", n) for n in ("LoraExport", "save_lora")},
     **{n: ("tokenpatch.dynamics.online_gd", n) for n in ("Replay", "replay")},
     **{n: ("tokenpatch.models.icl", n) for n in ("Block", "ICLConfig", "ICLTransformer", "load_model", "save_model")},
     **{n: ("tokenpatch.patching", n) for n in ("strip_context", "token_patch")},
@@ -171,6 +173,8 @@ __all__ = [
     "strip_context",
     "save_patch",
     "load_patch",
+    "save_lora",
+    "LoraExport",
     "Patch",
     "LowRank",
     "Plan",

@@ -1,0 +1,142 @@
+"""``tp.save_lora``: a thought patch as a ``peft`` LoRA adapter folder, loaded by
+``peft.PeftModel.from_pretrained`` onto the unmodified model, gives the logits of ``tp.apply`` of the
+same patch: to float64 rounding on tiny random models of every dense family, to float32 rounding on
+SmolLM2-135M. Gemma's norm scale is written whole (``modules_to_save``), biases as ``lora_bias``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import CONFIGS, build, ids
+from safetensors import safe_open
+
+import tokenpatch as tp
+from tokenpatch.lora import CONFIG_FILE, WEIGHTS_FILE
+
+peft = pytest.importorskip("peft")
+
+DENSE = [name for name in CONFIGS if name != "qwen2_moe"]
+EXTRAS = {
+    "gemma2": ["modules_to_save"],
+    "gemma3": ["modules_to_save"],
+    "gpt2": ["lora_bias"],
+    "gpt_neox": ["lora_bias"],
+}
+EXTRAS["gpt_neox_sequential"] = ["lora_bias"]
+
+
+def _thought(model, rank=None, seed=1):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.ThoughtWarning)  # 16 calibration queries: rank-deficient, fine here
+        return tp.thought_patch(model, ids(1, 6, seed)[0], ids(16, 4, seed + 1), rank=rank, progress=False)
+
+
+def _logits(model, patch, folder, x):
+    """``(tp.apply logits, peft logits, unpatched logits)`` on ``x``; peft on a copy of ``model``."""
+    with torch.no_grad():
+        base = model(x).logits
+        with tp.apply(model, patch):
+            want = model(x).logits
+        lora = peft.PeftModel.from_pretrained(copy.deepcopy(model), folder).eval()
+        got = lora(x).logits
+    return want, got, base
+
+
+@pytest.mark.parametrize("family", DENSE)
+@pytest.mark.parametrize("rank", [None, 4])
+def test_lora_equals_apply_in_float64(family, rank, tmp_path):
+    model = build(family)
+    thought = _thought(model, rank)
+    export = tp.save_lora(model, thought, tmp_path / "adapter")
+    assert export.extras == EXTRAS.get(family, [])
+    want, got, base = _logits(model, thought.patch, tmp_path / "adapter", ids(3, 9, seed=7))
+    assert float((want - base).abs().max()) > 1e-2  # the patch changes the model: the comparison means something
+    assert float((got - want).abs().max()) <= tp.TOLERANCES["float64"][1]
+    config = json.loads((tmp_path / "adapter" / CONFIG_FILE).read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == config["lora_alpha"] == export.rank
+    if rank is not None:  # the rank-r patch: rank r per matrix, r per input change
+        assert export.rank == rank
+
+
+def test_lora_in_float32_is_apply_to_rounding(tmp_path):
+    model = build("llama").float()
+    thought = _thought(model, 8)
+    tp.save_lora(model, thought, tmp_path / "a")
+    want, got, base = _logits(model, thought.patch, tmp_path / "a", ids(3, 9, seed=7))
+    rel = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
+    assert rel <= tp.TOLERANCES["float32"][1] and float((want - base).abs().max()) > 0.1
+    with safe_open(tmp_path / "a" / WEIGHTS_FILE, "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+        assert (
+            json.loads(f.metadata()["tokenpatch"])["model"]["fingerprint"] == thought.patch.meta["model"]["fingerprint"]
+        )
+
+
+def test_the_norm_scale_is_written_whole_and_biases_as_lora_bias(tmp_path):
+    gemma = build("gemma3")
+    export = tp.save_lora(gemma, _thought(gemma), tmp_path / "g")
+    assert export.whole == tuple(f"model.layers.{i}.post_feedforward_layernorm" for i in range(3))
+    with safe_open(tmp_path / "g" / WEIGHTS_FILE, "pt") as f:
+        norm = f.get_tensor("base_model.model.model.layers.0.post_feedforward_layernorm.weight")
+    delta = _thought(gemma).patch["model.layers.0.post_feedforward_layernorm.weight"][0, 0]
+    assert torch.equal(norm, gemma.model.layers[0].post_feedforward_layernorm.weight.detach() + delta)
+    gpt2 = build("gpt2")
+    export = tp.save_lora(gpt2, _thought(gpt2), tmp_path / "b")
+    config = json.loads((tmp_path / "b" / CONFIG_FILE).read_text())
+    assert export.lora_bias and config["lora_bias"] and config["fan_in_fan_out"]  # Conv1D weights [in, out]
+
+
+def test_what_is_not_one_static_update_is_refused(tmp_path):
+    model = build("llama")
+    with pytest.raises(tp.InputError, match="not static .* export a thought patch"):
+        tp.save_lora(model, tp.token_patch(model, ids(1, 6)), tmp_path / "a")
+    two = tp.Patch.stack([_thought(model).patch, _thought(model, seed=3).patch])
+    with pytest.raises(tp.InputError, match=r"holds \(2, 1\) patches .*pick one"):
+        tp.save_lora(model, two, tmp_path / "a")
+    with pytest.raises(tp.InputError, match="must be a tp.Patch or a thought patch, got str"):
+        tp.save_lora(model, "patch.safetensors", tmp_path / "a")
+    moe = build("qwen2_moe")
+    with pytest.raises(tp.UnsupportedModelError, match=r"experts.gate_up_proj .* a LoRA cannot target"):
+        tp.save_lora(moe, _thought(moe), tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_another_models_patch_and_used_folders_are_refused(tmp_path):
+    model, other = build("llama"), build("llama", seed=1)
+    thought = _thought(model)
+    with pytest.raises(tp.InputError, match="fingerprint|another model|different weights"):
+        tp.save_lora(other, thought, tmp_path / "a")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "notes.txt").write_text("mine")
+    with pytest.raises(tp.InputError, match="is a folder that is not empty; choose a new folder"):
+        tp.save_lora(model, thought, tmp_path / "used")
+    assert [p.name for p in (tmp_path / "used").iterdir()] == ["notes.txt"]
+    with pytest.raises(tp.InputError, match="does not exist; create it first"):
+        tp.save_lora(model, thought, tmp_path / "missing" / "a")
+    (tmp_path / "empty").mkdir()  # an empty folder is taken
+    tp.save_lora(model, thought, tmp_path / "empty")
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+@pytest.mark.slow
+def test_lora_on_smollm2_is_apply_to_float32_rounding(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    prompt = tokenizer("Give the past tense of each verb.\nwalk -> walked\nsing -> sang\n", return_tensors="pt")
+    words = ["run", "jump", "eat", "see", "take", "write", "go", "swim"]
+    calibration = [tokenizer(f"{w} ->", return_tensors="pt")["input_ids"][0] for w in words]
+    width = min(len(c) for c in calibration)
+    thought = tp.thought_patch(
+        model, prompt["input_ids"][0], torch.stack([c[:width] for c in calibration]), rank=4, progress=False
+    )
+    export = tp.save_lora(model, thought, tmp_path / "smol")
+    assert export.extras == [] and export.rank == 4
+    x = tokenizer(["fly ->", "read ->"], return_tensors="pt")["input_ids"]
+    want, got, base = _logits(model, thought.patch, tmp_path / "smol", x)
+    rel = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
+    assert rel <= tp.TOLERANCES["float32"][1], rel
+    assert float((want - base).abs().max()) > 0.1
