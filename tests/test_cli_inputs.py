@@ -112,6 +112,24 @@ SLOTS = [
         "p",
         REACHED,
     ),
+    (
+        [
+            "compress",
+            "--model",
+            LM,
+            "--prompt",
+            "Q:",
+            "--queries",
+            "{d}/queries.txt",
+            "--out",
+            "{t}/p",
+            "--lora",
+            "{v}",
+        ],
+        "out",
+        "adapter",
+        REACHED,
+    ),
     (["markov", "train", "--out", "{v}", *TINY_MARKOV], "out", "run", OK),
     (["markov", "probe", "--run", "{v}"], "in", "run", {}),
     (["markov", "report", "--out", "{v}", "--reduced"], "out", "r", REACHED),
@@ -392,3 +410,31 @@ def test_ctrl_c_is_not_swallowed_by_the_commands():
                 found.append(f"{path.name}:{n}: {line.strip()}")
     allowed = {"main.py"}  # main maps KeyboardInterrupt to exit status 130
     assert [f for f in found if f.split(":")[0] not in allowed] == [], found
+
+
+def test_compress_lora_takes_a_new_or_empty_folder_and_goes_with_prompt(inputs, tmp_path, capsys, no_work):
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "mine.txt").write_text("kept")
+    own = ["compress", "--model", LM, "--prompt", "Q:", "--queries", str(inputs / "queries.txt")]
+    line = _one_line(*_run([*own, "--out", str(tmp_path / "p"), "--lora", str(used)], capsys))
+    assert "is a folder that is not empty; give a new folder" in line
+    (tmp_path / "empty").mkdir()
+    assert _run([*own, "--out", str(tmp_path / "p"), "--lora", str(tmp_path / "empty")], capsys)[0] == "reached"
+    line = _one_line(
+        *_run(
+            [
+                "compress",
+                "--model",
+                LM,
+                "--task",
+                "antonym",
+                "--out",
+                str(tmp_path / "c"),
+                "--lora",
+                str(tmp_path / "a"),
+            ],
+            capsys,
+        )
+    )
+    assert "--lora goes with --prompt" in line

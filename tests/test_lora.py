@@ -1,7 +1,8 @@
 """``tp.save_lora``: a thought patch as a ``peft`` LoRA adapter folder, loaded by
 ``peft.PeftModel.from_pretrained`` onto the unmodified model, gives the logits of ``tp.apply`` of the
-same patch: to float64 rounding on tiny random models of every dense family, to float32 rounding on
-SmolLM2-135M. Gemma's norm scale is written whole (``modules_to_save``), biases as ``lora_bias``."""
+same patch: to float64 rounding on tiny random models of every dense family, to float32 rounding in
+float32 (SmolLM2-135M: ``test_real_models.test_cli_compress_a_prompt_and_answer_without_it``, through
+``tokenpatch compress --lora``). Gemma's norm scale is written whole (``modules_to_save``), biases as ``lora_bias``."""
 
 from __future__ import annotations
 
@@ -121,22 +122,3 @@ def test_another_models_patch_and_used_folders_are_refused(tmp_path):
     tp.save_lora(model, thought, tmp_path / "empty")
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
-
-
-@pytest.mark.slow
-def test_lora_on_smollm2_is_apply_to_float32_rounding(smollm2, tmp_path):
-    model, tokenizer = smollm2
-    prompt = tokenizer("Give the past tense of each verb.\nwalk -> walked\nsing -> sang\n", return_tensors="pt")
-    words = ["run", "jump", "eat", "see", "take", "write", "go", "swim"]
-    calibration = [tokenizer(f"{w} ->", return_tensors="pt")["input_ids"][0] for w in words]
-    width = min(len(c) for c in calibration)
-    thought = tp.thought_patch(
-        model, prompt["input_ids"][0], torch.stack([c[:width] for c in calibration]), rank=4, progress=False
-    )
-    export = tp.save_lora(model, thought, tmp_path / "smol")
-    assert export.extras == [] and export.rank == 4
-    x = tokenizer(["fly ->", "read ->"], return_tensors="pt")["input_ids"]
-    want, got, base = _logits(model, thought.patch, tmp_path / "smol", x)
-    rel = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
-    assert rel <= tp.TOLERANCES["float32"][1], rel
-    assert float((want - base).abs().max()) > 0.1

@@ -9,6 +9,8 @@ in float64 (SmolLM2) <= 1e-12 and identical generation.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -198,6 +200,26 @@ def test_compression_on_smollm2(smollm2):
     assert m["thought_patch"]["kl"] < m["task_vector"]["kl"] and 10 * m["thought_patch"]["kl"] < m["zero_shot"]["kl"]
 
 
+def _check_lora(smollm2, patch_file, folder) -> None:
+    """The adapter ``compress --lora`` wrote, loaded by peft onto a copy of the model, gives the logits
+    of ``tp.apply`` of the patch file to float32 rounding, and is a plain LoRA (no peft extras)."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    model, tokenizer = smollm2
+    patch = tp.load_patch(patch_file, model=model)
+    x = tokenizer(["Q: water ->", "Q: cloud ->"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        base = model(x).logits
+        with tp.apply(model, patch):
+            want = model(x).logits
+        got = peft.PeftModel.from_pretrained(copy.deepcopy(model), folder).eval()(x).logits
+    rel = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
+    assert rel <= tp.TOLERANCES["float32"][1] and float((want - base).abs().max()) > 0.1, rel
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert not config["lora_bias"] and config["modules_to_save"] is None
+
+
 def test_cli_compress_a_prompt_and_answer_without_it(smollm2, pretrained_cache_dir, monkeypatch, capsys, tmp_path):
     from tokenpatch.workbench.cli.main import main
 
@@ -223,12 +245,15 @@ def test_cli_compress_a_prompt_and_answer_without_it(smollm2, pretrained_cache_d
                 str(queries),
                 "--out",
                 str(out),
+                "--lora",
+                str(tmp_path / "lora"),
                 "--quiet",
             ]
         )
         == 0
     )
     assert out.stat().st_size > 0 and "tokenpatch generate" in capsys.readouterr().out
+    _check_lora(smollm2, out, tmp_path / "lora")
     assert (
         main(
             [
@@ -247,8 +272,6 @@ def test_cli_compress_a_prompt_and_answer_without_it(smollm2, pretrained_cache_d
         )
         == 0
     )
-    import json
-
     shown = json.loads(capsys.readouterr().out)
     assert shown["query"] == "Q: water ->" and shown["with_patch"] != shown["without_patch"]
     assert (

@@ -144,6 +144,16 @@ def check_out_folder(path: str, flag: str, what: str = "") -> Path:
     return p
 
 
+def check_new_folder(path: str, flag: str) -> Path:
+    """``path`` is a new or an empty folder that can be created (nothing in it would be replaced)."""
+    p = Path(path)
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        what = "a file" if not p.is_dir() else "a folder that is not empty"
+        raise usage(f"{flag} {path} is {what}; give a new folder (nothing is replaced)")
+    _check_writable(p, flag, path)
+    return p
+
+
 def new_file(path: str | Path, flag: str) -> contextlib.AbstractContextManager[Path]:
     """``with new_file(path, flag) as tmp:`` write the output to ``tmp`` (a hidden sibling with the same
     suffix); when the block ends, ``tmp`` becomes ``path`` by a hard link, which never replaces a file:

@@ -11,6 +11,7 @@ from pathlib import Path
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, task_names
 from tokenpatch.workbench.cli.args import (
     check_out_file,
+    check_new_folder,
     check_out_folder,
     new_file,
     read_header,
@@ -236,8 +237,12 @@ def check_compress(args) -> None:
                 "queries like the ones the patch will answer"
             )
         check_out_file(args.out, "--out", may_exist=False)
+        if args.lora is not None:
+            check_new_folder(args.lora, "--lora")
         _query_lines(args.queries)
         return
+    if args.lora is not None:
+        raise usage("--lora goes with --prompt (your own prompt into one patch); --task compares methods on word pairs")
     check_out_folder(args.out, "--out", " with --task")
     _tasks(args)
     for p in _outputs(args).values():
@@ -298,6 +303,7 @@ def _compare_tasks(args, out) -> int:
 def _compress_prompt(args) -> int:
     import torch
 
+    from tokenpatch.lora import save_lora
     from tokenpatch.patch_files import save_patch
     from tokenpatch.thought.front import thought_patch
     from tokenpatch.workbench.methods import leading_tokens
@@ -329,6 +335,10 @@ def _compress_prompt(args) -> int:
         f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
         f"--patch {args.out} --prompt QUERY"
     )
+    if args.lora is not None:
+        Path(args.lora).parent.mkdir(parents=True, exist_ok=True)
+        export = save_lora(model, patch, args.lora)
+        print(f"{export}; load it with peft.PeftModel.from_pretrained(model, {str(args.lora)!r})")
     return 0
 
 

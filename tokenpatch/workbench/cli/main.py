@@ -179,6 +179,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --model: a word-pair task, a comma-separated list, 'main' "
         "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)",
     )
+    c.add_argument(
+        "--lora",
+        default=None,
+        help="with --model --prompt: also write the patch as a peft LoRA adapter folder (a new or empty "
+        "folder; peft.PeftModel.from_pretrained loads it onto the model, no prompt needed) (default: none)",
+    )
     c.add_argument("--shots", type=count(1), default=10, help="with --model --task: demonstrations in the prompt")
     c.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
     c.add_argument(
