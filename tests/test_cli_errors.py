@@ -156,7 +156,7 @@ def test_help_shows_every_default(command, capsys):
         (["generate", "--model", "gpt-17", "--prompt", "hello"], "not a known model"),
         (["compress", "--out", "d", "--model", "gpt-17", "--task", "antonym"], "not a known model"),
         (["compress", "--out", "d", "--task", "antonym"], "--task is for a language model: add --model NAME"),
-        (["compress", "--out", "d", "--model", "smollm2-135m"], "either --task TASK"),
+        (["compress", "--out", "d", "--model", "smollm2-135m"], "one of --task TASK"),
         (["compress", "--out", "d", "--model", "smollm2-135m", "--task", "capitals"], "unknown task ['capitals']"),
         (["compress", "--out", "p.safetensors", "--model", "smollm2-135m", "--prompt", "Q: a"], "needs --queries FILE"),
     ],

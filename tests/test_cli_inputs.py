@@ -7,6 +7,7 @@ created without replacing a file that appeared meanwhile; long runs keep their f
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -438,3 +439,57 @@ def test_compress_lora_takes_a_new_or_empty_folder_and_goes_with_prompt(inputs, 
         )
     )
     assert "--lora goes with --prompt" in line
+
+
+def _pairs_file(path: Path, n: int, extra: str = "") -> Path:
+    lines = ["# colour words in capitals", "", *(f"word{i}\tWORD{i}|W{i}" for i in range(n))]
+    path.write_text("\n".join(lines) + "\n" + extra, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ("no tab here\n", r"line 84: expected 'input<TAB>answer\[\|alternative\]', got 'no tab here'"),
+        ("word3\tagain\n", r"line 84: the input 'word3' is already on line 6"),
+        ("x\t\n", r"line 84: expected"),
+        ("x\ta||b\n", r"line 84: expected"),
+        ("x\ta\tb\n", r"line 84: expected"),
+    ],
+)
+def test_compress_task_file_names_the_bad_line(inputs, tmp_path, capsys, no_work, extra, message):
+    path = _pairs_file(tmp_path / "mine.tsv", 81, extra)
+    line = _one_line(*_run(["compress", "--model", LM, "--task-file", str(path), "--out", str(tmp_path / "c")], capsys))
+    assert re.search(message, line), line
+
+
+def test_compress_task_file_too_small_empty_or_with_another_source(inputs, tmp_path, capsys, no_work):
+    small = _pairs_file(tmp_path / "small.tsv", 80)
+    argv = ["compress", "--model", LM, "--out", str(tmp_path / "c")]
+    line = _one_line(*_run([*argv, "--task-file", str(small)], capsys))
+    assert "holds 80 pairs; the comparison needs at least 81" in line
+    line = _one_line(*_run([*argv, "--task-file", str(small), "--shots", "20"], capsys))
+    assert "needs at least 91 (20 demonstrations" in line
+    (tmp_path / "empty.tsv").write_text("# nothing\n\n")
+    line = _one_line(*_run([*argv, "--task-file", str(tmp_path / "empty.tsv")], capsys))
+    assert "holds no pairs; write one pair per line" in line
+    line = _one_line(*_run([*argv, "--task-file", str(small), "--task", "antonym"], capsys))
+    assert "got --task and --task-file" in line
+
+
+def test_compress_task_file_runs_the_comparison_on_the_users_pairs(inputs, tmp_path, capsys, no_work, monkeypatch):
+    from tokenpatch.workbench.report import compress as report_compress
+
+    seen = {}
+
+    def run_model(name, tasks, **kwargs):
+        seen.update(name=name, tasks=tasks)
+        raise Reached
+
+    monkeypatch.setattr(report_compress, "run_model", run_model)
+    path = _pairs_file(tmp_path / "my colours.tsv", 90)
+    status, _, err = _run(["compress", "--model", LM, "--task-file", str(path), "--out", str(tmp_path / "c")], capsys)
+    assert status == "reached", err
+    (task,) = seen["tasks"]
+    assert task.name == "my_colours" and task.description == "colour words in capitals"
+    assert len(task.pairs) == 90 and task.pairs[3] == ("word3", ("WORD3", "W3"))

@@ -1,7 +1,8 @@
 """Word-pair tasks for prompt compression on language models (``docs/prompt-compression.md``).
 
 Each task is a list of ``(input, answers)`` pairs written by the project from general knowledge
-(``tokenpatch/tasks/data/wordpairs/<task>.tsv``: ``input<TAB>answer|alternative``). A seeded
+(``tokenpatch/tasks/data/wordpairs/<task>.tsv``: ``input<TAB>answer|alternative``), or read from a
+user's file of the same format (``parse_pairs``; ``tokenpatch compress --task-file``). A seeded
 split gives the ``demos`` (the k-shot prompt is the first k), ``calibration`` queries (what the
 thought patch and the vectors are fitted on), ``dev`` (layer choices) and ``test`` (reported).
 
@@ -52,7 +53,7 @@ class WordPairs:
         self, seed: int = 0, demos: int = 10, calibration: int = 40, dev: int = 30, test: int | None = None
     ) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
         """Disjoint seeded splits ``demos / calibration / dev / test`` (``test``: the rest, or at most that many)."""
-        need = demos + calibration + dev + 1
+        need = demos + calibration + dev + 1  # needed_pairs, with the demonstrations as given
         if len(self.pairs) < need:
             raise InputError(f"task {self.name!r} has {len(self.pairs)} pairs; the split needs at least {need}")
         order = list(self.pairs)
@@ -80,15 +81,40 @@ def load_task(name: str) -> WordPairs:
     if name not in task_names():
         raise InputError(f"unknown word-pair task {name!r}; known: {task_names()}")
     text = resources.files(__package__).joinpath("data", "wordpairs", f"{name}.tsv").read_text(encoding="utf-8")
+    return parse_pairs(text, name, f"{name}.tsv")
+
+
+TASK_FILE_FORMAT = (
+    "one pair per line, 'input<TAB>answer', alternatives after '|' ('big<TAB>small|little'); "
+    "an optional first line '# description'; blank lines and lines starting with '#' are skipped"
+)
+
+
+def parse_pairs(text: str, name: str, source: str) -> WordPairs:
+    """A word-pair task from the text of a TSV file (``TASK_FILE_FORMAT``); ``source`` names the file
+    in errors, which give the line number. An input may appear once (a repeat would sit in two splits)."""
     lines = text.splitlines()
-    description = lines[0][2:] if lines and lines[0].startswith("# ") else name
-    pairs = []
-    for n, line in enumerate(lines[1:], 2):
+    description = lines[0][2:].strip() if lines and lines[0].startswith("# ") else name
+    pairs, seen = [], {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.startswith("#"):
+            continue
         x, tab, ys = line.partition("\t")
-        if not tab or not x or not ys:
-            raise InputError(f"{name}.tsv line {n}: expected 'input<TAB>answer[|alternative]', got {line!r}")
-        pairs.append((x, tuple(ys.split("|"))))
+        answers = tuple(a.strip() for a in ys.split("|"))
+        if not tab or not x.strip() or not all(answers) or "\t" in ys:
+            raise InputError(f"{source} line {n}: expected 'input<TAB>answer[|alternative]', got {line!r}")
+        if x.strip() in seen:
+            raise InputError(f"{source} line {n}: the input {x.strip()!r} is already on line {seen[x.strip()]}")
+        seen[x.strip()] = n
+        pairs.append((x.strip(), answers))
+    if not pairs:
+        raise InputError(f"{source} holds no pairs; write {TASK_FILE_FORMAT}")
     return WordPairs(name, description, tuple(pairs))
+
+
+def needed_pairs(shots: int, calibration: int = 40, dev: int = 30) -> int:
+    """Pairs a task needs for ``compare``'s split: the demonstrations (at least 10), calibration, dev, one test."""
+    return max(shots, 10) + calibration + dev + 1
 
 
 def _words(text: str) -> list[str]:

@@ -6,12 +6,14 @@ before the command)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
-from tokenpatch.tasks.wordpairs import MAIN_TASKS, task_names
+from tokenpatch.errors import InputError
+from tokenpatch.tasks.wordpairs import MAIN_TASKS, needed_pairs, parse_pairs, task_names
 from tokenpatch.workbench.cli.args import (
-    check_out_file,
     check_new_folder,
+    check_out_file,
     check_out_folder,
     new_file,
     read_header,
@@ -223,14 +225,37 @@ def _query_lines(path: str) -> list[str]:
     return lines
 
 
+def _task_file(args):
+    """The user's word-pair task of ``--task-file`` (named after the file), every line checked."""
+    path = Path(args.task_file)
+    name = re.sub(r"[^A-Za-z0-9_-]+", "_", path.stem).strip("_") or "task"
+    try:
+        task = parse_pairs(read_text_file(args.task_file, "--task-file"), name, f"--task-file {args.task_file}")
+    except InputError as exc:
+        raise usage(str(exc)) from None
+    need = needed_pairs(args.shots)
+    if len(task.pairs) < need:
+        raise usage(
+            f"--task-file {args.task_file} holds {len(task.pairs)} pairs; the comparison needs at least {need} "
+            f"({max(args.shots, 10)} demonstrations, 40 calibration, 30 dev, then test pairs)"
+        )
+    return task
+
+
 def check_compress(args) -> None:
     _check_model(args)
-    if (args.task is None) == (args.prompt is None):
+    given = [
+        flag
+        for flag, v in (("--task", args.task), ("--task-file", args.task_file), ("--prompt", args.prompt))
+        if v is not None
+    ]
+    if len(given) != 1:
         raise usage(
-            "--model needs either --task TASK (the comparison on word-pair tasks) or --prompt TEXT with "
-            "--queries FILE (compress your own prompt)"
+            "--model needs one of --task TASK (the comparison on word-pair tasks), --task-file FILE (the "
+            "comparison on your own word pairs) or --prompt TEXT with --queries FILE (compress your own prompt)"
+            + (f"; got {' and '.join(given)}" if given else "")
         )
-    if args.task is None:
+    if args.prompt is not None:
         if not args.queries:
             raise usage(
                 "--prompt TEXT needs --queries FILE: a text file with one calibration query per line, "
@@ -242,9 +267,11 @@ def check_compress(args) -> None:
         _query_lines(args.queries)
         return
     if args.lora is not None:
-        raise usage("--lora goes with --prompt (your own prompt into one patch); --task compares methods on word pairs")
-    check_out_folder(args.out, "--out", " with --task")
-    _tasks(args)
+        raise usage(
+            f"--lora goes with --prompt (your own prompt into one patch); {given[0]} compares methods on word pairs"
+        )
+    check_out_folder(args.out, "--out", f" with {given[0]}")
+    _tasks(args) if args.task is not None else _task_file(args)
     for p in _outputs(args).values():
         check_out_file(str(p), "--out", may_exist=False)
     if args.output_side != "affine":
@@ -259,15 +286,15 @@ def check_compress(args) -> None:
 
 
 def compress_lm(args) -> int:
-    """``compress --model``: the word-pair comparison (``--task``) or your own prompt into a patch file
-    (``--prompt TEXT --queries FILE``)."""
-    return _compare_tasks(args, Path(args.out)) if args.task is not None else _compress_prompt(args)
+    """``compress --model``: the word-pair comparison (``--task``, or ``--task-file`` for your own pairs) or
+    your own prompt into a patch file (``--prompt TEXT --queries FILE``)."""
+    return _compress_prompt(args) if args.prompt is not None else _compare_tasks(args, Path(args.out))
 
 
 def _compare_tasks(args, out) -> int:
     from tokenpatch.workbench.report.compress import RIDGES, figure, markdown, run_model
 
-    tasks, paths = _tasks(args), _outputs(args)
+    tasks, paths = (_tasks(args) if args.task is not None else [_task_file(args)]), _outputs(args)
     out.mkdir(parents=True, exist_ok=True)
     run = run_model(
         args.model,

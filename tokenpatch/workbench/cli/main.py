@@ -180,6 +180,14 @@ def _parser() -> argparse.ArgumentParser:
         "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)",
     )
     c.add_argument(
+        "--task-file",
+        default=None,
+        help="with --model: run the comparison on your own word-pair task, a UTF-8 text file with one pair "
+        "per line, 'input<TAB>answer', alternatives after '|' (big<TAB>small|little), an optional first line "
+        "'# description', '#' lines and blank lines skipped; at least 81 pairs (10 demonstrations, 40 "
+        "calibration, 30 dev, then test) (default: none)",
+    )
+    c.add_argument(
         "--lora",
         default=None,
         help="with --model --prompt: also write the patch as a peft LoRA adapter folder (a new or empty "

@@ -12,6 +12,8 @@ tasks; with an ``out`` folder it keeps each finished task there (its thought pat
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ import torch
 
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch_files import save_patch
-from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, load_task
+from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, WordPairs, load_task
 from tokenpatch.workbench.compare import compare
 from tokenpatch.workbench.report.plots import plt
 from tokenpatch.workbench.report.section import Section, differences, part_inputs, read_part, write_part
@@ -42,7 +44,7 @@ HENDEL_PYTHIA_2_8B = {
 
 def run_model(
     name: str,
-    tasks: list[str] | None = None,
+    tasks: list[str | WordPairs] | None = None,
     *,
     shots: int = 10,
     test: int | None = 100,
@@ -54,18 +56,21 @@ def run_model(
     progress: bool | None = None,
     **options,
 ) -> dict:
-    """``compare`` on ``tasks`` (default: the main tasks, then reserves until ``min_informative``
-    are informative) for the pretrained model ``name``; thought patches are saved to ``out``.
+    """``compare`` on ``tasks`` (names of shipped tasks, or ``WordPairs`` read from a user's file; default:
+    the main tasks, then reserves until ``min_informative`` are informative) for the pretrained model
+    ``name``; thought patches are saved to ``out``.
     ``options``: more of ``compare``'s (``calibration``, ``dev``, ``n_heads``, ``layers``...).
 
     With ``out``, each task is kept there as it finishes (``result_path``); a rerun reads a finished
     task back (``"read_back"`` lists them) when it ran with the same settings, and refuses, before the
     model loads, a folder whose finished tasks ran with others (nothing is mixed or overwritten)."""
     t0 = time.perf_counter()
-    queue = list(tasks) if tasks else [*MAIN_TASKS, *RESERVE_TASKS]
+    given = {t.name: t for t in tasks or () if isinstance(t, WordPairs)}  # a user's tasks, by name
+    queue = [t.name if isinstance(t, WordPairs) else t for t in tasks] if tasks else [*MAIN_TASKS, *RESERVE_TASKS]
     settings = lambda task: {  # noqa: E731  what a task's result depends on
         "model": name,
         "task": task,
+        **({"pairs": _digest(given[task])} if task in given else {}),
         "shots": shots,
         "test": test,
         "seed": seed,
@@ -105,7 +110,7 @@ def run_model(
         res = compare(
             model,
             tokenizer,
-            load_task(task),
+            given[task] if task in given else load_task(task),
             shots=shots,
             seed=seed,
             test=test,
@@ -135,6 +140,11 @@ def run_model(
         "read_back": [t for t in results if t in saved],
         "goal": goal(results),
     }
+
+
+def _digest(task: WordPairs) -> str:
+    """What a user's task holds (a changed file is another task: its finished result is not read back)."""
+    return hashlib.sha256(json.dumps([task.description, task.pairs]).encode()).hexdigest()[:16]
 
 
 def _load(name: str):
