@@ -9,13 +9,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import random_model, sweep
+from conftest import build, ids, random_model, sweep
 from hypothesis import given
 from hypothesis import strategies as st
 
 import tokenpatch as tp
 from tokenpatch.errors import InputError
-from tokenpatch.thought.front import ThoughtWarning
+from tokenpatch.thought.calibration import sample_calibration
+from tokenpatch.thought.front import SELF_CALIBRATION, ThoughtWarning
 
 COMBOS = list(itertools.product(sorted(tp.LAYERS), ["none", "pre", "post"], [True, False]))
 
@@ -325,3 +326,34 @@ def test_one_verb_and_the_0_2_spellings_warn_with_the_new_ones(tmp_path):
     assert set(ev["gap_closed"]) == {"no_prompt", "thought_patch"}
     with pytest.raises(InputError, match="may not be named 'no_prompt'"):
         tp.evaluate_thought_patch(model, prompt, cal, {"no_prompt": fit.patch})
+
+
+# ----------------------------------------------------------------------------- self-generated calibration
+def test_sample_calibration_is_the_models_own_seeded_continuations():
+    model, prompt = build("llama"), ids(1, 6)[0]
+    a = sample_calibration(model, prompt, n=5, length=4, batch_size=2, progress=False)
+    assert a.shape == (5, 4) and a.dtype == torch.long
+    assert torch.equal(a, sample_calibration(model, prompt, n=5, length=4, batch_size=2, progress=False))
+    assert not torch.equal(a, sample_calibration(model, prompt, n=5, length=4, batch_size=2, seed=1, progress=False))
+    cold = sample_calibration(model, prompt, n=3, length=4, temperature=1e-4, progress=False)  # ~ greedy decoding
+    greedy = model.generate(prompt[None], max_new_tokens=4, do_sample=False)[0, 6:]
+    assert all(torch.equal(row, greedy) for row in cold)
+    for bad, message in [({"n": 0}, "n must be an int >= 1"), ({"temperature": 0}, "temperature must be a number > 0")]:
+        with pytest.raises(tp.InputError, match=message):
+            sample_calibration(model, prompt, **bad)
+    with pytest.raises(tp.InputError, match="one prompt"):
+        sample_calibration(model, ids(2, 6))
+
+
+def test_thought_patch_without_calibration_samples_its_own():
+    model, prompt = build("llama"), ids(1, 6)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.ThoughtWarning)
+        own = tp.thought_patch(model, prompt, progress=False)
+        given = tp.thought_patch(model, prompt, sample_calibration(model, prompt, **SELF_CALIBRATION), progress=False)
+    assert own.patch.meta["thought"]["calibration"] == {"self_generated": True, **SELF_CALIBRATION}
+    assert own.fits[0].n == SELF_CALIBRATION["n"] * SELF_CALIBRATION["length"]
+    dense, same = own.patch.dense(), given.patch.dense()
+    assert all(torch.equal(dense[k], same[k]) for k in dense)
+    with pytest.raises(tp.InputError, match="calibration inputs .* are needed"):
+        tp.thought_patch(tp.load_model(), torch.randn(8, 5))

@@ -49,6 +49,7 @@ from tokenpatch.deprecation import renamed_keywords
 from tokenpatch.errors import InputError, caller_stacklevel
 from tokenpatch.patch import Patch
 from tokenpatch.run import hooked
+from tokenpatch.thought.calibration import sample_calibration
 from tokenpatch.thought.fit import LayerFit, ThoughtPatch, calibration_batches
 from tokenpatch.thought.hf import fit_lm
 from tokenpatch.thought.icl import fit_icl
@@ -65,12 +66,16 @@ __all__ = [
 ]
 
 
+# What ``thought_patch`` samples when a language model's calibration is left out (``sample_calibration``).
+SELF_CALIBRATION = {"n": 64, "length": 32, "temperature": 0.7, "seed": 0}
+
+
 @renamed_keywords(queries="calibration")
 @torch.no_grad()
 def thought_patch(
     model: nn.Module,
     prompt: Tensor,
-    calibration: Any,
+    calibration: Any = None,
     *,
     ridge: float = 0.0,
     mode: Literal["sequential", "teacher"] = "sequential",
@@ -90,7 +95,9 @@ def thought_patch(
     ``prompt [P, ...]`` (or ``[1, P, ...]``): the context to drop, as model inputs (embeddings
     ``[P, d_in]`` for our models). ``calibration``: the calibration inputs ``[m, T_q, ...]``, each read
     after the prompt, every position fitted; or a re-iterable of such batches (``queries=`` is its
-    0.2 name). ``ridge``: ``lambda`` of the
+    0.2 name); left out on a language model, the prompted model writes them itself
+    (``sample_calibration(model, prompt)``: 64 continuations of 32 tokens at temperature 0.7, seed 0;
+    call it to choose others). ``ridge``: ``lambda`` of the
     per-position mean objective. ``inputs`` / ``output``: which sides to fit. ``rank``: keep every
     matrix delta at its top ``rank`` singular directions *during* the fit, so that the output side
     and the layers above fit on top of the truncated update (``ThoughtPatch.truncate`` cuts after
@@ -122,6 +129,14 @@ def thought_patch(
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
         raise InputError(f"rank must be None or an int >= 1, got {rank!r}")
     adapter = adapter_for(model)
+    sampled = None
+    if calibration is None:
+        if not adapter.traced:
+            raise InputError(
+                "thought_patch: calibration inputs [m, T_q, d_in] are needed (only a language model writes its own)"
+            )
+        sampled = dict(SELF_CALIBRATION)
+        calibration = sample_calibration(model, prompt, progress=progress, **sampled)
     batches = calibration_batches(calibration, batch_size)
     if adapter.traced:  # a language model: token ids, the model's own forward (hf.py)
         fit = fit_lm(
@@ -159,6 +174,8 @@ def thought_patch(
         )
     meta = dict(fit.patch.meta)
     meta["thought"] = {**meta["thought"], "fits": [f.to_dict() for f in fit.fits]}
+    if sampled is not None:
+        meta["thought"]["calibration"] = {"self_generated": True, **sampled}
     return ThoughtPatch(fit.patch.replace(meta=meta), fit.fits)
 
 

@@ -1,0 +1,76 @@
+"""Self-generated calibration: the prompted model writes the queries its thought patch is fitted on.
+
+A thought patch is fitted on calibration queries read after the prompt (``front.py``). A user has a
+prompt, not a dataset; the prompted model supplies one. ``sample_calibration`` draws ``n``
+continuations of ``length`` tokens from ``p(. | prompt)``:
+
+    q_i ~ p_model(x_1 .. x_length | prompt),  x_t ~ softmax(logits_t / temperature)
+
+For a few-shot prompt the model goes on with new demonstrations, for an instruction with queries and
+answers: text distributed as what the prompt makes the model produce, which is where the patch has
+to stand in for the prompt. Every position of every continuation is a calibration position, so a
+prompt yields as many as wanted (``n * length``). Draws come from a seeded ``torch.Generator``: the
+same seed gives the same queries, batch size and thread count aside.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tokenpatch.arch import adapter_for
+from tokenpatch.errors import InputError
+from tokenpatch.progress import progress_bar
+
+__all__ = ["sample_calibration"]
+
+
+@torch.no_grad()
+def sample_calibration(
+    model: nn.Module,
+    prompt: Any,
+    n: int = 64,
+    length: int = 32,
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 32,
+    progress: bool | None = None,
+) -> Tensor:
+    """``n`` continuations ``[n, length]`` of ``prompt`` (token ids ``[P]`` or ``[1, P]``), sampled from
+    the model itself at ``temperature`` (module docstring), ``batch_size`` at a time on the model's KV
+    cache. Pass them to ``tp.thought_patch(model, prompt, calibration)``; ``thought_patch`` does so
+    itself when ``calibration`` is left out."""
+    for name, value, low in (("n", n, 1), ("length", length, 1), ("batch_size", batch_size, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise InputError(f"sample_calibration: {name} must be an int >= {low}, got {value!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise InputError(f"sample_calibration: temperature must be a number > 0, got {temperature!r}")
+    adapter = adapter_for(model)
+    adapter.require("check_inputs", by="tp.thought.sample_calibration")
+    if isinstance(prompt, Tensor) and prompt.ndim == 1:
+        prompt = prompt[None]
+    ids = adapter.check_inputs(model, prompt)["input_ids"]  # [1, P]
+    if ids.shape[0] != 1:
+        raise InputError(f"sample_calibration: one prompt [P] or [1, P], got {ids.shape[0]} rows")
+    limit = adapter.position_limit(model)
+    if limit is not None and ids.shape[1] + length > limit:
+        raise InputError(
+            f"sample_calibration: a {ids.shape[1]}-token prompt and length={length} run past the model's "
+            f"{limit} positions: pass length <= {limit - ids.shape[1]}"
+        )
+    gen = torch.Generator(device=ids.device).manual_seed(seed)
+    rows = []
+    sizes = [min(batch_size, n - start) for start in range(0, n, batch_size)]
+    for b in progress_bar(sizes, progress, desc="calibration", unit="batch"):
+        step, cache, drawn = ids.expand(b, -1), None, []
+        for _ in range(length):
+            out = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
+            cache = out.cache
+            probs = torch.softmax(out.logits[:, -1].double() / temperature, -1)  # [b, vocab]
+            step = torch.multinomial(probs, 1, generator=gen)  # [b, 1]
+            drawn.append(step)
+        rows.append(torch.cat(drawn, 1))
+    return torch.cat(rows).cpu()
