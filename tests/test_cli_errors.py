@@ -158,7 +158,11 @@ def test_help_shows_every_default(command, capsys):
         (["compress", "--out", "d", "--task", "antonym"], "--task is for a language model: add --model NAME"),
         (["compress", "--out", "d", "--model", "smollm2-135m"], "one of --task TASK"),
         (["compress", "--out", "d", "--model", "smollm2-135m", "--task", "capitals"], "unknown task ['capitals']"),
-        (["compress", "--out", "p.safetensors", "--model", "smollm2-135m", "--prompt", "Q: a"], "needs --queries FILE"),
+        (
+            ["compress", "--out", "p.safetensors", "--model", "smollm2-135m", "--prompt", "Q: a", "--queries", "q.txt"]
+            + ["--calibration", "8"],
+            "--calibration N samples calibration queries; --queries FILE gives them: pass one",
+        ),
     ],
 )
 def test_language_model_options_are_checked(argv, message, capsys):

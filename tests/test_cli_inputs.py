@@ -493,3 +493,21 @@ def test_compress_task_file_runs_the_comparison_on_the_users_pairs(inputs, tmp_p
     (task,) = seen["tasks"]
     assert task.name == "my_colours" and task.description == "colour words in capitals"
     assert len(task.pairs) == 90 and task.pairs[3] == ("word3", ("WORD3", "W3"))
+
+
+def test_compress_a_prompt_without_queries_reaches_the_model(inputs, tmp_path, capsys, no_work):
+    """No query file: the prompted model will write its calibration itself (checked up to the model)."""
+    argv = ["compress", "--model", LM, "--prompt", "Q: a\nA: b\n\nQ: c\nA: d", "--out", str(tmp_path / "p")]
+    status, _, err = _run(argv, capsys)
+    assert status == "reached", err
+
+
+def test_the_demonstrations_beginning_is_found():
+    from tokenpatch.workbench.methods import demonstration_start
+
+    assert demonstration_start("Give the past tense.\n\nQ: walk\nA: walked\n\nQ: go\nA: went\n\n") == "Q:"
+    assert demonstration_start("Translate.\n\nEnglish: dog\nFrench: chien\n\nEnglish: cat\nFrench: chat") == "English:"
+    assert demonstration_start("In capitals.\nQ: apple -> APPLE\nQ: green -> GREEN\n") == "Q:"  # lines
+    assert demonstration_start("Pairs:\n\n- dog = chien\n\n- cat = chat\n\n- sun = soleil") == "-"
+    assert demonstration_start("Be concise.") is None
+    assert demonstration_start("walk -> walked\n\nrun -> ran") is None

@@ -343,6 +343,12 @@ def test_sample_calibration_is_the_models_own_seeded_continuations():
             sample_calibration(model, prompt, **bad)
     with pytest.raises(tp.InputError, match="one prompt"):
         sample_calibration(model, ids(2, 6))
+    begun = sample_calibration(model, prompt, n=3, length=5, start=torch.tensor([7, 8]), progress=False)
+    assert begun.shape == (3, 5) and bool((begun[:, :2] == torch.tensor([7, 8])).all())
+    with pytest.raises(tp.InputError, match="start has 5 tokens, length=5"):
+        sample_calibration(model, prompt, length=5, start=torch.arange(5))
+    with pytest.raises(tp.InputError, match=r"input_ids must lie in \[0, 101\)"):
+        sample_calibration(model, prompt, length=5, start=torch.tensor([500]))
 
 
 def test_thought_patch_without_calibration_samples_its_own():

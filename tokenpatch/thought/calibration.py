@@ -34,14 +34,17 @@ def sample_calibration(
     n: int = 64,
     length: int = 32,
     *,
-    temperature: float = 1.0,
+    temperature: float = 0.7,
+    start: Any = None,
     seed: int = 0,
     batch_size: int = 32,
     progress: bool | None = None,
 ) -> Tensor:
     """``n`` continuations ``[n, length]`` of ``prompt`` (token ids ``[P]`` or ``[1, P]``), sampled from
     the model itself at ``temperature`` (module docstring), ``batch_size`` at a time on the model's KV
-    cache. Pass them to ``tp.thought_patch(model, prompt, calibration)``; ``thought_patch`` does so
+    cache. ``start``: token ids ``[S]`` every continuation begins with (the first ``S`` of its
+    ``length``), e.g. a few-shot prompt's ``"Q:"``, so that the model writes a new demonstration
+    rather than whatever text it would put after the prompt. Pass them to ``tp.thought_patch(model, prompt, calibration)``; ``thought_patch`` does so
     itself when ``calibration`` is left out."""
     for name, value, low in (("n", n, 1), ("length", length, 1), ("batch_size", batch_size, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -61,12 +64,19 @@ def sample_calibration(
             f"sample_calibration: a {ids.shape[1]}-token prompt and length={length} run past the model's "
             f"{limit} positions: pass length <= {limit - ids.shape[1]}"
         )
+    start = torch.zeros(0, dtype=ids.dtype) if start is None else torch.as_tensor(start).reshape(-1).to(ids.dtype)
+    if start.numel() >= length:
+        raise InputError(
+            f"sample_calibration: start has {start.numel()} tokens, length={length}: leave tokens to sample"
+        )
+    head = start.to(ids.device)[None]  # [1, S]
+    adapter.check_inputs(model, torch.cat([ids, head], 1))  # the start's ids too
     gen = torch.Generator(device=ids.device).manual_seed(seed)
     rows = []
     sizes = [min(batch_size, n - start) for start in range(0, n, batch_size)]
     for b in progress_bar(sizes, progress, desc="calibration", unit="batch"):
-        step, cache, drawn = ids.expand(b, -1), None, []
-        for _ in range(length):
+        step, cache, drawn = torch.cat([ids, head], 1).expand(b, -1), None, [head.expand(b, -1)]
+        for _ in range(length - head.shape[1]):
             out = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
             cache = out.cache
             probs = torch.softmax(out.logits[:, -1].double() / temperature, -1)  # [b, vocab]

@@ -5,7 +5,9 @@ ways a method is scored: the answer's log-probabilities and greedy decoding."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -92,6 +94,25 @@ def leading_tokens(tokenizer) -> list[int]:
         if tid is not None:
             return [int(tid)]
     return []
+
+
+def demonstration_start(prompt: str) -> str | None:
+    """How the prompt's demonstrations begin, where at least two of its blank-line separated blocks (else
+    lines) begin alike: the label before a block's first ``:`` (``"Q:"`` for ``"Q: walk\nA: walked"``), else
+    their longest common prefix cut at a word's end. ``None`` when no two blocks share a beginning
+    (an instruction alone). Self-generated calibration starts there, so that the model writes new
+    demonstrations rather than whatever text it would put after the prompt."""
+    for blocks in (prompt.split("\n\n"), prompt.splitlines()):  # blocks, else lines
+        blocks = [b.strip() for b in blocks if b.strip()]
+        heads = [b[: b.index(":") + 1] for b in blocks if ":" in b[:24]]
+        best = max(sorted(set(heads)), key=heads.count, default=None)
+        if best is not None and heads.count(best) >= 2:
+            return best
+        common = os.path.commonprefix(blocks[1:]) if len(blocks) > 2 else ""
+        common = re.sub(r"\w+$", "", common).rstrip()
+        if common:
+            return common
+    return None
 
 
 def single_token_answers(tokenizer, task: WordPairs, fmt: Format = Format()) -> dict:

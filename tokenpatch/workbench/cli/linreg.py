@@ -198,7 +198,7 @@ def compress(args) -> int:
         if args.prompt
         else task.sample(1, g, dtype=torch.float64).tokens[0, :-1]
     )
-    queries = tensor(args.queries, "queries", "--queries") if args.queries else draw(args.calibration)
+    queries = tensor(args.queries, "queries", "--queries") if args.queries else draw(args.calibration or 1024)
     if queries.ndim == 2:
         queries = queries[:, None]
     with warnings.catch_warnings(record=True) as caught:

@@ -256,15 +256,13 @@ def check_compress(args) -> None:
             + (f"; got {' and '.join(given)}" if given else "")
         )
     if args.prompt is not None:
-        if not args.queries:
-            raise usage(
-                "--prompt TEXT needs --queries FILE: a text file with one calibration query per line, "
-                "queries like the ones the patch will answer"
-            )
+        if args.queries and args.calibration:
+            raise usage("--calibration N samples calibration queries; --queries FILE gives them: pass one")
         check_out_file(args.out, "--out", may_exist=False)
         if args.lora is not None:
             check_new_folder(args.lora, "--lora")
-        _query_lines(args.queries)
+        if args.queries:
+            _query_lines(args.queries)
         return
     if args.lora is not None:
         raise usage(
@@ -332,18 +330,35 @@ def _compress_prompt(args) -> int:
 
     from tokenpatch.lora import save_lora
     from tokenpatch.patch_files import save_patch
-    from tokenpatch.thought.front import thought_patch
-    from tokenpatch.workbench.methods import leading_tokens
+    from tokenpatch.thought.calibration import sample_calibration
+    from tokenpatch.thought.front import SELF_CALIBRATION, thought_patch
+    from tokenpatch.workbench.methods import demonstration_start, leading_tokens
 
-    lines = _query_lines(args.queries)
+    lines = _query_lines(args.queries) if args.queries else None
     model, tokenizer = _pretrained(args)
     lead = leading_tokens(tokenizer)
     prompt = torch.tensor(lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
-    by_len: dict[int, list] = {}
-    for line in lines:
-        ids = tokenizer(line, add_special_tokens=False)["input_ids"]
-        by_len.setdefault(len(ids), []).append(ids)
-    queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
+    if lines is None:  # the prompted model writes its own, begun like the prompt's demonstrations
+        begin = demonstration_start(args.prompt)
+        start = tokenizer(begin, add_special_tokens=False)["input_ids"] if begin else None
+        queries = sample_calibration(
+            model,
+            prompt,
+            n=args.calibration or SELF_CALIBRATION["n"],
+            length=SELF_CALIBRATION["length"],
+            temperature=SELF_CALIBRATION["temperature"],
+            start=start,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+        source = f"{queries.shape[0]} continuations it wrote itself" + (f" (each begun {begin!r})" if begin else "")
+    else:
+        by_len: dict[int, list] = {}
+        for line in lines:
+            ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+            by_len.setdefault(len(ids), []).append(ids)
+        queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
+        source = f"{len(lines)} calibration queries"
     ridge = 0.01 if args.ridge is None else args.ridge
     patch = thought_patch(
         model,
@@ -358,7 +373,7 @@ def _compress_prompt(args) -> int:
     with new_file(args.out, "--out") as tmp:
         save_patch(patch, tmp)
     print(
-        f"{args.out}: thought patch of a {len(prompt)}-token prompt from {len(lines)} calibration queries, "
+        f"{args.out}: thought patch of a {len(prompt)}-token prompt from {source}, "
         f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
         f"--patch {args.out} --prompt QUERY"
     )

@@ -206,10 +206,16 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="safetensors file with a tensor 'queries' [m, T_q, d_in]; with "
         "--model: a text file, one calibration query per line, like those the patch will answer (default: "
-        "--calibration fresh one-token queries of the checkpoint's task)",
+        "--calibration fresh one-token queries of the checkpoint's task; with --model --prompt: the prompted "
+        "model writes its own)",
     )
     c.add_argument(
-        "--calibration", type=count(1), default=1024, help="calibration queries drawn when --queries is not given"
+        "--calibration",
+        type=count(1),
+        default=None,
+        help="calibration queries drawn when --queries is not given (default: 1024 fresh one-token queries of "
+        "the checkpoint's task; with --model --prompt: 64 continuations of 32 tokens the prompted model "
+        "writes itself, each begun like the prompt's demonstrations)",
     )
     c.add_argument(
         "--ridge",
