@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import runpy
 from pathlib import Path
 
@@ -26,3 +27,6 @@ def test_example_runs(path, capsys):
     runpy.run_path(str(path), run_name="__main__")
     out = capsys.readouterr().out
     assert out and "False" not in out
+    if path.stem == "compress_instruction":  # the prompt alone, compressed: it must answer, not only run
+        right = re.search(r"with the thought patch and no prompt: (\d+)/5 right", out)
+        assert right and int(right.group(1)) >= 4, out

@@ -293,6 +293,27 @@ def test_cli_compress_a_prompt_and_answer_without_it(smollm2, pretrained_cache_d
     )  # nothing is overwritten
 
 
+@pytest.mark.parametrize("name,fixture", [("smollm2-135m", "smollm2"), ("gemma3-270m", "gemma3")])
+def test_cli_compress_a_prompt_alone(name, fixture, request, pretrained_cache_dir, monkeypatch, capsys, tmp_path):
+    """No query file: the prompted model writes its calibration (each continuation begun with the
+    prompt's "Q:"), the patch file answers a query without the prompt, and differs from no patch."""
+    from tokenpatch.workbench.cli.main import main
+
+    request.getfixturevalue(fixture)  # the session's model, converted and cached once
+    monkeypatch.setenv("TOKENPATCH_CACHE", str(pretrained_cache_dir))
+    out = tmp_path / "past.safetensors"
+    prompt = "Give the past tense of each verb.\n\nQ: walk\nA: walked\n\nQ: go\nA: went\n\nQ: see\nA: saw\n\n"
+    argv = ["compress", "--model", name, "--prompt", prompt, "--calibration", "16", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "from 16 continuations it wrote itself (each begun 'Q:')" in said and out.stat().st_size > 0
+    assert tp.load_patch(out).meta["thought"]["keep_bos"] is True
+    argv = ["generate", "--model", name, "--patch", str(out), "--prompt", "Q: eat\nA:", "--max-new-tokens", "3"]
+    assert main([*argv, "--json", "--quiet"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["with_patch"] != shown["without_patch"]
+
+
 def test_cli_induction_scores_find_induction_heads(smollm2, pretrained_cache_dir, monkeypatch, capsys):
     """SmolLM2 has induction heads: the top one scores > 0.5 under both definitions; the JSON is
     every head, sorted by the diagonal score."""
