@@ -1,5 +1,5 @@
 """``tokenpatch train | verify | compress`` on our own models (a checkpoint, or the shipped one): the
-linear-regression transformer. ``--model NAME`` hands ``verify`` and ``compress`` to ``lm.py`` (real
+linear-regression transformer. ``--model NAME`` hands ``verify`` to ``lm.py`` and ``compress`` to ``lm_compress.py`` (real
 pretrained language models). Each command is a ``check_*`` (no torch) and a run (imports torch).
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenpatch.errors import FileFormatError
-from tokenpatch.workbench.cli import lm
+from tokenpatch.workbench.cli import lm, lm_compress
 from tokenpatch.workbench.cli.args import check_out_file, new_file, read_header, usage
 from tokenpatch.workbench.cli.defaults import HEADED_LAYERS, MODEL_FORMAT
 
@@ -160,7 +160,7 @@ def tensor(path: str, key: str, flag: str) -> torch.Tensor:
 
 def check_compress(args) -> None:
     if args.model is not None:
-        lm.check_compress(args)
+        lm_compress.check_compress(args)
         return
     if args.task is not None:
         raise usage("--task is for a language model: add --model NAME")
@@ -174,7 +174,7 @@ def check_compress(args) -> None:
 
 def compress(args) -> int:
     if args.model is not None:
-        return lm.compress_lm(args)
+        return lm_compress.compress_lm(args)
     args.test = 1000 if args.test is None else args.test
     import torch
 

@@ -1,23 +1,16 @@
-"""The command line's language-model commands: ``tokenpatch verify --model``, ``tokenpatch generate``
-and ``tokenpatch compress --model`` (real pretrained models from ``tokenpatch.workbench.zoo.pretrained``;
-``main.py`` parses the arguments and runs the ``check_*`` function of a command, which needs no torch,
-before the command)."""
+"""The command line's language-model commands: ``tokenpatch verify --model`` and ``tokenpatch generate``
+(real pretrained models from ``tokenpatch.workbench.zoo.pretrained``; ``compress --model`` is
+``lm_compress.py``). ``main.py`` parses the arguments and runs the ``check_*`` function of a command,
+which needs no torch, before the command."""
 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
-from tokenpatch.errors import InputError
-from tokenpatch.tasks.wordpairs import MAIN_TASKS, needed_pairs, parse_pairs, task_names
 from tokenpatch.workbench.cli.args import (
-    check_new_folder,
     check_out_file,
-    check_out_folder,
     new_file,
     read_header,
-    read_text_file,
     usage,
 )
 from tokenpatch.workbench.cli.defaults import PATCH_FORMAT
@@ -29,20 +22,22 @@ def _check_name(name: str) -> None:
         raise usage(f"--model {name!r} is not a known model; choose one of {list(pretrained_names())}")
 
 
-def _check_model(args) -> None:
+def check_model(args) -> None:
+    """``--model`` names a known model and comes without ``--checkpoint``."""
     _check_name(args.model)
     if args.checkpoint is not None:
         raise usage("--checkpoint and --model exclude each other: a checkpoint is one of tokenpatch's own models")
 
 
-def _pretrained(args):
+def pretrained_for(args):
+    """``(model, tokenizer)`` of ``--model``, float32, cached as ``load_pretrained`` does."""
     return load_pretrained(
         args.model, dtype=getattr(args, "dtype", "float32"), progress=None if not args.quiet else False
     )
 
 
 def check_verify(args) -> None:
-    _check_model(args)
+    check_model(args)
     if not args.prompt or not args.query:
         raise usage("--model needs --prompt TEXT (the context) and --query TEXT (read after it)")
 
@@ -55,7 +50,7 @@ def verify_lm(args) -> int:
     from tokenpatch.run import functional_call
     from tokenpatch.verify import REAL_MODEL_RULE, tolerance, verify
 
-    model, tokenizer = _pretrained(args)
+    model, tokenizer = pretrained_for(args)
     context = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     full = tokenizer(args.prompt + args.query, return_tensors="pt")["input_ids"]
     if full.shape[1] <= context.shape[1] or not torch.equal(full[0, : context.shape[1]], context[0]):
@@ -136,7 +131,7 @@ def generate_lm(args) -> int:
 
     from tokenpatch.generate import generate
 
-    model, tokenizer = _pretrained(args)
+    model, tokenizer = pretrained_for(args)
     ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     gen = generate(model, ids, args.max_new_tokens, progress=not args.quiet)
     with torch.no_grad():
@@ -196,194 +191,6 @@ def generate_lm(args) -> int:
     return 0 if not differ or float(gen.margin[0, differ[0]]) < 1e-3 else 1
 
 
-def _tasks(args) -> list[str] | None:
-    """The word-pair tasks of ``--task`` (None: all)."""
-    if args.task in ("all", "main"):
-        return None if args.task == "all" else list(MAIN_TASKS)
-    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
-    unknown = [t for t in tasks if t not in task_names()]
-    if unknown or not tasks:
-        raise usage(
-            f"--task {args.task!r}: unknown task {unknown[:1] or ['(none)']}; choose from "
-            f"{task_names()}, 'main' or 'all'"
-        )
-    return tasks
-
-
-def _slug(args) -> str:
-    return args.model.replace("-", "_").replace(".", "_")
-
-
-def _outputs(args) -> dict[str, Path]:
-    return {k: Path(args.out) / f"compress-{_slug(args)}.{k}" for k in ("json", "md", "png")}
-
-
-def _query_lines(path: str) -> list[str]:
-    lines = [ln for ln in read_text_file(path, "--queries").splitlines() if ln.strip()]
-    if not lines:
-        raise usage(f"--queries {path} has no non-empty line; write one calibration query per line")
-    return lines
-
-
-def _task_file(args):
-    """The user's word-pair task of ``--task-file`` (named after the file), every line checked."""
-    path = Path(args.task_file)
-    name = re.sub(r"[^A-Za-z0-9_-]+", "_", path.stem).strip("_") or "task"
-    try:
-        task = parse_pairs(read_text_file(args.task_file, "--task-file"), name, f"--task-file {args.task_file}")
-    except InputError as exc:
-        raise usage(str(exc)) from None
-    need = needed_pairs(args.shots)
-    if len(task.pairs) < need:
-        raise usage(
-            f"--task-file {args.task_file} holds {len(task.pairs)} pairs; the comparison needs at least {need} "
-            f"({max(args.shots, 10)} demonstrations, 40 calibration, 30 dev, then test pairs)"
-        )
-    return task
-
-
-def check_compress(args) -> None:
-    _check_model(args)
-    given = [
-        flag
-        for flag, v in (("--task", args.task), ("--task-file", args.task_file), ("--prompt", args.prompt))
-        if v is not None
-    ]
-    if len(given) != 1:
-        raise usage(
-            "--model needs one of --task TASK (the comparison on word-pair tasks), --task-file FILE (the "
-            "comparison on your own word pairs) or --prompt TEXT with --queries FILE (compress your own prompt)"
-            + (f"; got {' and '.join(given)}" if given else "")
-        )
-    if args.prompt is not None:
-        if args.queries and args.calibration:
-            raise usage("--calibration N samples calibration queries; --queries FILE gives them: pass one")
-        check_out_file(args.out, "--out", may_exist=False)
-        if args.lora is not None:
-            check_new_folder(args.lora, "--lora")
-        if args.queries:
-            _query_lines(args.queries)
-        return
-    if args.lora is not None:
-        raise usage(
-            f"--lora goes with --prompt (your own prompt into one patch); {given[0]} compares methods on word pairs"
-        )
-    check_out_folder(args.out, "--out", f" with {given[0]}")
-    _tasks(args) if args.task is not None else _task_file(args)
-    for p in _outputs(args).values():
-        check_out_file(str(p), "--out", may_exist=False)
-    if args.output_side != "affine":
-        raise usage(
-            "--output-side: the comparison fits the thought patch with its affine output side; for the "
-            "thought vector alone it reports the 'thought vector' row"
-        )
-    if args.test == 0:
-        raise usage("--test 0: the comparison needs test pairs (at least 1; default 100)")
-    if args.shots < 2:
-        raise usage(f"--shots {args.shots}: the function vector's corrupted prompts need at least 2 demonstrations")
-
-
-def compress_lm(args) -> int:
-    """``compress --model``: the word-pair comparison (``--task``, or ``--task-file`` for your own pairs) or
-    your own prompt into a patch file (``--prompt TEXT --queries FILE``)."""
-    return _compress_prompt(args) if args.prompt is not None else _compare_tasks(args, Path(args.out))
-
-
-def _compare_tasks(args, out) -> int:
-    from tokenpatch.workbench.report.compress import RIDGES, figure, markdown, run_model
-
-    tasks, paths = (_tasks(args) if args.task is not None else [_task_file(args)]), _outputs(args)
-    out.mkdir(parents=True, exist_ok=True)
-    run = run_model(
-        args.model,
-        tasks,
-        shots=args.shots,
-        test=100 if args.test is None else args.test,
-        seed=args.seed,
-        ridge=RIDGES if args.ridge is None else args.ridge,
-        rank=args.rank or 4,
-        out=out,
-        progress=not args.quiet,
-    )
-    text = markdown(run)
-    with new_file(paths["json"], "--out") as tmp:
-        tmp.write_text(json.dumps(run, indent=1))
-    with new_file(paths["md"], "--out") as tmp:
-        tmp.write_text(f"# Prompt compression: {args.model}\n\n{text}\n\n![figure]({paths['png'].name})\n")
-    with new_file(paths["png"], "--out") as tmp:
-        figure(run, tmp)
-    print(text)
-    back = run["read_back"]
-    print(
-        f"wrote {', '.join(str(p) for p in paths.values())} and the thought patches"
-        + (
-            f"; read back {len(back)} finished task{'s' * (len(back) > 1)} ({', '.join(back)}) from an earlier run"
-            if back
-            else ""
-        )
-    )
-    return 0
-
-
-def _compress_prompt(args) -> int:
-    import torch
-
-    from tokenpatch.lora import save_lora
-    from tokenpatch.patch_files import save_patch
-    from tokenpatch.thought.calibration import sample_calibration
-    from tokenpatch.thought.front import SELF_CALIBRATION, thought_patch
-    from tokenpatch.workbench.methods import demonstration_start, leading_tokens
-
-    lines = _query_lines(args.queries) if args.queries else None
-    model, tokenizer = _pretrained(args)
-    lead = leading_tokens(tokenizer)
-    prompt = torch.tensor(lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
-    if lines is None:  # the prompted model writes its own, begun like the prompt's demonstrations
-        begin = demonstration_start(args.prompt)
-        start = tokenizer(begin, add_special_tokens=False)["input_ids"] if begin else None
-        queries = sample_calibration(
-            model,
-            prompt,
-            n=args.calibration or SELF_CALIBRATION["n"],
-            length=SELF_CALIBRATION["length"],
-            temperature=SELF_CALIBRATION["temperature"],
-            start=start,
-            seed=args.seed,
-            progress=not args.quiet,
-        )
-        source = f"{queries.shape[0]} continuations it wrote itself" + (f" (each begun {begin!r})" if begin else "")
-    else:
-        by_len: dict[int, list] = {}
-        for line in lines:
-            ids = tokenizer(line, add_special_tokens=False)["input_ids"]
-            by_len.setdefault(len(ids), []).append(ids)
-        queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
-        source = f"{len(lines)} calibration queries"
-    ridge = 0.01 if args.ridge is None else args.ridge
-    patch = thought_patch(
-        model,
-        prompt,
-        queries,
-        ridge=ridge,
-        keep_bos=bool(lead),
-        output=None if args.output_side == "none" else args.output_side,
-        rank=args.rank,
-        progress=not args.quiet,
-    ).patch
-    with new_file(args.out, "--out") as tmp:
-        save_patch(patch, tmp)
-    print(
-        f"{args.out}: thought patch of a {len(prompt)}-token prompt from {source}, "
-        f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
-        f"--patch {args.out} --prompt QUERY"
-    )
-    if args.lora is not None:
-        Path(args.lora).parent.mkdir(parents=True, exist_ok=True)
-        export = save_lora(model, patch, args.lora)
-        print(f"{export}; load it with peft.PeftModel.from_pretrained(model, {str(args.lora)!r})")
-    return 0
-
-
 def generate_with_patch(args) -> int:
     """``generate --patch``: greedy decoding of ``--prompt`` (a query, no context) with the thought patch
     in place, beside the same decoding without it."""
@@ -394,7 +201,7 @@ def generate_with_patch(args) -> int:
     from tokenpatch.workbench.methods import leading_tokens
 
     patch = load_patch(args.patch)
-    model, tokenizer = _pretrained(args)
+    model, tokenizer = pretrained_for(args)
     lead = leading_tokens(tokenizer) if patch.meta.get("thought", {}).get("keep_bos") else []
     ids = torch.tensor([lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"]])
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id

@@ -1,0 +1,211 @@
+"""``tokenpatch compress --model``: the word-pair comparison (``--task``, ``--task-file``) and a user's
+own prompt into a patch file (``--prompt``), on a pretrained language model. Each command is a check
+that needs no torch, then the run (``main.py``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tokenpatch.errors import InputError
+from tokenpatch.tasks.wordpairs import MAIN_TASKS, needed_pairs, parse_pairs, task_names
+from tokenpatch.workbench.cli.args import (
+    check_new_folder,
+    check_out_file,
+    check_out_folder,
+    new_file,
+    read_text_file,
+    usage,
+)
+from tokenpatch.workbench.cli.lm import check_model, pretrained_for
+
+__all__ = ["check_compress", "compress_lm"]
+
+
+def _tasks(args) -> list[str] | None:
+    """The word-pair tasks of ``--task`` (None: all)."""
+    if args.task in ("all", "main"):
+        return None if args.task == "all" else list(MAIN_TASKS)
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in task_names()]
+    if unknown or not tasks:
+        raise usage(
+            f"--task {args.task!r}: unknown task {unknown[:1] or ['(none)']}; choose from "
+            f"{task_names()}, 'main' or 'all'"
+        )
+    return tasks
+
+
+def _slug(args) -> str:
+    return args.model.replace("-", "_").replace(".", "_")
+
+
+def _outputs(args) -> dict[str, Path]:
+    return {k: Path(args.out) / f"compress-{_slug(args)}.{k}" for k in ("json", "md", "png")}
+
+
+def _query_lines(path: str) -> list[str]:
+    lines = [ln for ln in read_text_file(path, "--queries").splitlines() if ln.strip()]
+    if not lines:
+        raise usage(f"--queries {path} has no non-empty line; write one calibration query per line")
+    return lines
+
+
+def _task_file(args):
+    """The user's word-pair task of ``--task-file`` (named after the file), every line checked."""
+    path = Path(args.task_file)
+    name = re.sub(r"[^A-Za-z0-9_-]+", "_", path.stem).strip("_") or "task"
+    try:
+        task = parse_pairs(read_text_file(args.task_file, "--task-file"), name, f"--task-file {args.task_file}")
+    except InputError as exc:
+        raise usage(str(exc)) from None
+    need = needed_pairs(args.shots)
+    if len(task.pairs) < need:
+        raise usage(
+            f"--task-file {args.task_file} holds {len(task.pairs)} pairs; the comparison needs at least {need} "
+            f"({max(args.shots, 10)} demonstrations, 40 calibration, 30 dev, then test pairs)"
+        )
+    return task
+
+
+def check_compress(args) -> None:
+    check_model(args)
+    given = [
+        flag
+        for flag, v in (("--task", args.task), ("--task-file", args.task_file), ("--prompt", args.prompt))
+        if v is not None
+    ]
+    if len(given) != 1:
+        raise usage(
+            "--model needs one of --task TASK (the comparison on word-pair tasks), --task-file FILE (the "
+            "comparison on your own word pairs) or --prompt TEXT with --queries FILE (compress your own prompt)"
+            + (f"; got {' and '.join(given)}" if given else "")
+        )
+    if args.prompt is not None:
+        if args.queries and args.calibration:
+            raise usage("--calibration N samples calibration queries; --queries FILE gives them: pass one")
+        check_out_file(args.out, "--out", may_exist=False)
+        if args.lora is not None:
+            check_new_folder(args.lora, "--lora")
+        if args.queries:
+            _query_lines(args.queries)
+        return
+    if args.lora is not None:
+        raise usage(
+            f"--lora goes with --prompt (your own prompt into one patch); {given[0]} compares methods on word pairs"
+        )
+    check_out_folder(args.out, "--out", f" with {given[0]}")
+    _tasks(args) if args.task is not None else _task_file(args)
+    for p in _outputs(args).values():
+        check_out_file(str(p), "--out", may_exist=False)
+    if args.output_side != "affine":
+        raise usage(
+            "--output-side: the comparison fits the thought patch with its affine output side; for the "
+            "thought vector alone it reports the 'thought vector' row"
+        )
+    if args.test == 0:
+        raise usage("--test 0: the comparison needs test pairs (at least 1; default 100)")
+    if args.shots < 2:
+        raise usage(f"--shots {args.shots}: the function vector's corrupted prompts need at least 2 demonstrations")
+
+
+def compress_lm(args) -> int:
+    """``compress --model``: the word-pair comparison (``--task``, or ``--task-file`` for your own pairs) or
+    your own prompt into a patch file (``--prompt TEXT --queries FILE``)."""
+    return _compress_prompt(args) if args.prompt is not None else _compare_tasks(args, Path(args.out))
+
+
+def _compare_tasks(args, out) -> int:
+    from tokenpatch.workbench.report.compress import RIDGES, figure, markdown, run_model
+
+    tasks, paths = (_tasks(args) if args.task is not None else [_task_file(args)]), _outputs(args)
+    out.mkdir(parents=True, exist_ok=True)
+    run = run_model(
+        args.model,
+        tasks,
+        shots=args.shots,
+        test=100 if args.test is None else args.test,
+        seed=args.seed,
+        ridge=RIDGES if args.ridge is None else args.ridge,
+        rank=args.rank or 4,
+        out=out,
+        progress=not args.quiet,
+    )
+    text = markdown(run)
+    with new_file(paths["json"], "--out") as tmp:
+        tmp.write_text(json.dumps(run, indent=1))
+    with new_file(paths["md"], "--out") as tmp:
+        tmp.write_text(f"# Prompt compression: {args.model}\n\n{text}\n\n![figure]({paths['png'].name})\n")
+    with new_file(paths["png"], "--out") as tmp:
+        figure(run, tmp)
+    print(text)
+    back = run["read_back"]
+    print(
+        f"wrote {', '.join(str(p) for p in paths.values())} and the thought patches"
+        + (
+            f"; read back {len(back)} finished task{'s' * (len(back) > 1)} ({', '.join(back)}) from an earlier run"
+            if back
+            else ""
+        )
+    )
+    return 0
+
+
+def _compress_prompt(args) -> int:
+    import torch
+
+    from tokenpatch.lora import save_lora
+    from tokenpatch.patch_files import save_patch
+    from tokenpatch.thought.calibration import sample_calibration
+    from tokenpatch.thought.front import SELF_CALIBRATION, thought_patch
+    from tokenpatch.workbench.methods import demonstration_start, leading_tokens
+
+    lines = _query_lines(args.queries) if args.queries else None
+    model, tokenizer = pretrained_for(args)
+    lead = leading_tokens(tokenizer)
+    prompt = torch.tensor(lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
+    if lines is None:  # the prompted model writes its own, begun like the prompt's demonstrations
+        begin = demonstration_start(args.prompt)
+        start = tokenizer(begin, add_special_tokens=False)["input_ids"] if begin else None
+        queries = sample_calibration(
+            model,
+            prompt,
+            n=args.calibration or SELF_CALIBRATION["n"],
+            length=SELF_CALIBRATION["length"],
+            temperature=SELF_CALIBRATION["temperature"],
+            start=start,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+        source = f"{queries.shape[0]} continuations it wrote itself" + (f" (each begun {begin!r})" if begin else "")
+    else:
+        by_len: dict[int, list] = {}
+        for line in lines:
+            ids = tokenizer(line, add_special_tokens=False)["input_ids"]
+            by_len.setdefault(len(ids), []).append(ids)
+        queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
+        source = f"{len(lines)} calibration queries"
+    ridge = 0.01 if args.ridge is None else args.ridge
+    patch = thought_patch(
+        model,
+        prompt,
+        queries,
+        ridge=ridge,
+        keep_bos=bool(lead),
+        output=None if args.output_side == "none" else args.output_side,
+        rank=args.rank,
+        progress=not args.quiet,
+    ).patch
+    with new_file(args.out, "--out") as tmp:
+        save_patch(patch, tmp)
+    print(
+        f"{args.out}: thought patch of a {len(prompt)}-token prompt from {source}, "
+        f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
+        f"--patch {args.out} --prompt QUERY"
+    )
+    if args.lora is not None:
+        Path(args.lora).parent.mkdir(parents=True, exist_ok=True)
+        export = save_lora(model, patch, args.lora)
+        print(f"{export}; load it with peft.PeftModel.from_pretrained(model, {str(args.lora)!r})")
+    return 0
