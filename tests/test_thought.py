@@ -345,6 +345,11 @@ def test_sample_calibration_is_the_models_own_seeded_continuations():
         sample_calibration(model, ids(2, 6))
     begun = sample_calibration(model, prompt, n=3, length=5, start=torch.tensor([7, 8]), progress=False)
     assert begun.shape == (3, 5) and bool((begun[:, :2] == torch.tensor([7, 8])).all())
+    cold = sample_calibration(
+        model, prompt, n=2, length=5, start=torch.tensor([7, 8]), temperature=1e-4, progress=False
+    )
+    after = model.generate(torch.cat([prompt, torch.tensor([7, 8])])[None], max_new_tokens=3, do_sample=False)[0, 8:]
+    assert all(torch.equal(row[2:], after) for row in cold)  # the model reads the start before it samples
     with pytest.raises(tp.InputError, match="start has 5 tokens, length=5"):
         sample_calibration(model, prompt, length=5, start=torch.arange(5))
     with pytest.raises(tp.InputError, match=r"input_ids must lie in \[0, 101\)"):
