@@ -185,7 +185,9 @@ def test_attention_shift_moves_the_first_layer_mean_exactly():
 def test_steering_rejects_bad_input():
     model = build("llama")
     with pytest.raises(tp.InputError, match="site"):
-        Steering("mlp", {0: torch.zeros(64)})
+        Steering("ffn", {0: torch.zeros(64)})
+    with pytest.raises(tp.InputError, match="'all' for 'rotate'"):
+        Steering("mlp", {0: torch.zeros(64)}, "rotate", "last")
     with pytest.raises(tp.InputError, match="layers"):
         with steer(model, Steering("residual", {7: torch.zeros(64)})):
             pass
@@ -233,10 +235,13 @@ class CharTokenizer:
     bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
 
     def __init__(self):
-        self.chars = sorted(set("abcdefghijklmnopqrstuvwxyzQA: \n"))
+        self.chars = sorted(set("abcdefghijklmnopqrstuvwxyzQA: \n->"))
 
     def __call__(self, text: str, add_special_tokens: bool = True):
         return {"input_ids": ([1] if add_special_tokens else []) + [3 + self.chars.index(c) for c in text]}
+
+    def decode(self, row):
+        return self.batch_decode([row])[0]
 
     def batch_decode(self, rows):
         return [
@@ -249,7 +254,19 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
     words = [chr(97 + i % 26) + chr(97 + i // 26) + chr(97 + 3 * i % 26) for i in range(40)]  # distinct
     task = WordPairs("rev", "word -> reversed", tuple((w, (w[::-1],)) for w in words))
     res = compare(
-        model, CharTokenizer(), task, shots=2, test=12, calibration=6, dev=8, rank=2, ridge=(0.01, 0.1), n_heads=2
+        model,
+        CharTokenizer(),
+        task,
+        shots=2,
+        test=12,
+        calibration=6,
+        dev=8,
+        rank=2,
+        ridge=(0.01, 0.1),
+        n_heads=2,
+        sampled=(3,),
+        bake_times=(1, 3),
+        hybrid=1,
     )
     rows = res["methods"]
     assert set(rows) == {
@@ -257,12 +274,28 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
         "icl",
         "thought_patch",
         "thought_patch_rank",
+        "thought_patch_gcv",
+        "thought_patch_sampled_3",
+        "prompt_baking_1x",
+        "prompt_baking_3x",
+        "thought_patch_baked",
         "thought_vector",
         "attention_shift",
         "task_vector",
         "function_vector",
+        "in_context_vector",
     }
     assert rows["thought_patch_rank"]["name"] == "thought patch (rank 2)"
+    assert res["lead"] == [1] and res["closed_form_choice"] in {
+        "thought_patch",
+        "thought_patch_rank",
+        "thought_patch_gcv",
+        "thought_patch_sampled_3",
+    }
+    assert all(f["input_ridge"] > 0 for f in rows["thought_patch_gcv"]["fits"])  # chosen per layer by GCV
+    assert rows["thought_patch_sampled_3"]["fits"][0]["n"] == 3 * 32  # every position of 3 continuations
+    assert rows["prompt_baking_3x"]["steps"] >= rows["prompt_baking_1x"]["steps"]  # snapshots of one run
+    assert rows["in_context_vector"]["strength"] in (0.03, 0.1, 0.3, 1.0)
     assert rows["icl"]["kl"] == 0 and all(r["kl"] >= 0 and r["n"] == 12 for r in rows.values())
     assert all(r["accuracy_interval"]["lo"] <= r["accuracy"] <= r["accuracy_interval"]["hi"] for r in rows.values())
     assert rows["thought_patch"]["ridge"] in (0.01, 0.1) and [
@@ -271,11 +304,13 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
     assert 0 <= rows["task_vector"]["layer"] < 3 and len(rows["function_vector"]["heads"]) == 2
     assert rows["icl"]["bytes"] == 2 * 3 * 2 * 16 * res["prompt_tokens"] * 8  # the prompt's float64 KV cache
     assert rows["thought_patch"]["kl"] < rows["zero_shot"]["kl"]  # the fit keeps some of the prompt's effect
-    assert all(rows[k]["kl"] != rows["zero_shot"]["kl"] for k in rows if k != "zero_shot")  # every method acts
-    assert set(res["patches"]) == {"thought_patch", "thought_patch_rank"}
+    # every method acts (prompt baking may take no step in the tiny model's 1x budget: then it is zero-shot)
+    assert all(rows[k]["kl"] != rows["zero_shot"]["kl"] for k in rows if k not in ("zero_shot", "prompt_baking_1x"))
+    assert {"thought_patch", "thought_patch_rank", "prompt_baking_1x"} <= set(res["patches"])
     json.dumps({k: v for k, v in res.items() if k != "patches"}, allow_nan=False)  # valid JSON, no inf
     assert non_snake_keys({k: v for k, v in res.items() if k != "patches"}) == []
-    from tokenpatch.workbench.report.compress import figure, goal, markdown
+    from tokenpatch.workbench.report.compress import goal
+    from tokenpatch.workbench.report.compress_page import figure, markdown
 
     tasks = {"rev": {k: v for k, v in res.items() if k != "patches"}}
     run = {"model": "tiny", "shots": 2, "seed": 0, "seconds": 1.0, "threads": 1, "tasks": tasks, "goal": goal(tasks)}
@@ -286,6 +321,34 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
         compare(model, CharTokenizer(), task, shots=1)
     with pytest.raises(tp.InputError, match="at least 1"):
         compare(model, CharTokenizer(), task, test=0)
+
+
+def test_the_first_token_and_the_format_are_chosen_on_dev_by_icl():
+    """Every (lead, format) candidate scored by ICL's dev answers, the best chosen; the choice reaches
+    every method of ``compare`` (``lead``, ``fmt``)."""
+    from tokenpatch.workbench.report.compress import FORMATS, choose_prompting
+
+    model = build("llama")
+    words = [chr(97 + i % 26) + chr(97 + i // 26) + chr(97 + 3 * i % 26) for i in range(40)]
+    task = WordPairs("rev", "word -> reversed", tuple((w, (w[::-1],)) for w in words))
+    got = choose_prompting(model, CharTokenizer(), [task], shots=2, calibration=6, dev=8)
+    assert [(c["lead"], c["format"]) for c in got["candidates"]] == [
+        ([1], "qa"),
+        ([1], "arrow"),
+        ([2], "qa"),
+        ([2], "arrow"),
+    ]
+    best = max(got["candidates"], key=lambda c: (c["hits"], c["logp"]))
+    assert got["chosen"] == {k: best[k] for k in ("lead", "lead_text", "format")}
+    assert all(c["n"] == 8 for c in got["candidates"]) and len({c["logp"] for c in got["candidates"]}) == 4
+    fixed = choose_prompting(model, CharTokenizer(), [task], {"lead": [2], "format": "arrow"})
+    assert fixed["chosen"]["lead"] == [2] and fixed["candidates"] == []
+    res = compare(
+        model, CharTokenizer(), task, shots=2, test=4, calibration=6, dev=8, lead=[2], fmt=FORMATS["arrow"], methods=()
+    )
+    assert res["lead"] == [2] and res["format"]["query"] == "{x} ->"
+    with pytest.raises(tp.InputError, match="prompting format"):
+        choose_prompting(model, CharTokenizer(), [task], {"lead": [2], "format": "xml"})
 
 
 def test_greedy_on_the_cache_equals_argmax_without_it():

@@ -323,6 +323,8 @@ def test_compress_tasks_resumes_after_an_interrupt(tmp_path, capsys, monkeypatch
 
     monkeypatch.setattr(pretrained, "load_pretrained", lambda *a, **k: (None, None))
     monkeypatch.setattr(report_compress, "compare", compare)
+    chosen = {"chosen": {"lead": [1], "lead_text": "<s>", "format": "qa"}, "candidates": []}
+    monkeypatch.setattr(report_compress, "choose_prompting", lambda *a, **k: chosen)
     argv = ["compress", "--model", LM, "--task", "antonym,country_capital", "--out", str(tmp_path / "c")]
     status, _, err = _run(argv, capsys)
     assert status == 130, err
@@ -503,7 +505,7 @@ def test_compress_a_prompt_without_queries_reaches_the_model(inputs, tmp_path, c
 
 
 def test_the_demonstrations_beginning_is_found():
-    from tokenpatch.workbench.methods import demonstration_start
+    from tokenpatch.thought.calibration import demonstration_start
 
     assert demonstration_start("Give the past tense.\n\nQ: walk\nA: walked\n\nQ: go\nA: went\n\n") == "Q:"
     assert demonstration_start("Translate.\n\nEnglish: dog\nFrench: chien\n\nEnglish: cat\nFrench: chat") == "English:"

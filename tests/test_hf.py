@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tokenpatch as tp
+from tokenpatch.thought import hf as thought_hf
 
 T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
 from conftest import CONFIGS, GEMMAS, VOCAB, build, ids  # noqa: E402
@@ -303,6 +304,23 @@ def test_gemma_output_side_closes_most_of_what_the_input_side_leaves(float64_gem
             fit = tp.thought_patch(model, prompt, q, output=output)
         err[output] = float((tp.functional_call(model, fit.patch, q).logits - want).abs().max())
     assert err["affine"] < 0.2 * err[None]
+
+
+@torch.no_grad()
+@pytest.mark.filterwarnings("ignore::tokenpatch.ThoughtWarning")
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_the_prompt_cache_copied_a_row_at_a_time_gives_the_same_fit(name, monkeypatch, float64_gemma_norms):
+    """The targets read the prompt's keys and values from copies of one cache, as many rows per copy
+    as ``TARGET_CACHE_BYTES`` allows: one row per copy is the same fit."""
+    model = build(name)
+    prompt, queries = ids(1, 9, seed=21)[0], ids(5, 3, seed=22)
+    whole = tp.thought_patch(model, prompt, queries, ridge=1e-2).patch
+    monkeypatch.setattr(thought_hf, "TARGET_CACHE_BYTES", 1)
+    rows = tp.thought_patch(model, prompt, queries, ridge=1e-2).patch
+    assert set(whole) == set(rows)
+    for key in whole:
+        a, b = (d.dense() if hasattr(d, "dense") else d for d in (whole[key], rows[key]))
+        assert float((a - b).abs().max()) <= 1e-12 * max(1.0, float(a.abs().max()))
 
 
 @torch.no_grad()

@@ -366,5 +366,16 @@ def test_thought_patch_without_calibration_samples_its_own():
     assert own.fits[0].n == SELF_CALIBRATION["n"] * SELF_CALIBRATION["length"]
     dense, same = own.patch.dense(), given.patch.dense()
     assert all(torch.equal(dense[k], same[k]) for k in dense)
+    with warnings.catch_warnings():  # continuations begun with given tokens (a few-shot prompt's "Q:")
+        warnings.simplefilter("ignore", tp.ThoughtWarning)
+        primed = tp.thought_patch(model, prompt, start=[7, 8], progress=False)
+        cal = sample_calibration(model, prompt, start=torch.tensor([7, 8]), **SELF_CALIBRATION)
+        by_hand = tp.thought_patch(model, prompt, cal, progress=False)
+    assert primed.patch.meta["thought"]["calibration"] == {"self_generated": True, **SELF_CALIBRATION, "start": [7, 8]}
+    dense, same = primed.patch.dense(), by_hand.patch.dense()
+    assert all(torch.equal(dense[k], same[k]) for k in dense)
+    assert any(not torch.equal(dense[k], own.patch.dense()[k]) for k in dense)  # the start made a difference
+    with pytest.raises(tp.InputError, match="start= begins the continuations it samples; calibration was given"):
+        tp.thought_patch(model, prompt, cal, start=[7])
     with pytest.raises(tp.InputError, match="calibration inputs .* are needed"):
         tp.thought_patch(tp.load_model(), torch.randn(8, 5))

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from tokenpatch.errors import FileFormatError, InputError
 from tokenpatch.file_header import META_KEY, read_header
+from tokenpatch.paths import write_new
 from tokenpatch.per_model import PerModel
 
 __all__ = ["write_file", "read_file", "tensor_digest", "fingerprint", "config_record", "check_config"]
@@ -61,12 +62,8 @@ def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, m
     doc["sha256"] = tensor_digest(tensors, doc)
     data = st_save(tensors, metadata={META_KEY: json.dumps(doc)})
     tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the usual mode: the OS applies the umask
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_new(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -40,6 +40,7 @@ from tokenpatch.arch import weight_layout
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.lowrank import LowRank
 from tokenpatch.patch import INPUT_SUFFIX, Patch
+from tokenpatch.paths import not_a_new_folder, write_new
 from tokenpatch.version import __version__
 
 __all__ = ["LoraExport", "save_lora", "lora_pieces"]
@@ -163,8 +164,8 @@ def _check(model: nn.Module, patch: Any) -> Patch:
 
 
 def _free_folder(folder: Path) -> None:
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        what = "a file" if not folder.is_dir() else "a folder that is not empty"
+    what = not_a_new_folder(folder)
+    if what:
         raise InputError(f"save_lora: {folder} is {what}; choose a new folder (nothing is replaced)")
     if not folder.parent.is_dir():
         raise InputError(f"save_lora: the folder {folder.parent} does not exist; create it first")
@@ -248,10 +249,7 @@ def _write_folder(folder: Path, contents: dict[str, bytes]) -> None:
     tmp.mkdir()
     try:
         for name, data in contents.items():
-            with open(tmp / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            write_new(tmp / name, data)
         if folder.exists():
             folder.rmdir()  # empty (checked); a file that appeared meanwhile makes this fail, nothing lost
         os.rename(tmp, folder)

@@ -337,6 +337,11 @@ class Adapter:
         residual stream (after a norm that follows the output projection)."""
         self._missing("attention_outputs")
 
+    def mlp_outputs(self, model: nn.Module) -> list[nn.Module]:
+        """Per layer, the module whose output ``[B, T, d]`` is the MLP's contribution to the residual
+        stream (after a norm that follows it: Gemma 2/3's post-MLP norm)."""
+        self._missing("mlp_outputs")
+
     def attention_norms(self, model: nn.Module) -> list[nn.Module | None]:
         """Per layer, the norm between the output projection and the residual stream (Gemma 2/3's
         post-attention norm), or ``None`` where the projection's output is added as it is."""

@@ -132,6 +132,12 @@ class HFModules(Adapter):
         fam = self.family(model)
         return [layer.get_submodule(fam.attn_out or fam.attn) for layer in self.layers(model)]
 
+    def mlp_outputs(self, model: nn.Module) -> list[nn.Module]:
+        return [
+            layer.get_submodule(self._layer_family(model, i).out_norm or self._layer_family(model, i).mlp)
+            for i, layer in enumerate(self.layers(model))
+        ]
+
     def attention_norms(self, model: nn.Module) -> list[nn.Module | None]:
         fam = self.family(model)
         return [None if fam.attn_out is None else layer.get_submodule(fam.attn_out) for layer in self.layers(model)]

@@ -8,6 +8,7 @@ from tokenpatch.baselines.vectors import (
     attention_shift,
     function_vectors,
     head_effects,
+    in_context_vectors,
     mean_heads,
     pad_left,
     task_vectors,
@@ -28,4 +29,5 @@ __all__ = [
     "function_vectors",
     "attention_shift",
     "thought_vector",
+    "in_context_vectors",
 ]

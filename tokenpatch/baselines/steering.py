@@ -9,6 +9,7 @@ Sites, per decoder layer ``l`` of a sequential block ``x -> m = x + A(x) -> y = 
 * ``"residual"``: the layer's output ``y`` (the residual stream after layer ``l``);
 * ``"attention"``: the attention's contribution ``A(x)`` (after Gemma's post-attention norm), so
   a shift there also reaches the MLP's input;
+* ``"mlp"``: the MLP's contribution ``F(m)`` (after Gemma's post-MLP norm);
 * heads: ``o_proj``'s input ``z = [z_1 .. z_H]``, ``A(x) = W_O z (+ b)``, head ``h``'s slice ``z_h``.
 
 ``position="last"``: only the last position of the sequence run (a prompt's answer position when
@@ -29,17 +30,18 @@ from tokenpatch.arch import adapter_for
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.errors import InputError
 
-SITES = ("residual", "attention")
+SITES = ("residual", "attention", "mlp")
 
 
 def site_modules(model: nn.Module, site: str) -> list[nn.Module]:
     """Per decoder layer, the module whose output is ``site`` (``"residual"``: ``Adapter.layers``;
-    ``"attention"``: ``Adapter.attention_outputs``). The model's adapter must map both."""
-    adapter = adapter_for(model)
-    adapter.require("layers", "attention_outputs", by="the steering baselines (tp.baselines)")
+    ``"attention"``: ``Adapter.attention_outputs``; ``"mlp"``: ``Adapter.mlp_outputs``)."""
     if site not in SITES:
         raise InputError(f"site must be one of {SITES}, got {site!r}")
-    return list(adapter.layers(model)) if site == "residual" else adapter.attention_outputs(model)
+    adapter = adapter_for(model)
+    method = {"residual": "layers", "attention": "attention_outputs", "mlp": "mlp_outputs"}[site]
+    adapter.require("layers", "attention_outputs", "mlp_outputs", by="the steering baselines (tp.baselines)")
+    return list(getattr(adapter, method)(model))
 
 
 def o_proj_modules(model: nn.Module) -> list[nn.Module]:
@@ -56,19 +58,30 @@ def n_heads(model: nn.Module) -> int:
 @dataclass
 class Steering:
     """Vectors ``[d]`` per layer, added to (``mode="add"``) or written over (``"replace"``) the
-    output of ``site`` at ``position``. ``meta``: how they were extracted (JSON-able)."""
+    output of ``site`` at ``position``, or (``"rotate"``, every position: the in-context vector's
+    injection) turning the output ``x`` towards ``v`` with its norm kept:
 
-    site: Literal["residual", "attention"]
+        x' = |x| unit(unit(x) + (1 + max(0, cos(x, -v))) v)        (unit(a) = a / |a|, |v| the strength)
+
+    ``meta``: how they were extracted (JSON-able)."""
+
+    site: Literal["residual", "attention", "mlp"]
     vectors: dict[int, Tensor]
-    mode: Literal["add", "replace"] = "add"
+    mode: Literal["add", "replace", "rotate"] = "add"
     position: Literal["last", "all"] = "all"
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.site not in SITES or self.mode not in ("add", "replace") or self.position not in ("last", "all"):
+        modes = ("add", "replace", "rotate")
+        if (
+            self.site not in SITES
+            or self.mode not in modes
+            or self.position not in ("last", "all")
+            or (self.mode == "rotate" and self.position != "all")
+        ):
             raise InputError(
                 f"Steering(site={self.site!r}, mode={self.mode!r}, position={self.position!r}): site is one "
-                f"of {SITES}, mode 'add' or 'replace', position 'last' or 'all'"
+                f"of {SITES}, mode one of {modes}, position 'last' or 'all' ('all' for 'rotate')"
             )
         if any(not isinstance(v, Tensor) or v.ndim != 1 for v in self.vectors.values()):
             raise InputError("Steering vectors must be 1-d tensors [d], one per layer")
@@ -106,7 +119,10 @@ def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = No
                 raise InputError(f"a steering vector has {vector.shape[-1]} features, the stream {t.shape[-1]}")
             v = vector.to(t.device, t.dtype)
             if steering.position == "all":
-                new = t + v if steering.mode == "add" else v.expand_as(t).clone()
+                if steering.mode == "rotate":
+                    new = _rotated(t, v).to(t.dtype)
+                else:
+                    new = t + v if steering.mode == "add" else v.expand_as(t).clone()
                 if where is not None:
                     if where.shape != t.shape[:2]:
                         raise InputError(
@@ -122,6 +138,15 @@ def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = No
 
     with registered_hooks((modules[i].register_forward_hook, hook_for(v)) for i, v in steering.vectors.items()):
         yield model
+
+
+def _rotated(x: Tensor, v: Tensor) -> Tensor:
+    """``|x| unit(unit(x) + (1 + max(0, cos(x, -v))) v)`` (``Steering``'s ``"rotate"``), in float32 at least."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x, v = x.to(dtype), v.to(dtype)
+    norm = x.norm(dim=-1, keepdim=True)
+    boost = 1 + torch.nn.functional.cosine_similarity(x, -v.expand_as(x), dim=-1).clamp_min(0)[..., None]
+    return torch.nn.functional.normalize(torch.nn.functional.normalize(x, dim=-1) + boost * v, dim=-1) * norm
 
 
 @contextlib.contextmanager

@@ -15,6 +15,12 @@ query's tokens are the last ``n_query[b]`` of row ``b`` with and without the pro
 * attention shift: per layer, the mean over query positions of ``A_C(x) - A_0(x)`` (the
   attention's residual contribution with minus without the prompt), added at every layer and
   position, the MLPs untouched;
+* in-context vector (Liu et al. 2024, *In-context Vectors: Making In Context Learning More
+  Effective and Controllable Through Latent Space Steering*): per demonstration, the last-position
+  residual states after every layer of the demonstration with its answer minus without it,
+  flattened over the layers; the top principal direction of those differences plus their mean,
+  per layer; injected at every layer's MLP output, every position, by turning the output towards
+  it with its norm kept (``Steering``'s ``"rotate"``);
 * thought vector: the output side of a thought patch alone, a constant per layer,
   ``v_l = mean(y_C - y_0)`` over query positions where ``y_0`` already has ``v_1 .. v_{l-1}``
   (the sequential least squares with one constant feature), added to the residual stream.
@@ -250,3 +256,32 @@ def thought_vector(
     with registered_hooks((m.register_forward_hook, hook_for(i)) for i, m in enumerate(modules)), torch.no_grad():
         model.base_model(**_on(model, plain), use_cache=False)
     return Steering("residual", vectors, "add", "all", {"method": "thought vector"})
+
+
+def in_context_vectors(
+    model: nn.Module, sources: dict[str, Tensor], targets: dict[str, Tensor], strength: float = 0.1
+) -> Steering:
+    """The in-context vector (module docstring) of demonstration pairs: row ``b`` of ``sources`` is
+    demonstration ``b`` without its answer, of ``targets`` with it. With ``d_b`` the differences of
+    the last-position residual states after every layer, flattened ``[L d]``, and ``dbar`` their
+    mean, ``icv = pc_1 + dbar``, ``pc_1`` the unit top principal direction of ``d_b - dbar`` (sign:
+    agreeing with ``dbar``; an SVD's sign is arbitrary). Layer ``l``'s vector is ``icv_l`` scaled to
+    norm ``strength`` (the ``lambda`` of the injection), at the MLP outputs."""
+    if sources["input_ids"].shape[0] != targets["input_ids"].shape[0]:
+        raise InputError("in_context_vectors: sources and targets must hold the same demonstrations, row by row")
+    if not strength > 0:
+        raise InputError(f"in_context_vectors: strength must be > 0, got {strength!r}")
+    src, tgt = _states(model, sources, "residual", last=True), _states(model, targets, "residual", last=True)
+    diff = torch.cat([t - s for s, t in zip(src, tgt)], -1).double()  # [B, L d]
+    mean = diff.mean(0)  # [L d]
+    _, _, vh = torch.linalg.svd(diff - mean, full_matrices=False)  # rows: principal directions
+    top = vh[0] if vh.shape[0] else torch.zeros_like(mean)
+    top = -top if float(top @ mean) < 0 else top
+    icv = (top + mean).view(len(src), -1)  # [L, d]
+    return Steering(
+        "mlp",
+        {i: (strength * v / v.norm().clamp_min(1e-30)).to(src[0].dtype) for i, v in enumerate(icv)},
+        "rotate",
+        "all",
+        {"method": "in-context vector", "strength": float(strength), "demonstrations": int(diff.shape[0])},
+    )

@@ -15,6 +15,8 @@ same seed gives the same queries, batch size and thread count aside.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import torch
@@ -24,19 +26,22 @@ from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
 
-__all__ = ["sample_calibration"]
+__all__ = ["sample_calibration", "demonstration_start", "DEFAULTS"]
+
+# What is sampled unless told otherwise (also what ``thought_patch`` samples when calibration is left out).
+DEFAULTS = {"n": 64, "length": 32, "temperature": 0.7, "seed": 0}
 
 
 @torch.no_grad()
 def sample_calibration(
     model: nn.Module,
     prompt: Any,
-    n: int = 64,
-    length: int = 32,
+    n: int = DEFAULTS["n"],
+    length: int = DEFAULTS["length"],
     *,
-    temperature: float = 0.7,
+    temperature: float = DEFAULTS["temperature"],
     start: Any = None,
-    seed: int = 0,
+    seed: int = DEFAULTS["seed"],
     batch_size: int = 32,
     progress: bool | None = None,
 ) -> Tensor:
@@ -73,7 +78,7 @@ def sample_calibration(
     adapter.check_inputs(model, torch.cat([ids, head], 1))  # the start's ids too
     gen = torch.Generator(device=ids.device).manual_seed(seed)
     rows = []
-    sizes = [min(batch_size, n - start) for start in range(0, n, batch_size)]
+    sizes = [min(batch_size, n - first) for first in range(0, n, batch_size)]
     for b in progress_bar(sizes, progress, desc="calibration", unit="batch"):
         step, cache, drawn = torch.cat([ids, head], 1).expand(b, -1), None, [head.expand(b, -1)]
         for _ in range(length - head.shape[1]):
@@ -84,3 +89,22 @@ def sample_calibration(
             drawn.append(step)
         rows.append(torch.cat(drawn, 1))
     return torch.cat(rows).cpu()
+
+
+def demonstration_start(prompt: str) -> str | None:
+    """How the prompt's demonstrations begin, where at least two of its blank-line separated blocks (else
+    lines) begin alike: the label before a block's first ``:`` (``"Q:"`` for ``"Q: walk\nA: walked"``), else
+    their longest common prefix cut at a word's end. ``None`` when no two blocks share a beginning
+    (an instruction alone). Self-generated calibration starts there, so that the model writes new
+    demonstrations rather than whatever text it would put after the prompt."""
+    for blocks in (prompt.split("\n\n"), prompt.splitlines()):  # blocks, else lines
+        blocks = [b.strip() for b in blocks if b.strip()]
+        heads = [b[: b.index(":") + 1] for b in blocks if ":" in b[:24]]
+        best = max(sorted(set(heads)), key=heads.count, default=None)
+        if best is not None and heads.count(best) >= 2:
+            return best
+        common = os.path.commonprefix(blocks[1:]) if len(blocks) > 2 else ""
+        common = re.sub(r"\w+$", "", common).rstrip()
+        if common:
+            return common
+    return None

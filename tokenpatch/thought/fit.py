@@ -24,6 +24,7 @@ __all__ = [
     "LayerFit",
     "ThoughtPatch",
     "cut_rank",
+    "ridge_setting",
     "calibration_batches",
     "provenance",
     "solve_output",
@@ -40,7 +41,8 @@ class LayerFit:
       ``D s_0 ~ s_C - s_0``, in the MLP-input space). With ``solver="normal"`` it is read from the
       sums, so an exact fit reads as about ``sqrt(eps * condition)``, not 0; with ``"qr"`` it is
       exact. ``evaluate_thought_patch`` on the calibration inputs measures the fit itself;
-    * per side, the rank and condition number of the normal equations, and the ``lambda`` used.
+    * per side, the rank and condition number of the normal equations and the ``lambda`` used
+      (``input_ridge``, ``output_ridge``: ``ridge`` itself, or what ``ridge="gcv"`` chose there).
     """
 
     layer: int
@@ -51,7 +53,9 @@ class LayerFit:
     output_residual: float | None = None
     output_rank: int | None = None
     output_condition: float | None = None
-    ridge: float = 0.0
+    ridge: float | str = 0.0
+    input_ridge: float | None = None
+    output_ridge: float | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -82,6 +86,11 @@ class ThoughtPatch:
     def matrices(self) -> Patch:
         """Only the matrix deltas: the thought matrices."""
         return _subset(self.patch, dense=False)
+
+
+def ridge_setting(ridge: float | str) -> float | str:
+    """``ridge`` as recorded: a float, or ``"gcv"``."""
+    return ridge if ridge == "gcv" else float(ridge)
 
 
 def cut_rank(deltas: dict[str, Delta], rank: int | None) -> dict[str, Delta]:
@@ -137,7 +146,7 @@ def solve_output(
     output: str,
     affine: bool,
     deltas: dict,
-    ridge: float,
+    ridge: float | str,
     distributed: bool,
     solver: str,
 ) -> dict:
@@ -153,11 +162,19 @@ def solve_output(
             yield (torch.cat([x, x.new_ones(x.shape[0], 1)], 1) if affine else x), t
 
     acc = accumulate(design(), distributed, solver)
-    a, rank, cond = solve(acc, ridge, affine, f"layer {i} output side")
+    a, rank, cond, lam, parts = solve(acc, ridge, affine, f"layer {i} output side")
     if output == "affine":
         dw = a[:, :-1] if affine else a  # [d, d_hidden]  math layout
         layout = weight_layout(module, name)
-        deltas[f"{module_name}.weight"] = factor(dw if layout == "out_in" else dw.T).to(module.weight.dtype)
+        if parts is not None and layout != "out_in":
+            parts = (parts[1].T, parts[0].T)
+        deltas[f"{module_name}.weight"] = factor(dw if layout == "out_in" else dw.T, parts).to(module.weight.dtype)
     if affine:
         deltas[name] = a[:, -1][None, None].to(module.bias.dtype)  # [1, 1, d]
-    return {"n": acc.n, "output_residual": residual(acc, a), "output_rank": rank, "output_condition": cond}
+    return {
+        "n": acc.n,
+        "output_residual": residual(acc, a, lam, affine),
+        "output_rank": rank,
+        "output_condition": cond,
+        "output_ridge": lam,
+    }

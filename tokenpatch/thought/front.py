@@ -49,7 +49,7 @@ from tokenpatch.deprecation import renamed_keywords
 from tokenpatch.errors import InputError, caller_stacklevel
 from tokenpatch.patch import Patch
 from tokenpatch.run import hooked
-from tokenpatch.thought.calibration import sample_calibration
+from tokenpatch.thought.calibration import DEFAULTS, sample_calibration
 from tokenpatch.thought.fit import LayerFit, ThoughtPatch, calibration_batches
 from tokenpatch.thought.hf import fit_lm
 from tokenpatch.thought.icl import fit_icl
@@ -67,7 +67,7 @@ __all__ = [
 
 
 # What ``thought_patch`` samples when a language model's calibration is left out (``sample_calibration``).
-SELF_CALIBRATION = {"n": 64, "length": 32, "temperature": 0.7, "seed": 0}
+SELF_CALIBRATION = DEFAULTS
 
 
 @renamed_keywords(queries="calibration")
@@ -77,7 +77,7 @@ def thought_patch(
     prompt: Tensor,
     calibration: Any = None,
     *,
-    ridge: float = 0.0,
+    ridge: float | Literal["gcv"] = 0.0,
     mode: Literal["sequential", "teacher"] = "sequential",
     inputs: bool = True,
     output: Literal["affine", "vector"] | None = "affine",
@@ -89,6 +89,7 @@ def thought_patch(
     progress: bool | None = None,
     keep_bos: bool = False,
     layers: Any = None,
+    start: Any = None,
 ) -> ThoughtPatch:
     """Fit one static patch that stands in for ``prompt`` (module docstring).
 
@@ -97,8 +98,11 @@ def thought_patch(
     after the prompt, every position fitted; or a re-iterable of such batches (``queries=`` is its
     0.2 name); left out on a language model, the prompted model writes them itself
     (``sample_calibration(model, prompt)``: 64 continuations of 32 tokens at temperature 0.7, seed 0;
-    call it to choose others). ``ridge``: ``lambda`` of the
-    per-position mean objective. ``inputs`` / ``output``: which sides to fit. ``rank``: keep every
+    call it to choose others), each begun with the token ids ``start`` if given: for a few-shot
+    prompt, how its demonstrations begin (``tokenizer(demonstration_start(text))``, e.g. ``"Q:"``), so
+    that the model writes new demonstrations rather than whatever it would put after the prompt. ``ridge``: ``lambda`` of the
+    per-position mean objective, or ``"gcv"``: chosen for each layer and side by generalised
+    cross-validation from the fit's own sums (``lstsq.py``; the choices are in ``fits``). ``inputs`` / ``output``: which sides to fit. ``rank``: keep every
     matrix delta at its top ``rank`` singular directions *during* the fit, so that the output side
     and the layers above fit on top of the truncated update (``ThoughtPatch.truncate`` cuts after
     the fit instead, and the layers above never see it). ``solver``: ``"normal"`` accumulates the
@@ -120,8 +124,8 @@ def thought_patch(
         raise InputError(f"mode must be 'sequential' or 'teacher', got {mode!r}")
     if output not in ("affine", "vector", None):
         raise InputError(f"output must be 'affine', 'vector' or None, got {output!r}")
-    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge >= 0:
-        raise InputError(f"ridge must be a number >= 0, got {ridge!r}")
+    if ridge != "gcv" and (isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge >= 0):
+        raise InputError(f"ridge must be a number >= 0 or 'gcv' (chosen per layer and side), got {ridge!r}")
     if not inputs and output is None:
         raise InputError("nothing to fit: inputs=False and output=None")
     if solver not in ("normal", "qr"):
@@ -136,7 +140,11 @@ def thought_patch(
                 "thought_patch: calibration inputs [m, T_q, d_in] are needed (only a language model writes its own)"
             )
         sampled = dict(SELF_CALIBRATION)
-        calibration = sample_calibration(model, prompt, progress=progress, **sampled)
+        calibration = sample_calibration(model, prompt, start=start, progress=progress, **sampled)
+        if start is not None:
+            sampled["start"] = [int(t) for t in torch.as_tensor(start).reshape(-1)]
+    elif start is not None:
+        raise InputError("thought_patch: start= begins the continuations it samples; calibration was given")
     batches = calibration_batches(calibration, batch_size)
     if adapter.traced:  # a language model: token ids, the model's own forward (hf.py)
         fit = fit_lm(

@@ -4,7 +4,8 @@ The same least squares as ``icl.py`` (``front.py`` has the math, ``docs/thought-
 sequential mode, with both passes the model's own forward:
 
 * **targets**: the calibration query tokens read after the prompt, ``[prompt; q]`` (positions
-  ``P ..``), every layer recorded at once per batch;
+  ``P ..``), every layer recorded at once per batch; the prompt runs once and every query reads its
+  keys and values from the cache (the same numbers as running ``[prompt; q]`` whole);
 * **anchors**: the query tokens without the prompt (positions ``0 ..``; after the prompt's first
   token with ``keep_bos``), under the static patch fitted so far, recorded at the layer being
   fitted. This pass runs one decoder layer at a time: the stream entering layer ``l`` is kept (the
@@ -28,6 +29,7 @@ output, ``unit((out_C - m_0) / g) rms(p)``, and the norm's scale is then fitted 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -41,8 +43,18 @@ from tokenpatch.patch import INPUT_SUFFIX, Delta
 from tokenpatch.patching import param_layout
 from tokenpatch.progress import progress_bar
 from tokenpatch.run import hooked
-from tokenpatch.thought.fit import LayerFit, ThoughtPatch, cut_rank, provenance, solve_output, static_patch
+from tokenpatch.thought.fit import (
+    LayerFit,
+    ThoughtPatch,
+    cut_rank,
+    provenance,
+    ridge_setting,
+    solve_output,
+    static_patch,
+)
 from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
+
+TARGET_CACHE_BYTES = 2**28  # the prompt's keys and values copied per target batch, at most (about)
 
 
 class _Stop(Exception):
@@ -88,7 +100,7 @@ def fit_lm(
     prompt: Tensor,
     batches: list,
     *,
-    ridge: float,
+    ridge: float | str,
     mode: str,
     inputs: bool,
     output: str | None,
@@ -125,12 +137,21 @@ def fit_lm(
     device = model.get_input_embeddings().weight.device
     batches, valid = _right_padded(batches, max(256, *(q.shape[0] for q in batches)))
 
+    # the prompt's keys and values, computed once: every calibration query reads them from a copy
+    prompt_cache = model.base_model(input_ids=prompt.to(device), use_cache=True).cache
+    row_bytes = sum(t.numel() * t.element_size() for t in _cache_tensors(prompt_cache)) or 1
+
     def targets(q: Tensor) -> list[dict[str, Tensor]]:
-        """Every layer's with-prompt states at the query positions ``[b, T_q, .]``."""
-        full = torch.cat([prompt.to(device).expand(q.shape[0], -1), q.to(device)], 1)
-        with adapter.recording(model, torch.arange(p, full.shape[1], device=device)) as rec:
-            model.base_model(input_ids=full, use_cache=False)
-        return [{k: r[k] for k in ("s", "out")} for r in rec]  # all the fits read of the with-prompt pass
+        """Every layer's with-prompt states at the query positions ``[b, T_q, .]``: the queries run on
+        the prompt's cache (rows at a time, so that the copies stay under ``TARGET_CACHE_BYTES``)."""
+        parts = []
+        for rows in q.to(device).split(max(1, TARGET_CACHE_BYTES // row_bytes)):
+            kv = copy.deepcopy(prompt_cache)
+            kv.batch_repeat_interleave(rows.shape[0])
+            with adapter.recording(model, torch.arange(rows.shape[1], device=device), every=True) as rec:
+                model.base_model(input_ids=rows, cache=kv, use_cache=True)
+            parts.append([{k: r[k] for k in ("s", "out")} for r in rec])  # what the fits read of this pass
+        return [{k: torch.cat([part[i][k] for part in parts]) for k in ("s", "out")} for i in range(n_layers)]
 
     # the targets do not depend on the fit: computed once and kept (m x T_q x layers x 2 d numbers)
     cache = [targets(q) for q in batches]
@@ -167,16 +188,22 @@ def fit_lm(
         anchors = lambda current: run(current, True)  # noqa: E731
         if i in fitted:
             sites = adapter.sites(model, i)
-            fit: dict[str, Any] = {"layer": i, "ridge": float(ridge)}
+            fit: dict[str, Any] = {"layer": i, "ridge": ridge_setting(ridge)}
             if inputs and sites.input_site is not None:
                 key = f"{sites.input_site}{INPUT_SUFFIX}"
                 acc = accumulate(
                     ((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(deltas)), distributed, solver
                 )
-                d, solved_rank, cond = solve(acc, ridge, False, f"layer {i} input side")
-                fit.update(n=acc.n, input_residual=residual(acc, d), input_rank=solved_rank, input_condition=cond)
+                d, solved_rank, cond, lam, parts = solve(acc, ridge, False, f"layer {i} input side")
+                fit.update(
+                    n=acc.n,
+                    input_residual=residual(acc, d, lam),
+                    input_rank=solved_rank,
+                    input_condition=cond,
+                    input_ridge=lam,
+                )
                 readers[key] = [[name, param_layout(model, name)] for name in sites.inputs]
-                deltas.update(cut_rank({key: factor(d).to(_dtype(model))}, rank))
+                deltas.update(cut_rank({key: factor(d, parts).to(_dtype(model))}, rank))
             if output is not None and sites.output is not None:
                 site = sites.output
                 fit.update(_fit_output(model, i, site, anchors(deltas), deltas, output, ridge, distributed, solver))
@@ -195,7 +222,7 @@ def fit_lm(
         adapter,
         fits,
         mode=mode,
-        ridge=float(ridge),
+        ridge=ridge_setting(ridge),
         inputs=inputs,
         output=output,
         rank=rank,
@@ -214,7 +241,7 @@ def _fit_output(
     pairs_source,
     deltas: dict,
     output: str,
-    ridge: float,
+    ridge: float | str,
     distributed: bool,
     solver: str,
 ) -> dict:
@@ -291,6 +318,11 @@ def _fit_scale(norm: nn.Module, pairs_source, distributed: bool) -> Tensor:
 
 def _rms(norm: nn.Module, x: Tensor) -> Tensor:
     return x.square().mean(-1, keepdim=True).add(norm.eps).sqrt()
+
+
+def _cache_tensors(cache) -> list[Tensor]:
+    """The key and value tensors a Hugging Face cache holds (for its size)."""
+    return [t for layer in getattr(cache, "layers", []) for t in (layer.keys, layer.values) if isinstance(t, Tensor)]
 
 
 def _dtype(model: nn.Module) -> torch.dtype:

@@ -13,7 +13,15 @@ from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import Delta, Patch
 from tokenpatch.progress import progress_bar
 from tokenpatch.run import hooked
-from tokenpatch.thought.fit import LayerFit, ThoughtPatch, cut_rank, provenance, solve_output, static_patch
+from tokenpatch.thought.fit import (
+    LayerFit,
+    ThoughtPatch,
+    cut_rank,
+    provenance,
+    ridge_setting,
+    solve_output,
+    static_patch,
+)
 from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 
 __all__ = ["fit_icl"]
@@ -110,7 +118,7 @@ def fit_icl(
     prompt: Tensor,
     batches: list,
     *,
-    ridge: float,
+    ridge: float | str,
     mode: str,
     inputs: bool,
     output: str | None,
@@ -137,13 +145,19 @@ def fit_icl(
     fits: list[LayerFit] = []
     for i in progress_bar(range(adapter.n_layers(model)), progress, desc="thought_patch", unit="layer"):
         sites = adapter.sites(model, i)
-        fit = {"layer": i, "ridge": float(ridge)}
+        fit = {"layer": i, "ridge": ridge_setting(ridge)}
         if inputs and sites.inputs:
             acc = accumulate(
                 ((s_0.flatten(0, -2), (s_c - s_0).flatten(0, -2)) for _, s_c, _, s_0 in source), distributed, solver
             )
-            d, solved_rank, cond = solve(acc, ridge, False, f"layer {i} input side")
-            fit.update(n=acc.n, input_residual=residual(acc, d), input_rank=solved_rank, input_condition=cond)
+            d, solved_rank, cond, lam, _ = solve(acc, ridge, False, f"layer {i} input side")
+            fit.update(
+                n=acc.n,
+                input_residual=residual(acc, d, lam),
+                input_rank=solved_rank,
+                input_condition=cond,
+                input_ridge=lam,
+            )
             deltas.update(cut_rank(_input_deltas(model, sites.inputs, d), rank))
         if output is not None and sites.output is not None:
             fit.update(_fit_output(model, adapter, i, sites.output, source, deltas, output, ridge, distributed, solver))
@@ -157,7 +171,7 @@ def fit_icl(
         adapter,
         fits,
         mode=mode,
-        ridge=float(ridge),
+        ridge=ridge_setting(ridge),
         inputs=inputs,
         output=output,
         rank=rank,
@@ -175,7 +189,7 @@ def _fit_output(
     source: _Source,
     deltas: dict,
     output: str,
-    ridge: float,
+    ridge: float | str,
     distributed: bool,
     solver: str,
 ) -> dict:

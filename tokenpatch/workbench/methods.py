@@ -5,9 +5,7 @@ ways a method is scored: the answer's log-probabilities and greedy decoding."""
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -37,13 +35,13 @@ class Method:
 
 
 class Encoded:
-    """A task's splits as token ids: ``prefix`` (the tokenizer's BOS, possibly none), the k-shot
+    """A task's splits as token ids: ``prefix`` (``lead``, else the tokenizer's BOS, possibly none), the k-shot
     ``demos`` block, per split the queries and the answers' token ids."""
 
-    def __init__(self, tokenizer, splits: dict, shots: int, fmt: Format):
+    def __init__(self, tokenizer, splits: dict, shots: int, fmt: Format, lead: list[int] | None = None):
         self.tokenizer, self.fmt, self.splits = tokenizer, fmt, splits
         ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        self.prefix = leading_tokens(tokenizer)
+        self.prefix = leading_tokens(tokenizer) if lead is None else [int(t) for t in lead]
         if len(self.prefix) > 1:
             raise InputError(
                 f"the tokenizer starts every sequence with {len(self.prefix)} tokens; the comparison keeps "
@@ -60,6 +58,16 @@ class Encoded:
     def batch(self, split: str, prompted: bool, answers: bool = False, demos: list[int] | None = None) -> dict:
         head = self.prefix + ((self.demos if demos is None else demos) if prompted else [])
         rows = [head + q + (a if answers else []) for q, a in zip(self.query[split], self.answer[split])]
+        return pad_left(rows, self.pad)
+
+    def demo_batch(self, answers: bool) -> dict:
+        """The prompt's demonstrations one per row, each after the leading token: the query alone, or
+        with its answer (the in-context vector's pairs)."""
+        ids = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        rows = [
+            self.prefix + ids(self.fmt.query.format(x=x)) + (ids(self.fmt.answer.format(y=ys[0])) if answers else [])
+            for x, ys in self.demo_pairs
+        ]
         return pad_left(rows, self.pad)
 
     def n_query(self, split: str, answers: bool = False) -> Tensor:
@@ -94,25 +102,6 @@ def leading_tokens(tokenizer) -> list[int]:
         if tid is not None:
             return [int(tid)]
     return []
-
-
-def demonstration_start(prompt: str) -> str | None:
-    """How the prompt's demonstrations begin, where at least two of its blank-line separated blocks (else
-    lines) begin alike: the label before a block's first ``:`` (``"Q:"`` for ``"Q: walk\nA: walked"``), else
-    their longest common prefix cut at a word's end. ``None`` when no two blocks share a beginning
-    (an instruction alone). Self-generated calibration starts there, so that the model writes new
-    demonstrations rather than whatever text it would put after the prompt."""
-    for blocks in (prompt.split("\n\n"), prompt.splitlines()):  # blocks, else lines
-        blocks = [b.strip() for b in blocks if b.strip()]
-        heads = [b[: b.index(":") + 1] for b in blocks if ":" in b[:24]]
-        best = max(sorted(set(heads)), key=heads.count, default=None)
-        if best is not None and heads.count(best) >= 2:
-            return best
-        common = os.path.commonprefix(blocks[1:]) if len(blocks) > 2 else ""
-        common = re.sub(r"\w+$", "", common).rstrip()
-        if common:
-            return common
-    return None
 
 
 def single_token_answers(tokenizer, task: WordPairs, fmt: Format = Format()) -> dict:

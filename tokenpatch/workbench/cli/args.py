@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokenpatch.errors import InputError, TokenpatchError
 from tokenpatch.file_header import read_header
+from tokenpatch.paths import not_a_new_folder
 
 __all__ = [
     "USAGE_ERROR",
@@ -147,8 +148,8 @@ def check_out_folder(path: str, flag: str, what: str = "") -> Path:
 def check_new_folder(path: str, flag: str) -> Path:
     """``path`` is a new or an empty folder that can be created (nothing in it would be replaced)."""
     p = Path(path)
-    if p.exists() and (not p.is_dir() or any(p.iterdir())):
-        what = "a file" if not p.is_dir() else "a folder that is not empty"
+    what = not_a_new_folder(p)
+    if what:
         raise usage(f"{flag} {path} is {what}; give a new folder (nothing is replaced)")
     _check_writable(p, flag, path)
     return p

@@ -117,7 +117,8 @@ def compress_lm(args) -> int:
 
 
 def _compare_tasks(args, out) -> int:
-    from tokenpatch.workbench.report.compress import RIDGES, figure, markdown, run_model
+    from tokenpatch.workbench.report.compress import FULL, RIDGES, run_model
+    from tokenpatch.workbench.report.compress_page import figure, markdown
 
     tasks, paths = (_tasks(args) if args.task is not None else [_task_file(args)]), _outputs(args)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +132,7 @@ def _compare_tasks(args, out) -> int:
         rank=args.rank or 4,
         out=out,
         progress=not args.quiet,
+        **FULL,
     )
     text = markdown(run)
     with new_file(paths["json"], "--out") as tmp:
@@ -157,9 +159,9 @@ def _compress_prompt(args) -> int:
 
     from tokenpatch.lora import save_lora
     from tokenpatch.patch_files import save_patch
-    from tokenpatch.thought.calibration import sample_calibration
-    from tokenpatch.thought.front import SELF_CALIBRATION, thought_patch
-    from tokenpatch.workbench.methods import demonstration_start, leading_tokens
+    from tokenpatch.thought.calibration import DEFAULTS, demonstration_start, sample_calibration
+    from tokenpatch.thought.front import thought_patch
+    from tokenpatch.workbench.methods import leading_tokens
 
     lines = _query_lines(args.queries) if args.queries else None
     model, tokenizer = pretrained_for(args)
@@ -171,9 +173,9 @@ def _compress_prompt(args) -> int:
         queries = sample_calibration(
             model,
             prompt,
-            n=args.calibration or SELF_CALIBRATION["n"],
-            length=SELF_CALIBRATION["length"],
-            temperature=SELF_CALIBRATION["temperature"],
+            n=args.calibration or DEFAULTS["n"],
+            length=DEFAULTS["length"],
+            temperature=DEFAULTS["temperature"],
             start=start,
             seed=args.seed,
             progress=not args.quiet,

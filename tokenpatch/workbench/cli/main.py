@@ -177,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         "--task",
         default=None,
         help="with --model: a word-pair task, a comma-separated list, 'main' "
-        "(the five main tasks) or 'all' (main, then reserve tasks until 4 are informative) (default: none)",
+        "(the five main tasks) or 'all' (main, then reserve tasks until 5 are informative) (default: none)",
     )
     c.add_argument(
         "--task-file",
