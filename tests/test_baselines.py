@@ -304,8 +304,10 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
     assert 0 <= rows["task_vector"]["layer"] < 3 and len(rows["function_vector"]["heads"]) == 2
     assert rows["icl"]["bytes"] == 2 * 3 * 2 * 16 * res["prompt_tokens"] * 8  # the prompt's float64 KV cache
     assert rows["thought_patch"]["kl"] < rows["zero_shot"]["kl"]  # the fit keeps some of the prompt's effect
-    # every method acts (prompt baking may take no step in the tiny model's 1x budget: then it is zero-shot)
-    assert all(rows[k]["kl"] != rows["zero_shot"]["kl"] for k in rows if k not in ("zero_shot", "prompt_baking_1x"))
+    # every method acts; prompt baking only if its wall-time budget (a few tiny fits' worth) allowed a step
+    acting = [k for k in rows if k != "zero_shot" and not (k.startswith("prompt_baking") and rows[k]["steps"] == 0)]
+    assert all(rows[k]["kl"] != rows["zero_shot"]["kl"] for k in acting)
+    assert all(rows[k]["kl"] == rows["zero_shot"]["kl"] for k in set(rows) - set(acting))  # no step: zero-shot
     assert {"thought_patch", "thought_patch_rank", "prompt_baking_1x"} <= set(res["patches"])
     json.dumps({k: v for k, v in res.items() if k != "patches"}, allow_nan=False)  # valid JSON, no inf
     assert non_snake_keys({k: v for k, v in res.items() if k != "patches"}) == []
