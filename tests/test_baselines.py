@@ -436,3 +436,44 @@ def test_head_terms_through_gemmas_post_attention_norm_add_up(float64_gemma_norm
     with torch.no_grad():
         want = site_modules(model, "attention")[layer](o_proj_modules(model)[layer](z.flatten(1)))[0]
     assert float((total - want).abs().max()) <= 1e-12
+
+
+def test_in_context_vector_is_the_principal_direction_plus_the_mean_and_rotates_keeping_norms():
+    """Liu et al.'s ICV written out: the flattened per-layer differences, their top principal direction
+    (sign with the mean) plus their mean, per layer scaled to the strength; the injection turns each
+    MLP output towards it and keeps its norm."""
+    from tokenpatch.baselines import in_context_vectors
+
+    model = build("llama")
+    sources, targets = (
+        pad_left([[BOS, 5, 6], [BOS, 7], [BOS, 9, 4, 3]], 0),
+        pad_left([[BOS, 5, 6, 8], [BOS, 7, 2], [BOS, 9, 4, 3, 11]], 0),
+    )
+    icv = in_context_vectors(model, sources, targets, strength=0.3)
+    src, tgt = _states(model, sources, "residual", True), _states(model, targets, "residual", True)
+    d = torch.cat([t - s for s, t in zip(src, tgt)], -1)  # [3, L d]
+    mean = d.mean(0)
+    pc = torch.linalg.svd(d - mean).Vh[0]
+    pc = pc if float(pc @ mean) >= 0 else -pc
+    want = (pc + mean).view(len(src), -1)
+    for i, v in icv.vectors.items():
+        assert abs(float(v.norm()) - 0.3) <= 1e-12
+        assert float((v / v.norm() - want[i] / want[i].norm()).abs().max()) <= 1e-10
+    mlp = site_modules(model, "mlp")[1]
+    seen = {}
+    hook = mlp.register_forward_hook(lambda m, a, out: seen.setdefault("out", out.detach()))
+    with torch.no_grad():
+        model(torch.tensor([[BOS, 5, 6, 8]]))
+        hook.remove()
+        plain = seen.pop("out")
+        with steer(model, icv.only(1)):  # layer 1 alone: its MLP reads what it read unsteered
+            hook = mlp.register_forward_hook(lambda m, a, out: seen.setdefault("out", out.detach()))
+            model(torch.tensor([[BOS, 5, 6, 8]]))
+            hook.remove()
+    v = icv.vectors[1]
+    boost = 1 + torch.nn.functional.cosine_similarity(plain, -v.expand_as(plain), dim=-1).clamp_min(0)[..., None]
+    unit = torch.nn.functional.normalize
+    rotated = unit(unit(plain, dim=-1) + boost * v, dim=-1) * plain.norm(dim=-1, keepdim=True)
+    assert float((seen["out"] - rotated).abs().max()) <= 1e-12
+    assert float((seen["out"].norm(dim=-1) - plain.norm(dim=-1)).abs().max()) <= 1e-12  # the norm is kept
+    assert float((seen["out"] - plain).abs().max()) > 1e-3  # and the direction turned
