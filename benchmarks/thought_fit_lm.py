@@ -1,6 +1,6 @@
 """Cost of ``tp.thought_patch`` on real language models, against one prompted forward pass.
 
-Claim (``docs/thought-patches.md``, issue 21): a thought patch's fit costs a small multiple of one
+Claim (``docs/thought-patches.md``, ``docs/prompt-compression.md`` §3): a thought patch's fit costs a small multiple of one
 forward pass of its calibration set read after the prompt. The unit is that pass done the cheap
 way: the prompt run once, its keys and values shared by every calibration query (a copy of the
 cache per batch), so the unit is ``P + sum_j T_j`` tokens, not ``m (P + T)``. Goal: fit <= 3x it.

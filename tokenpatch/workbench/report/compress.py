@@ -238,7 +238,7 @@ def _line(task: str, res: dict) -> str:
 
 
 def goal(results: dict[str, dict]) -> dict:
-    """The issue's checks on the informative tasks, for each task's closed-form thought patch chosen on
+    """The goal's checks on the informative tasks (``docs/prompt-compression.md`` §5), for each task's closed-form thought patch chosen on
     dev (``closed_form_choice``): its KL to ICL is the lowest of every method but ICL and the thought
     patch's own variants (on at least 4 tasks and 4 of 5); its mean share of the ICL-over-zero-shot
     gain (goal 0.9); and at equal wall time it is closer to ICL than prompt baking (the baking row
