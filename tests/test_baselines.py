@@ -34,6 +34,7 @@ from tokenpatch.baselines.vectors import _states  # noqa: E402
 from tokenpatch.stats import wilson
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPairs, is_correct, load_task, task_names  # noqa: E402
 from tokenpatch.workbench.compare import compare
+from tokenpatch.workbench.extract import ICV_PAIRINGS, ICV_STRENGTHS
 from tokenpatch.workbench.methods import Method, greedy
 
 float64_gemma_norms = _float64_gemma_norms  # test_hf's fixture, shared
@@ -295,7 +296,9 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
     assert all(f["input_ridge"] > 0 for f in rows["thought_patch_gcv"]["fits"])  # chosen per layer by GCV
     assert rows["thought_patch_sampled_3"]["fits"][0]["n"] == 3 * 32  # every position of 3 continuations
     assert rows["prompt_baking_3x"]["steps"] >= rows["prompt_baking_1x"]["steps"]  # snapshots of one run
-    assert rows["in_context_vector"]["strength"] in (0.03, 0.1, 0.3, 1.0)
+    icv = rows["in_context_vector"]
+    assert icv["strength"] in ICV_STRENGTHS and icv["pairing"] in ICV_PAIRINGS
+    assert len(icv["dev_scores"]) == len(ICV_STRENGTHS) * len(ICV_PAIRINGS)  # every pairing at every strength
     assert rows["icl"]["kl"] == 0 and all(r["kl"] >= 0 and r["n"] == 12 for r in rows.values())
     assert all(r["accuracy_interval"]["lo"] <= r["accuracy"] <= r["accuracy_interval"]["hi"] for r in rows.values())
     assert rows["thought_patch"]["ridge"] in (0.01, 0.1) and [
@@ -351,6 +354,39 @@ def test_the_first_token_and_the_format_are_chosen_on_dev_by_icl():
     assert res["lead"] == [2] and res["format"]["query"] == "{x} ->"
     with pytest.raises(tp.InputError, match="prompting format"):
         choose_prompting(model, CharTokenizer(), [task], {"lead": [2], "format": "xml"})
+
+
+def test_the_in_context_vector_pairs_a_query_with_its_answer_or_a_word_with_its_answer():
+    """The two pairings the in-context vector is chosen among: the query read alone against it with its
+    answer, and (the authors' pairing) the input word alone against the answer alone, both after the
+    leading token and written as an answer is."""
+    from tokenpatch.workbench.methods import Encoded
+
+    tok = CharTokenizer()
+    task = WordPairs("rev", "word -> reversed", (("ab", ("ba",)), ("cd", ("dc",)), ("ef", ("fe",)), ("gh", ("hg",))))
+    enc = Encoded(tok, task.split(0, demos=2, calibration=1, dev=0, test=None), 2, Format(), [1])
+    text = lambda batch: [tok.decode(r[m > 0]) for r, m in zip(batch["input_ids"], batch["attention_mask"])]  # noqa: E731
+    xs = [x for x, _ in enc.demo_pairs]
+    ys = [y[0] for _, y in enc.demo_pairs]
+    assert text(enc.word_batch(False)) == ["?" + " " + x for x in xs]  # "?": the lead, id 1
+    assert text(enc.word_batch(True)) == ["?" + " " + y for y in ys]
+    assert text(enc.demo_batch(False)) == [f"?Q: {x}\nA:" for x in xs]
+    assert text(enc.demo_batch(True)) == [f"?Q: {x}\nA: {y}" for x, y in zip(xs, ys)]
+    assert all(enc.word_batch(False)["input_ids"][:, -1] != tok.pad_token_id)  # padded on the left
+
+
+def test_the_lead_candidates_include_an_end_of_text_token_of_any_role():
+    """SmolLM2's ``<|endoftext|>`` is its unknown token, not its BOS or EOS, and it is the token its
+    pretraining documents were joined by: it must be a candidate first token."""
+    from tokenpatch.workbench.report.compress import document_markers
+
+    class SmolLike(CharTokenizer):
+        bos_token_id, eos_token_id = 1, 2
+        all_special_tokens = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<pad>"]
+        all_special_ids = [1, 2, 0, 7]
+
+    assert document_markers(SmolLike()) == [1, 2, 0]
+    assert document_markers(CharTokenizer()) == [1, 2]
 
 
 def test_greedy_on_the_cache_equals_argmax_without_it():

@@ -513,3 +513,13 @@ def test_the_demonstrations_beginning_is_found():
     assert demonstration_start("Pairs:\n\n- dog = chien\n\n- cat = chat\n\n- sun = soleil") == "-"
     assert demonstration_start("Be concise.") is None
     assert demonstration_start("walk -> walked\n\nrun -> ran") is None
+
+
+def test_the_demonstrations_separator_is_found():
+    from tokenpatch.thought.calibration import demonstration_separator
+
+    assert demonstration_separator("Give the past tense.\n\nQ: walk\nA: walked\n\nQ: go\nA: went\n\n") == "\n\n"
+    assert demonstration_separator("In capitals.\nQ: apple -> APPLE\nQ: green -> GREEN\n") == "\n"
+    assert demonstration_separator("walk -> walked\nrun -> ran\ngo -> went\n") == "\n"  # lines, no label
+    assert demonstration_separator("Be concise.") is None
+    assert demonstration_separator("walk -> walked\n\nrun -> ran") is None

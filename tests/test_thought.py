@@ -329,6 +329,36 @@ def test_one_verb_and_the_0_2_spellings_warn_with_the_new_ones(tmp_path):
 
 
 # ----------------------------------------------------------------------------- self-generated calibration
+class _Chars:
+    """Characters as token ids (``ord``): enough to cut and re-tokenize continuations."""
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_the_demonstrations_the_model_wrote_are_cut_into_queries_of_their_own():
+    """Each continuation cut at the separator; its last (cut-off) piece, blank and repeated pieces
+    dropped; the rest in the order first written, then batched by length."""
+    from tokenpatch.thought.calibration import batched, demonstrations
+
+    rows = torch.tensor(
+        [
+            [ord(c) for c in "Q: a\nA: b\n\nQ: cc\nA: d\n\nQ: eeee"],
+            [ord(c) for c in "Q: a\nA: b\n\n\n\nQ: f\nA: g\n\nQ: hhh"],
+        ]
+    )
+    got = [_Chars().decode(p) for p in demonstrations(_Chars(), rows, "\n\n")]
+    assert got == ["Q: a\nA: b", "Q: cc\nA: d", "Q: f\nA: g"]
+    batches = batched(demonstrations(_Chars(), rows, "\n\n"))
+    assert [tuple(b.shape) for b in batches] == [(2, 9), (1, 10)]
+    assert demonstrations(_Chars(), rows[:1, :8], "\n\n") == []  # no separator written yet
+    with pytest.raises(tp.InputError, match="separator"):
+        demonstrations(_Chars(), rows, "")
+
+
 def test_sample_calibration_is_the_models_own_seeded_continuations():
     model, prompt = build("llama"), ids(1, 6)[0]
     a = sample_calibration(model, prompt, n=5, length=4, batch_size=2, progress=False)

@@ -26,7 +26,14 @@ from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
 
-__all__ = ["sample_calibration", "demonstration_start", "DEFAULTS"]
+__all__ = [
+    "sample_calibration",
+    "demonstrations",
+    "batched",
+    "demonstration_start",
+    "demonstration_separator",
+    "DEFAULTS",
+]
 
 # What is sampled unless told otherwise (also what ``thought_patch`` samples when calibration is left out).
 DEFAULTS = {"n": 64, "length": 32, "temperature": 0.7, "seed": 0}
@@ -91,20 +98,65 @@ def sample_calibration(
     return torch.cat(rows).cpu()
 
 
+def demonstrations(tokenizer, continuations: Tensor, separator: str) -> list[list[int]]:
+    """The whole demonstrations in sampled ``continuations [n, L]``, each a calibration query of its own.
+
+    A continuation of a few-shot prompt holds several new demonstrations; read whole, its later ones
+    follow the earlier ones, which are in-context examples themselves, so the prompt's own effect
+    there is small, and a query a user asks comes alone. Each continuation is decoded and cut at the
+    prompt's ``separator`` (``"\n\n"`` between ``"Q: x\nA: y"`` blocks, ``"\n"`` between lines); its last
+    piece is dropped (the length cut it off), blank and repeated ones too, and each is tokenized
+    again (no special tokens) as a query is. Returns token-id lists in the order first written."""
+    if not separator:
+        raise InputError("demonstrations: the separator between demonstrations must be a non-empty string")
+    pieces = [p for row in continuations for p in tokenizer.decode(row.tolist()).split(separator)[:-1] if p.strip()]
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in dict.fromkeys(pieces)]
+
+
+def batched(rows: list[list[int]]) -> list[Tensor]:
+    """Token-id rows of any lengths as calibration batches ``[b, T]``, one per length (shortest first)."""
+    by_len: dict[int, list[list[int]]] = {}
+    for r in rows:
+        if r:
+            by_len.setdefault(len(r), []).append(list(r))
+    return [torch.tensor(v) for _, v in sorted(by_len.items())]
+
+
+def _layouts(prompt: str):
+    """``(separator, blocks)``: the prompt cut into blank-line separated blocks, then into lines."""
+    for sep, blocks in (("\n\n", prompt.split("\n\n")), ("\n", prompt.splitlines())):
+        yield sep, [b.strip() for b in blocks if b.strip()]
+
+
+def _shared_start(blocks: list[str]) -> str | None:
+    heads = [b[: b.index(":") + 1] for b in blocks if ":" in b[:24]]
+    best = max(sorted(set(heads)), key=heads.count, default=None)
+    if best is not None and heads.count(best) >= 2:
+        return best
+    common = os.path.commonprefix(blocks[1:]) if len(blocks) > 2 else ""
+    return re.sub(r"\w+$", "", common).rstrip() or None
+
+
 def demonstration_start(prompt: str) -> str | None:
     """How the prompt's demonstrations begin, where at least two of its blank-line separated blocks (else
     lines) begin alike: the label before a block's first ``:`` (``"Q:"`` for ``"Q: walk\nA: walked"``), else
     their longest common prefix cut at a word's end. ``None`` when no two blocks share a beginning
     (an instruction alone). Self-generated calibration starts there, so that the model writes new
     demonstrations rather than whatever text it would put after the prompt."""
-    for blocks in (prompt.split("\n\n"), prompt.splitlines()):  # blocks, else lines
-        blocks = [b.strip() for b in blocks if b.strip()]
-        heads = [b[: b.index(":") + 1] for b in blocks if ":" in b[:24]]
-        best = max(sorted(set(heads)), key=heads.count, default=None)
-        if best is not None and heads.count(best) >= 2:
-            return best
-        common = os.path.commonprefix(blocks[1:]) if len(blocks) > 2 else ""
-        common = re.sub(r"\w+$", "", common).rstrip()
-        if common:
-            return common
+    for _, blocks in _layouts(prompt):
+        start = _shared_start(blocks)
+        if start:
+            return start
     return None
+
+
+def demonstration_separator(prompt: str) -> str | None:
+    """What separates the prompt's demonstrations: ``"\n\n"`` where at least two blank-line separated
+    blocks begin alike (``demonstration_start``), else ``"\n"`` where lines do, or where the prompt
+    is at least three lines none of them blank (``"walk -> walked"`` lines); ``None`` otherwise (an
+    instruction alone). ``demonstrations`` cuts sampled continuations there."""
+    for sep, blocks in _layouts(prompt):
+        if _shared_start(blocks):
+            return sep
+    lines = prompt.strip().split("\n")
+    return "\n" if len(lines) >= 3 and all(line.strip() for line in lines) else None

@@ -171,9 +171,10 @@ def fit_lm(
         layer = layers_[i]
 
         def run(current: dict[str, Delta], record: bool):
-            """Per batch, layer ``i`` on its stream under the patch ``current``: its recorded states
-            (``record``), or its output."""
-            patch = static_patch(current, {}, readers) if current else None
+            """Per batch, layer ``i`` on its stream under ``current``, layer ``i``'s own deltas (the
+            stream already carries those of the layers below): its recorded states (``record``), or its
+            output."""
+            patch = static_patch(current, {}, {k: readers[k] for k in current if k in readers}) if current else None
             for b, (v, kw) in enumerate(zip(valid, calls)):
                 # the patch's hooks first: a recording hook on a patched module then sees the patched output
                 with hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
@@ -186,13 +187,14 @@ def fit_lm(
                 yield (cache[b][i], rec[i], v.to(device)) if record else out
 
         anchors = lambda current: run(current, True)  # noqa: E731
+        mine: dict[str, Delta] = {}  # layer i's deltas
         if i in fitted:
             sites = adapter.sites(model, i)
             fit: dict[str, Any] = {"layer": i, "ridge": ridge_setting(ridge)}
             if inputs and sites.input_site is not None:
                 key = f"{sites.input_site}{INPUT_SUFFIX}"
                 acc = accumulate(
-                    ((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(deltas)), distributed, solver
+                    ((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(mine)), distributed, solver
                 )
                 d, solved_rank, cond, lam, parts = solve(acc, ridge, False, f"layer {i} input side")
                 fit.update(
@@ -203,18 +205,19 @@ def fit_lm(
                     input_ridge=lam,
                 )
                 readers[key] = [[name, param_layout(model, name)] for name in sites.inputs]
-                deltas.update(cut_rank({key: factor(d, parts).to(_dtype(model))}, rank))
+                mine.update(cut_rank({key: factor(d, parts).to(_dtype(model))}, rank))
             if output is not None and sites.output is not None:
                 site = sites.output
-                fit.update(_fit_output(model, i, site, anchors(deltas), deltas, output, ridge, distributed, solver))
-                deltas.update(cut_rank(deltas, rank))
+                fit.update(_fit_output(model, i, site, anchors(mine), mine, output, ridge, distributed, solver))
+                mine.update(cut_rank(mine, rank))
                 if site.kind == "matrix+scale":  # then the norm's scale, per channel, on the new directions
-                    deltas[site.norm] = _fit_scale(
-                        model.get_submodule(site.norm.rpartition(".")[0]), anchors(deltas), distributed
+                    mine[site.norm] = _fit_scale(
+                        model.get_submodule(site.norm.rpartition(".")[0]), anchors(mine), distributed
                     )
             fits.append(LayerFit(**{"n": 0, **fit}))
+            deltas.update(mine)
         if i < fitted[-1]:
-            streams = list(run(deltas, False))  # the next layer's input, this layer patched
+            streams = list(run(mine, False))  # the next layer's input, this layer patched
     if not deltas:
         raise InputError("nothing was fitted")
     meta = provenance(
@@ -266,14 +269,23 @@ def _fit_output(
     return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
 
 
-def _right_padded(batches: list[Tensor], rows: int) -> tuple[list[Tensor], list[Tensor]]:
+def _right_padded(batches: list[Tensor], rows: int, waste: float = 0.25) -> tuple[list[Tensor], list[Tensor]]:
     """Calibration inputs of any lengths as few batches of up to ``rows`` rows, padded on the right
     (token 0), and per batch the real positions ``[b, T]``. Causal attention: padding after a
-    token never reaches it, so no mask is needed; the fits read the real positions only."""
-    flat = [row for q in batches for row in q]
+    token never reaches it, so no mask is needed; the fits read the real positions only. Rows are
+    taken shortest first, and a batch is closed before its padding would exceed ``waste`` of its
+    real positions (one long query does not pad a batch of short ones to its length)."""
+    flat = sorted((row for q in batches for row in q), key=len)
+    chunks: list[list[Tensor]] = []
+    for row in flat:
+        chunk = chunks[-1] if chunks else None
+        real = sum(len(r) for r in chunk) + len(row) if chunk else 0
+        if chunk and len(chunk) < rows and (len(chunk) + 1) * len(row) <= (1 + waste) * real:
+            chunk.append(row)
+        else:
+            chunks.append([row])
     out, valid = [], []
-    for start in range(0, len(flat), rows):
-        chunk = flat[start : start + rows]
+    for chunk in chunks:
         width = max(len(r) for r in chunk)
         ids = torch.zeros(len(chunk), width, dtype=chunk[0].dtype)
         real = torch.zeros(len(chunk), width, dtype=torch.bool)

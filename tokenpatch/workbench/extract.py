@@ -6,8 +6,9 @@ Vectors (``tokenpatch.baselines``): the task vector and the function vector (a l
 dev), the in-context vector (a strength chosen on dev), the thought vector and the attention shift.
 Patches (``tokenpatch.thought``, ``tokenpatch.baselines.baking``): the thought patch, fitted on the
 calibration split's queries with their answers (ridge chosen by the dev KL to ICL, or by GCV from the
-fit's own sums), at full rank and at rank r, on continuations the prompted model writes itself
-(no labels: ``sample_calibration``, GCV ridge), and the gradient baselines: prompt baking (a peft
+fit's own sums), at full rank and at rank r, on the demonstrations the prompted model writes itself
+(no labels: ``sample_calibration``, cut by ``demonstrations``; the ridge the dev split chose for
+the calibration split's fit), and the gradient baselines: prompt baking (a peft
 LoRA of rank r trained on KL to the prompted model) for multiples of the thought patch's fit time,
 and the hybrid (the thought patch, then baking on top).
 """
@@ -34,11 +35,17 @@ from tokenpatch.baselines.vectors import (
 from tokenpatch.patch import Patch
 from tokenpatch.progress import progress_bar
 from tokenpatch.run import apply
-from tokenpatch.thought.calibration import demonstration_start, sample_calibration
+from tokenpatch.thought.calibration import batched, demonstration_start, demonstrations, sample_calibration
 from tokenpatch.thought.front import thought_patch
 from tokenpatch.workbench.methods import Encoded, Method, answer_logits
 
-ICV_STRENGTHS = (0.03, 0.1, 0.3, 1.0)  # the in-context vector's lambda, chosen on dev
+ICV_STRENGTHS = (0.01, 0.03, 0.1, 0.3, 1.0)  # the in-context vector's lambda, chosen on dev
+# and its demonstration pairs, chosen with it: each query read alone against it with its answer, or (the
+# authors' pairing, a text against its rewrite) the input word alone against the answer alone
+ICV_PAIRINGS = {
+    "query-answer": lambda enc: (enc.demo_batch(False), enc.demo_batch(True)),
+    "word-word": lambda enc: (enc.word_batch(False), enc.word_batch(True)),
+}
 SAMPLE_LENGTH = 32  # tokens per self-written calibration continuation
 
 
@@ -118,15 +125,17 @@ def _vectors(model: nn.Module, enc: Encoded, want, seed: int, n_heads: int, prog
         info = {"layer": layer, "dev_scores": scores, "selection_s": pick, "heads": fv.meta["heads"]}
         out["function_vector"] = steered(model, "function vector", fv.only(layer), secs, skip, info)
     if want("in_context_vector"):
-        sources, targets = enc.demo_batch(False), enc.demo_batch(True)
-        one, secs = timed(lambda: in_context_vectors(model, sources, targets, 1.0))
+        ones, secs = timed(
+            lambda: {k: in_context_vectors(model, *pairs(enc), 1.0) for k, pairs in ICV_PAIRINGS.items()}
+        )
         options = {
-            lam: Steering(one.site, {i: lam * v for i, v in one.vectors.items()}, one.mode, one.position)
+            (pairing, lam): Steering(one.site, {i: lam * v for i, v in one.vectors.items()}, one.mode, one.position)
+            for pairing, one in ones.items()
             for lam in ICV_STRENGTHS
         }
-        (lam, scores), pick = timed(lambda: choose(model, enc, options, "in-context vector", progress))
-        info = {"strength": lam, "dev_scores": scores, "selection_s": pick}
-        out["in_context_vector"] = steered(model, "in-context vector", options[lam], secs, skip, info)
+        ((pairing, lam), scores), pick = timed(lambda: choose(model, enc, options, "in-context vector", progress))
+        info = {"pairing": pairing, "strength": lam, "dev_scores": scores, "selection_s": pick}
+        out["in_context_vector"] = steered(model, "in-context vector", options[pairing, lam], secs, skip, info)
     return out
 
 
@@ -134,15 +143,11 @@ def _patches(
     model: nn.Module, enc: Encoded, want, *, rank, ridge, layers, sampled, bake_times, hybrid, seed, progress
 ) -> dict[str, Method]:
     out: dict[str, Method] = {}
-    rows = [q + a for q, a in zip(enc.query["calibration"], enc.answer["calibration"])]
-    by_len: dict[int, list] = {}
-    for r in rows:
-        by_len.setdefault(len(r), []).append(r)
-    queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
+    queries = batched([q + a for q, a in zip(enc.query["calibration"], enc.answer["calibration"])])
     prompt = torch.tensor(enc.prefix + enc.demos)
     keep_bos = bool(enc.prefix)
 
-    def fit(r, lam, calibration=queries):
+    def fit(r, lam, calibration):
         return thought_patch(
             model,
             prompt,
@@ -157,37 +162,50 @@ def _patches(
 
     reference = answer_logits(model, enc.batch("dev", True), Method("ICL", prompted=True))
     ridges = [ridge] if isinstance(ridge, (int, float, str)) else list(ridge)
-    full, by_ridge, start = {}, {}, time.perf_counter()
-    if len(ridges) > 1:  # the ridge with the lowest KL to ICL on the dev split
+
+    def swept(calibration) -> tuple[Any, dict, dict, float]:
+        """The ridge of ``ridges`` with the lowest KL to ICL on the dev split: ``(ridge, {ridge: (patch,
+        fit seconds)}, {ridge: dev KL}, seconds of the whole search)``; one ridge: no search."""
+        full, by_ridge, start = {}, {}, time.perf_counter()
+        if len(ridges) == 1:
+            return ridges[0], full, by_ridge, 0.0
         for lam in ridges:
-            full[lam] = timed(lambda: fit(None, lam))
+            full[lam] = timed(lambda: fit(None, lam, calibration))
             by_ridge[lam] = dev_kl(model, enc, patched(model, "", full[lam][0], 0.0, {}), reference)
-    chosen = min(by_ridge, key=by_ridge.get) if by_ridge else ridges[0]
-    search = time.perf_counter() - start if by_ridge else 0.0  # every ridge's fit and dev run
-    fits = {}
+        return min(by_ridge, key=by_ridge.get), full, by_ridge, time.perf_counter() - start
+
+    chosen, full, by_ridge, search = swept(queries)
+    fits = {}  # key: (name, patch, seconds, rank, ridge, info)
     for key, name, r, lam in (
         ("thought_patch", "thought patch", None, chosen),
         ("thought_patch_rank", f"thought patch (rank {rank})", rank, chosen),
         ("thought_patch_gcv", "thought patch (GCV ridge)", None, "gcv"),
     ):
-        if want(key):
-            fits[key] = (name, *(full[lam] if r is None and lam in full else timed(lambda: fit(r, lam))), r, lam)
+        if not want(key):
+            continue
+        if r is None and lam in full:  # the ridge sweep fitted it already
+            patch, secs = full[lam]
+        else:
+            patch, secs = timed(lambda: fit(r, lam, queries))
+        swept_here = key == "thought_patch"
+        info = {"selection_s": search, "dev_kl_by_ridge": [[k, v] for k, v in by_ridge.items()]} if swept_here else {}
+        fits[key] = (name, patch, secs, r, lam, info)
     text = enc.fmt.demos(enc.demo_pairs)
     begin = demonstration_start(text)
     start_ids = enc.tokenizer(begin, add_special_tokens=False)["input_ids"] if begin else None
     for n in sampled if want("thought_patch_sampled") else ():
-        cal, s_secs = timed(lambda: sample_calibration(model, prompt, n, SAMPLE_LENGTH, start=start_ids, seed=seed))
-        patch, secs = timed(lambda: fit(None, "gcv", [cal]))
-        name = f"thought patch (self-written, {n} x {SAMPLE_LENGTH} tokens)"
-        fits[f"thought_patch_sampled_{n}"] = (name, patch, s_secs + secs, None, "gcv")
-    for key, (name, patch, secs, r, lam) in fits.items():
-        info = {"rank": r, "ridge": lam, "fits": patch.meta["thought"]["fits"], "patch": patch}
-        if key == "thought_patch":
-            info.update(selection_s=search, dev_kl_by_ridge=[[k, v] for k, v in by_ridge.items()])
+        rows, s_secs = timed(lambda: sample_calibration(model, prompt, n, SAMPLE_LENGTH, start=start_ids, seed=seed))
+        pieces = demonstrations(enc.tokenizer, rows, enc.fmt.separator)
+        cal = batched(pieces) if pieces else [rows]  # no whole demonstration written: the continuations
+        patch, secs = timed(lambda: fit(None, chosen, cal))  # the ridge chosen on dev above
+        info = {"continuations": n, "demonstrations": len(pieces), "sampling_s": s_secs}
+        name = f"thought patch (self-written: {n} continuations, their demonstrations)"
+        fits[f"thought_patch_sampled_{n}"] = (name, patch, s_secs + secs, None, chosen, info)
+    for key, (name, patch, secs, r, lam, more) in fits.items():
+        info = {"rank": r, "ridge": lam, "fits": patch.meta["thought"]["fits"], "patch": patch, **more}
         out[key] = patched(model, name, patch, secs, info)
-        out[key].info["dev_kl"] = (
-            by_ridge.get(lam) if key == "thought_patch" and lam in by_ridge else dev_kl(model, enc, out[key], reference)
-        )
+        known = dict(more.get("dev_kl_by_ridge", ()))
+        out[key].info["dev_kl"] = known[lam] if lam in known else dev_kl(model, enc, out[key], reference)
     base = out.get("thought_patch")
     budget = base.extraction_s if base is not None else None
     if budget and bake_times and want("prompt_baking"):

@@ -70,6 +70,14 @@ class Encoded:
         ]
         return pad_left(rows, self.pad)
 
+    def word_batch(self, answers: bool) -> dict:
+        """The prompt's demonstrations one per row, each after the leading token: the input word alone,
+        or the answer alone, both as an answer is written (``" walk"``, ``" walked"``): the pairs of
+        the in-context vector's authors, who difference a text and its rewrite each read alone."""
+        ids = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        rows = [self.prefix + ids(self.fmt.answer.format(y=ys[0] if answers else x)) for x, ys in self.demo_pairs]
+        return pad_left(rows, self.pad)
+
     def n_query(self, split: str, answers: bool = False) -> Tensor:
         return torch.tensor(
             [len(q) + (len(a) if answers else 0) for q, a in zip(self.query[split], self.answer[split])]

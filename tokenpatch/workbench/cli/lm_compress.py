@@ -159,7 +159,14 @@ def _compress_prompt(args) -> int:
 
     from tokenpatch.lora import save_lora
     from tokenpatch.patch_files import save_patch
-    from tokenpatch.thought.calibration import DEFAULTS, demonstration_start, sample_calibration
+    from tokenpatch.thought.calibration import (
+        DEFAULTS,
+        batched,
+        demonstration_separator,
+        demonstration_start,
+        demonstrations,
+        sample_calibration,
+    )
     from tokenpatch.thought.front import thought_patch
     from tokenpatch.workbench.methods import leading_tokens
 
@@ -181,12 +188,13 @@ def _compress_prompt(args) -> int:
             progress=not args.quiet,
         )
         source = f"{queries.shape[0]} continuations it wrote itself" + (f" (each begun {begin!r})" if begin else "")
+        separator = demonstration_separator(args.prompt)
+        pieces = demonstrations(tokenizer, queries, separator) if separator else []
+        if pieces:  # a few-shot prompt: each new demonstration a query of its own
+            queries = batched(pieces)
+            source += f", cut into the {len(pieces)} demonstrations they hold"
     else:
-        by_len: dict[int, list] = {}
-        for line in lines:
-            ids = tokenizer(line, add_special_tokens=False)["input_ids"]
-            by_len.setdefault(len(ids), []).append(ids)
-        queries = [torch.tensor(v) for _, v in sorted(by_len.items())]
+        queries = batched([tokenizer(line, add_special_tokens=False)["input_ids"] for line in lines])
         source = f"{len(lines)} calibration queries"
     ridge = 0.01 if args.ridge is None else args.ridge
     patch = thought_patch(

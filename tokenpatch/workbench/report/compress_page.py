@@ -57,11 +57,12 @@ def markdown(run: dict) -> str:
         "",
         "Costs on " + first["task"] + " (extraction seconds; bytes stored; prefill time over zero-shot's):",
         "",
-        "| method | extraction s | bytes | inference overhead |",
-        "|---|---|---|---|",
+        "| method | extraction s | gradient steps | bytes | inference overhead |",
+        "|---|---|---|---|---|",
     ]
     for v in first["methods"].values():
-        lines.append(f"| {v['name']} | {v['extraction_s']:.1f} | {v['bytes']:,} | {v['overhead']:.2f}x |")
+        steps = v.get("steps", "")
+        lines.append(f"| {v['name']} | {v['extraction_s']:.1f} | {steps} | {v['bytes']:,} | {v['overhead']:.2f}x |")
     lines += [
         "",
         "Single-token answers: "
