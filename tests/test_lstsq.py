@@ -114,6 +114,24 @@ def test_a_factor_from_the_solve_s_parts_is_the_svd_of_their_product():
     assert float((cos - 1).abs().max()) <= 1e-10
 
 
+@pytest.mark.parametrize("shape", [(9, 13), (13, 9), (12, 12)])
+def test_a_factor_is_the_svd_with_exact_zero_directions_dropped(shape):
+    """Tall, wide and square: the singular values of ``torch.linalg.svdvals``, orthonormal ``v``
+    rows, the product ``dense`` to rounding with repeated singular values, and a rank-5 matrix (one
+    of its singular values 1e-6) kept at rank 5: a Gram-matrix shortcut fails this."""
+    g = torch.Generator().manual_seed(sum(shape))
+    q1 = torch.linalg.qr(torch.randn(shape[0], 5, generator=g, dtype=torch.float64)).Q
+    q2 = torch.linalg.qr(torch.randn(shape[1], 5, generator=g, dtype=torch.float64)).Q
+    dense = q1 @ torch.diag(torch.tensor([3.0, 2.0, 2.0, 2.0, 1e-6], dtype=torch.float64)) @ q2.T  # rank 5
+    got = factor(dense)
+    assert got.u.shape == (1, 1, 5, shape[0]) and got.v.shape == (1, 1, 5, shape[1])
+    assert float((got.dense()[0, 0] - dense).abs().max()) <= 1e-14 * 3
+    s = torch.linalg.svdvals(dense)[:5]
+    assert float((got.u[0, 0].norm(dim=-1) - s).abs().max()) <= 1e-13 * 3
+    v = got.v[0, 0]
+    assert float((v @ v.T - torch.eye(5, dtype=torch.float64)).abs().max()) <= 1e-9
+
+
 @pytest.mark.parametrize(("p", "decay"), [(200, 1), (200, 3), (600, 2)])
 def test_the_estimated_condition_number_is_a_close_lower_bound(p, decay):
     """The feature-space solve reports the condition number from power iterations (no eigendecomposition

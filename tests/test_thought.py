@@ -5,6 +5,7 @@ warn and stay finite; the result is a Patch like any other."""
 from __future__ import annotations
 
 import itertools
+import random
 import warnings
 
 import pytest
@@ -409,3 +410,37 @@ def test_thought_patch_without_calibration_samples_its_own():
         tp.thought_patch(model, prompt, cal, start=[7])
     with pytest.raises(tp.InputError, match="calibration inputs .* are needed"):
         tp.thought_patch(tp.load_model(), torch.randn(8, 5))
+
+
+def test_the_ridge_is_chosen_by_the_prompt_kl_on_held_out_queries():
+    """``choose_ridge``: each ridge's patch fitted on three quarters of the queries, scored by the
+    mean next-token KL to the prompted model on the held-out quarter (written out here for one
+    ridge); the least wins. ``prompt_kl`` is that mean, computed by hand."""
+    from conftest import build, ids
+
+    from tokenpatch.thought.calibration import batched
+    from tokenpatch.thought.held_out import choose_ridge, prompt_kl
+
+    model = build("llama")
+    prompt = ids(1, 6, seed=3)[0]
+    rows = [r.tolist() for r in ids(12, 4, seed=4)] + [r.tolist() for r in ids(4, 3, seed=5)]
+    ridge, scores = choose_ridge(model, prompt, rows, (0.01, 1.0, 100.0), keep_bos=True, seed=2)
+    assert ridge == min(scores, key=scores.get) and list(scores) == [0.01, 1.0, 100.0]
+    assert len({round(v, 12) for v in scores.values()}) == 3  # the ridge matters
+    order = list(range(16))
+    random.Random(2).shuffle(order)
+    held, kept = [rows[i] for i in order[:4]], [rows[i] for i in order[4:]]
+    patch = tp.thought_patch(model, prompt, batched(kept), ridge=1.0, keep_bos=True).patch
+    by_hand = []
+    for q in held:
+        q = torch.tensor([q])
+        ref = model(input_ids=torch.cat([prompt[None], q], 1)).logits[0, 6:].log_softmax(-1)
+        with tp.apply(model, patch):
+            got = model(input_ids=torch.cat([prompt[None, :1], q], 1)).logits[0, 1:].log_softmax(-1)
+        by_hand += (ref.exp() * (ref - got)).sum(-1).tolist()
+    assert abs(scores[1.0] - sum(by_hand) / len(by_hand)) <= 1e-12 * scores[1.0]
+    assert abs(prompt_kl(model, prompt, batched(held), patch, True) - scores[1.0]) <= 1e-12 * scores[1.0]
+    with pytest.raises(tp.InputError, match="cannot be split"):
+        choose_ridge(model, prompt, rows[:1], keep_bos=True)
+    with pytest.raises(tp.InputError, match="held_out"):
+        choose_ridge(model, prompt, rows, held_out=1.0)

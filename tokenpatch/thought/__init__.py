@@ -3,6 +3,8 @@
 * ``front``: ``thought_patch`` (the fit), ``evaluate_thought_patch``, and the fit for our own models;
 * ``hf``: the fit for Hugging Face language models;
 * ``lstsq``: streamed ridge least squares in float64;
+* ``calibration``: calibration the prompted model writes itself, cut into its demonstrations;
+* ``held_out``: the ridge chosen without labels, by the KL to the prompted model on held-out queries;
 * ``distill``: context distillation, the gradient baseline.
 """
 

@@ -168,6 +168,7 @@ def _compress_prompt(args) -> int:
         sample_calibration,
     )
     from tokenpatch.thought.front import thought_patch
+    from tokenpatch.thought.held_out import choose_ridge
     from tokenpatch.workbench.methods import leading_tokens
 
     lines = _query_lines(args.queries) if args.queries else None
@@ -196,7 +197,29 @@ def _compress_prompt(args) -> int:
     else:
         queries = batched([tokenizer(line, add_special_tokens=False)["input_ids"] for line in lines])
         source = f"{len(lines)} calibration queries"
-    ridge = 0.01 if args.ridge is None else args.ridge
+    ridge, how = args.ridge, ""
+    if ridge is None:  # chosen on a held-out quarter of the calibration queries, by KL to the prompted model
+        rows = [r for q in queries for r in q.tolist()]
+        if len(rows) < 8:
+            raise InputError(
+                f"--calibration: {len(rows)} calibration queries are too few to choose the ridge on a held-out "
+                "quarter of them (8 at least): give more, or --ridge"
+            )
+        ridge, scores = choose_ridge(
+            model,
+            prompt,
+            rows,
+            keep_bos=bool(lead),
+            seed=args.seed,
+            progress=not args.quiet,
+            output=None if args.output_side == "none" else args.output_side,
+            rank=args.rank,
+        )
+        how = (
+            " (chosen on a held-out quarter of them, KL to the prompt: "
+            + ", ".join(f"{k:g}: {v:.3f}" for k, v in scores.items())
+            + ")"
+        )
     patch = thought_patch(
         model,
         prompt,
@@ -211,7 +234,7 @@ def _compress_prompt(args) -> int:
         save_patch(patch, tmp)
     print(
         f"{args.out}: thought patch of a {len(prompt)}-token prompt from {source}, "
-        f"ridge {ridge:g}; answer without the prompt: tokenpatch generate --model {args.model} "
+        f"ridge {ridge:g}{how}; answer without the prompt: tokenpatch generate --model {args.model} "
         f"--patch {args.out} --prompt QUERY"
     )
     if args.lora is not None:

@@ -24,6 +24,7 @@ import torch
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch_files import save_patch
 from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPairs, load_task
+from tokenpatch.thought.held_out import RIDGE_GRID
 from tokenpatch.workbench.compare import compare
 from tokenpatch.workbench.methods import Encoded, Method, answer_logits, leading_tokens
 from tokenpatch.workbench.report.compress_page import figure, markdown
@@ -36,7 +37,7 @@ KEY = "prompt_compression"
 TITLE = "Prompt compression on real language models"
 # the thought patch's ridge, chosen per task on the dev split (KL to ICL); SmolLM2 chose the lowest
 # and Gemma 3 the highest of (0.01, 0.1, 1, 10), so the grid goes a step further at both ends
-RIDGES = (0.003, 0.01, 0.1, 1.0, 10.0, 30.0)
+RIDGES = RIDGE_GRID
 BASELINES = ("task_vector", "function_vector", "attention_shift")
 # The prompt formats tried on dev (with each candidate first token): Todd et al.'s "Q: x\nA: y" blocks,
 # and one pair per line with an arrow.
