@@ -43,7 +43,7 @@ import torch
 import tokenpatch as tp
 from tokenpatch.tasks.wordpairs import Format, load_task
 from tokenpatch.thought import lstsq
-from tokenpatch.thought.calibration import sample_calibration
+from tokenpatch.thought.calibration import batched, sample_calibration
 from tokenpatch.workbench.methods import Encoded
 from tokenpatch.workbench.zoo import pretrained
 
@@ -61,10 +61,7 @@ def setting(tokenizer, model, which: str) -> tuple[torch.Tensor, list[torch.Tens
     if which == "sampled (64 x 32)":
         start = tokenizer("Q:", add_special_tokens=False)["input_ids"]
         return prompt, [sample_calibration(model, prompt, 64, 32, start=start)]
-    by_len: dict[int, list] = {}
-    for q, a in zip(enc.query["calibration"], enc.answer["calibration"]):
-        by_len.setdefault(len(q + a), []).append(q + a)
-    return prompt, [torch.tensor(v) for _, v in sorted(by_len.items())]
+    return prompt, batched([q + a for q, a in zip(enc.query["calibration"], enc.answer["calibration"])])
 
 
 @torch.no_grad()

@@ -163,18 +163,13 @@ def _patches(
     reference = answer_logits(model, enc.batch("dev", True), Method("ICL", prompted=True))
     ridges = [ridge] if isinstance(ridge, (int, float, str)) else list(ridge)
 
-    def swept(calibration) -> tuple[Any, dict, dict, float]:
-        """The ridge of ``ridges`` with the lowest KL to ICL on the dev split: ``(ridge, {ridge: (patch,
-        fit seconds)}, {ridge: dev KL}, seconds of the whole search)``; one ridge: no search."""
-        full, by_ridge, start = {}, {}, time.perf_counter()
-        if len(ridges) == 1:
-            return ridges[0], full, by_ridge, 0.0
+    full, by_ridge, start = {}, {}, time.perf_counter()
+    if len(ridges) > 1:  # the ridge with the lowest KL to ICL on the dev split
         for lam in ridges:
-            full[lam] = timed(lambda: fit(None, lam, calibration))
+            full[lam] = timed(lambda: fit(None, lam, queries))
             by_ridge[lam] = dev_kl(model, enc, patched(model, "", full[lam][0], 0.0, {}), reference)
-        return min(by_ridge, key=by_ridge.get), full, by_ridge, time.perf_counter() - start
-
-    chosen, full, by_ridge, search = swept(queries)
+    chosen = min(by_ridge, key=by_ridge.get) if by_ridge else ridges[0]
+    search = time.perf_counter() - start if by_ridge else 0.0  # every ridge's fit and dev run
     fits = {}  # key: (name, patch, seconds, rank, ridge, info)
     for key, name, r, lam in (
         ("thought_patch", "thought patch", None, chosen),
