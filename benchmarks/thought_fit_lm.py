@@ -6,10 +6,10 @@ way: the prompt run once, its keys and values shared by every calibration query 
 cache per batch), so the unit is ``P + sum_j T_j`` tokens, not ``m (P + T)``. Goal: fit <= 3x it.
 
 What the fit runs (``tokenpatch/thought/hf.py``): the same with-prompt pass (the targets, every
-layer recorded), then per layer, without the prompt, three layer forwards of the calibration
-tokens (the input side's anchors, the output side's with the input change in place, the stream
-into the next layer; Gemma's post-MLP norm adds a fourth) and the least squares (float64; in
-sample space while positions are fewer than features).
+layer recorded), then per layer, without the prompt, two layer forwards of the calibration
+tokens (the input side's anchors, the output side's with the input change in place, from which
+the stream into the next layer is written; Gemma's post-MLP norm adds a third) and the least
+squares (float64; in sample space while positions are fewer than features).
 
 Setting: ``smollm2-135m`` and ``gemma3-270m`` (float32, ``--threads`` torch threads), the
 10-shot past-tense prompt of ``tokenpatch compress`` (``Q: x\\nA: y`` demonstrations after the

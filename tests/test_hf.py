@@ -9,6 +9,7 @@ patches, and the patch runs through ``functional_call``, ``apply`` and a save/lo
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 import tokenpatch as tp
 from tokenpatch.thought import hf as thought_hf
+from tokenpatch.thought import lm_output as thought_lm_output
 
 T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
 from conftest import CONFIGS, GEMMAS, VOCAB, build, ids  # noqa: E402
@@ -333,3 +335,40 @@ def test_thought_patch_of_many_ragged_queries_in_several_chunks():
         model, ids(1, 8, seed=14)[0], [ids(260, 2, seed=15), ids(40, 4, seed=16)], keep_bos=True, ridge=1e-3
     )
     assert [f.n for f in fit.fits] == [260 * 2 + 40 * 4] * 3  # chunks of width 2 and 4
+
+
+@torch.no_grad()
+@pytest.mark.filterwarnings("ignore::tokenpatch.ThoughtWarning")
+@pytest.mark.parametrize(
+    ("name", "layer"), [("llama", 1), ("gpt2", 1), ("gpt_neox", 1), ("qwen2_moe", 0), ("gemma3", 1)]
+)
+def test_the_next_layers_stream_is_written_from_the_output_sides_pass(name, layer, float64_gemma_norms):
+    """The fit writes the next layer's input from its output-side pass (run under the input change
+    only) instead of running the layer again: for each output kind (matrix, bias, a parallel block,
+    a gated shared expert, a post-MLP norm) it equals the layer's output under all its deltas."""
+    from tokenpatch.arch import adapter_for
+    from tokenpatch.run import hooked
+
+    model, adapter = build(name), adapter_for(build(name))
+    patch = tp.thought_patch(model, ids(1, 10, seed=20)[0], ids(12, 3, seed=21)).patch
+    mine = patch.replace({k: d for k, d in patch.items() if f".{layer}." in k})  # this layer's deltas
+    inputs = {k: d for k, d in mine.items() if k.endswith(":input")}  # none on a parallel block
+    inputs_only = mine.replace(inputs) if inputs else None
+    x = ids(5, 4, seed=22)
+    everywhere = torch.arange(x.shape[1])
+
+    def layer_states(p):
+        with (
+            hooked(model, p, True, True) if p is not None else contextlib.nullcontext(),
+            adapter.recording(model, everywhere, every=True) as rec,
+        ):
+            model(x)
+        return rec[layer]
+
+    before, want = layer_states(inputs_only), layer_states(mine)["out"]
+    site = adapter.sites(model, layer).output
+    kept = [({k: before[k] for k in thought_lm_output.STREAM_KEYS if k in before}, before["out"])]
+    (got,) = thought_lm_output.next_streams(model, site, dict(mine.items()), kept)
+    assert site.kind == {"llama": "matrix", "qwen2_moe": "gated", "gemma3": "matrix+scale"}.get(name, "bias")
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+    assert float((before["out"] - want).abs().max()) > 1e-3  # the output deltas do move the stream

@@ -11,7 +11,9 @@ sequential mode, with both passes the model's own forward:
   fitted. This pass runs one decoder layer at a time: the stream entering layer ``l`` is kept (the
   output of layer ``l - 1`` under its fitted patch) and each layer is called with the arguments the
   model's own forward gave it (masks, rotary embeddings), captured once, so a layer costs a few
-  layer forwards, not a forward up to it.
+  layer forwards, not a forward up to it: one for the input side, one for the output side (and one
+  for a post-MLP norm's scale); the next layer's stream is written from the output side's pass
+  (``lm_output.next_streams``), not run again.
 
 Calibration inputs of different lengths are padded on the right (token 0) into a few batches;
 causal attention keeps padding from reaching any real token, and only real positions are fitted.
@@ -23,7 +25,7 @@ gate, the up projection, a router and its experts). Output side, with the input 
 its bias, affine). A norm after the MLP (Gemma 2/3: ``out = g * unit(W h)``) makes the output
 nonlinear in ``W``: there ``dW`` aims the norm's input ``p = W h'`` at the direction the norm must
 output, ``unit((out_C - m_0) / g) rms(p)``, and the norm's scale is then fitted per channel
-(``_norm_target``, ``_fit_scale``; ``docs/prompt-compression.md`` §2).
+(``thought.lm_output``; ``docs/prompt-compression.md`` §2).
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.arch import OutputSite
-from tokenpatch.arch.families import scale_norm
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import INPUT_SUFFIX, Delta
@@ -49,9 +49,9 @@ from tokenpatch.thought.fit import (
     cut_rank,
     provenance,
     ridge_setting,
-    solve_output,
     static_patch,
 )
+from tokenpatch.thought.lm_output import STREAM_KEYS, fit_output, fit_scale, next_streams
 from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 
 TARGET_CACHE_BYTES = 2**28  # the prompt's keys and values copied per target batch, at most (about)
@@ -170,24 +170,32 @@ def fit_lm(
     for i in bar:
         layer = layers_[i]
 
-        def run(current: dict[str, Delta], record: bool):
+        def run(current: dict[str, Delta], record: bool, kept: list | None = None):
             """Per batch, layer ``i`` on its stream under ``current``, layer ``i``'s own deltas (the
-            stream already carries those of the layers below): its recorded states (``record``), or its
-            output."""
+            stream already carries those of the layers below): its recorded states at the query
+            positions (``record``), or its output. ``kept``: also keep each batch's states at every
+            position with the layer's output, from which ``_next_streams`` writes the next stream."""
             patch = static_patch(current, {}, {k: readers[k] for k in current if k in readers}) if current else None
             for b, (v, kw) in enumerate(zip(valid, calls)):
                 # the patch's hooks first: a recording hook on a patched module then sees the patched output
                 with hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
                     with (
-                        adapter.recording(model, ats[b], every=not keep_bos)
+                        adapter.recording(model, ats[b], every=True)
                         if record
                         else contextlib.nullcontext([None] * (i + 1)) as rec
                     ):
                         out = output_tensor(layer(streams[b], *kw[i][0], **kw[i][1]))
-                yield (cache[b][i], rec[i], v.to(device)) if record else out
+                if not record:
+                    yield out
+                    continue
+                if kept is not None:
+                    kept.append(({k: rec[i][k] for k in STREAM_KEYS if k in rec[i]}, out))
+                at = {k: t[:, head.shape[1] :] for k, t in rec[i].items()}  # [b, T_q, .]  the query positions
+                yield cache[b][i], at, v.to(device)
 
         anchors = lambda current: run(current, True)  # noqa: E731
         mine: dict[str, Delta] = {}  # layer i's deltas
+        moved = False  # whether the next layer's stream is already written
         if i in fitted:
             sites = adapter.sites(model, i)
             fit: dict[str, Any] = {"layer": i, "ridge": ridge_setting(ridge)}
@@ -207,16 +215,19 @@ def fit_lm(
                 readers[key] = [[name, param_layout(model, name)] for name in sites.inputs]
                 mine.update(cut_rank({key: factor(d, parts).to(_dtype(model))}, rank))
             if output is not None and sites.output is not None:
-                site = sites.output
-                fit.update(_fit_output(model, i, site, anchors(mine), mine, output, ridge, distributed, solver))
+                site, kept = sites.output, ([] if i < fitted[-1] else None)
+                pairs = run(mine, True, kept)
+                fit.update(fit_output(model, i, site, pairs, mine, output, ridge, distributed, solver))
                 mine.update(cut_rank(mine, rank))
                 if site.kind == "matrix+scale":  # then the norm's scale, per channel, on the new directions
-                    mine[site.norm] = _fit_scale(
+                    mine[site.norm] = fit_scale(
                         model.get_submodule(site.norm.rpartition(".")[0]), anchors(mine), distributed
                     )
+                if kept is not None:  # the next layer's input from the output side's pass: no third pass
+                    streams, moved = next_streams(model, site, mine, kept), True
             fits.append(LayerFit(**{"n": 0, **fit}))
             deltas.update(mine)
-        if i < fitted[-1]:
+        if i < fitted[-1] and not moved:
             streams = list(run(mine, False))  # the next layer's input, this layer patched
     if not deltas:
         raise InputError("nothing was fitted")
@@ -235,38 +246,6 @@ def fit_lm(
         layers=fitted,
     )
     return ThoughtPatch(static_patch(deltas, meta, readers), fits)
-
-
-def _fit_output(
-    model: nn.Module,
-    i: int,
-    site: OutputSite,
-    pairs_source,
-    deltas: dict,
-    output: str,
-    ridge: float | str,
-    distributed: bool,
-    solver: str,
-) -> dict:
-    """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``."""
-    kind, name = site.kind, site.name
-    module = model.get_submodule(name.rpartition(".")[0])
-    affine = kind == "bias"  # "matrix" and "gated" sites have no bias: a linear fit
-    if output == "vector" and not affine:
-        raise InputError(f"layer {i}: {name.rpartition('.')[0]} has no bias for a thought vector; use output='affine'")
-    norm = model.get_submodule(site.norm.rpartition(".")[0]) if kind == "matrix+scale" else None
-
-    def pairs():
-        for rc, r0, v in pairs_source:  # v: the real (not padding) positions [b, T]
-            if kind == "matrix+scale":  # a norm after the MLP: aim its input at the direction it must output
-                t = _norm_target(norm, rc["out"][v] - r0["m"][v], r0["p"][v])  # [N, d]
-            else:
-                t = (rc["out"] - r0["out"])[v]  # [N, d]  what the layer still misses
-            if kind == "gated":  # the matrix's output is scaled by sigmoid(gate): fit t / gate
-                t = t / torch.sigmoid(r0["gate"][v].to(t.dtype))
-            yield r0["hidden"][v], t
-
-    return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
 
 
 def _right_padded(batches: list[Tensor], rows: int, waste: float = 0.25) -> tuple[list[Tensor], list[Tensor]]:
@@ -294,42 +273,6 @@ def _right_padded(batches: list[Tensor], rows: int, waste: float = 0.25) -> tupl
         out.append(ids)
         valid.append(real)
     return out, valid
-
-
-def _norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
-    """The change of a post-MLP norm's input ``p`` that makes its output point along ``want``.
-
-    ``norm(x) = g * unit(x)`` and the layer needs ``norm(x) = want`` (``out_C - m_0``: the MLP's
-    output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
-    ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
-    the norm's input that does). With ``_fit_scale`` after it, exact for one calibration position."""
-    unit, offset = scale_norm(norm)
-    g = (offset + norm.weight).to(want.dtype)
-    z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to _fit_scale
-    return (unit(norm, z).to(p.dtype) * _rms(norm, p) - p).to(want.dtype)  # [..., d]  x* - p
-
-
-def _fit_scale(norm: nn.Module, pairs_source, distributed: bool) -> Tensor:
-    """The post-MLP norm's scale change ``dg`` ``[1, 1, d]``: per channel ``c`` the least squares
-    ``min sum_n ((g_c + dg_c) u_nc - y_nc)^2``, ``u = unit(p)`` under the patch so far and ``y =
-    out_C - m_0``: ``g_c + dg_c = sum_n u_nc y_nc / sum_n u_nc^2`` (channels no row reaches keep
-    ``g_c``). With the directions met, it restores the magnitudes: exact for one query."""
-    unit, offset = scale_norm(norm)
-    g = (offset + norm.weight.detach()).double()
-    uy, uu = torch.zeros_like(g), torch.zeros_like(g)
-    for rc, r0, v in pairs_source:
-        u, y = unit(norm, r0["p"][v]).double(), (rc["out"] - r0["m"])[v].double()  # [N, d]
-        uy, uu = uy + (u * y).sum(0), uu + u.square().sum(0)
-    if distributed:
-        for t in (uy, uu):
-            torch.distributed.all_reduce(t)
-    reached = uu > 0
-    dg = torch.where(reached, uy / uu.where(reached, 1) - g, 0)  # [d]
-    return dg[None, None].to(norm.weight.dtype)  # [1, 1, d]
-
-
-def _rms(norm: nn.Module, x: Tensor) -> Tensor:
-    return x.square().mean(-1, keepdim=True).add(norm.eps).sqrt()
 
 
 def _cache_tensors(cache) -> list[Tensor]:

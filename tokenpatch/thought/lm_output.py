@@ -1,0 +1,121 @@
+"""The output side of a language model layer's thought-patch fit (``hf.fit_lm``), and the next
+layer's stream written from its pass.
+
+With the input change in place, ``dW h' (+ db) ~ t``: ``t = out_C - out_0``, what the layer still
+misses, on the output matrix (and its bias, affine); a shared expert's output is scaled by
+``sigmoid(gate)``, so ``t / sigmoid(gate)`` is fitted. A norm after the MLP (Gemma 2/3: ``out = m +
+g * unit(W h')``) makes the output nonlinear in ``W``: there ``dW`` aims the norm's input ``p = W h'``
+at the direction the norm must output, ``unit((out_C - m_0) / g) rms(p)`` (``norm_target``), and the
+norm's scale is then fitted per channel (``fit_scale``; ``docs/prompt-compression.md`` §2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tokenpatch.arch import OutputSite
+from tokenpatch.arch.families import scale_norm
+from tokenpatch.errors import InputError
+from tokenpatch.patch import Delta
+from tokenpatch.run import hooked
+from tokenpatch.thought.fit import solve_output, static_patch
+
+
+def fit_output(
+    model: nn.Module,
+    i: int,
+    site: OutputSite,
+    pairs_source,
+    deltas: dict,
+    output: str,
+    ridge: float | str,
+    distributed: bool,
+    solver: str,
+) -> dict:
+    """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``."""
+    kind, name = site.kind, site.name
+    module = model.get_submodule(name.rpartition(".")[0])
+    affine = kind == "bias"  # "matrix" and "gated" sites have no bias: a linear fit
+    if output == "vector" and not affine:
+        raise InputError(f"layer {i}: {name.rpartition('.')[0]} has no bias for a thought vector; use output='affine'")
+    norm = model.get_submodule(site.norm.rpartition(".")[0]) if kind == "matrix+scale" else None
+
+    def pairs():
+        for rc, r0, v in pairs_source:  # v: the real (not padding) positions [b, T]
+            if kind == "matrix+scale":  # a norm after the MLP: aim its input at the direction it must output
+                t = norm_target(norm, rc["out"][v] - r0["m"][v], r0["p"][v])  # [N, d]
+            else:
+                t = (rc["out"] - r0["out"])[v]  # [N, d]  what the layer still misses
+            if kind == "gated":  # the matrix's output is scaled by sigmoid(gate): fit t / gate
+                t = t / torch.sigmoid(r0["gate"][v].to(t.dtype))
+            yield r0["hidden"][v], t
+
+    return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
+
+
+STREAM_KEYS = ("m", "hidden", "gate")  # what next_streams reads of the output side's pass
+
+
+def next_streams(model: nn.Module, site: OutputSite, mine: dict[str, Delta], kept: list) -> list[Tensor]:
+    """Per batch, the layer's output under all of ``mine`` from the output side's pass, run under
+    its input change only: the output deltas act after the MLP's hidden features ``h'`` (recorded),
+    so only the output matrix (and the post-MLP norm) run again.
+
+    ``out = out_pass + g (W' h' - W h')`` (``g``: the shared expert's ``sigmoid(gate)``, else 1), or
+    with a norm after the MLP (Gemma 2/3) ``out = m + norm'(W' h')``, primes marking the patched
+    module. The fit already assumes this form (``out = m + MLP output``)."""
+    module = site.name.rpartition(".")[0]  # the output matrix's module (``name``: its weight, or its bias)
+    down = model.get_submodule(module)
+    norm = model.get_submodule(site.norm.rpartition(".")[0]) if site.kind == "matrix+scale" else None
+    names = {f"{module}.weight", f"{module}.bias", *([site.norm] if norm is not None else [])}
+    patch = static_patch({k: d for k, d in mine.items() if k in names}, {})
+    streams = []
+    for rec, out in kept:
+        h = rec["hidden"]  # [b, T, d_hidden]  every position
+        with hooked(model, patch, True, True):
+            new = down(h)
+            if norm is not None:
+                streams.append(rec["m"] + norm(new))
+                continue
+        change = new - down(h)
+        if site.kind == "gated":
+            change = change * torch.sigmoid(rec["gate"].to(change.dtype))
+        streams.append(out + change)
+    return streams
+
+
+def norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
+    """The change of a post-MLP norm's input ``p`` that makes its output point along ``want``.
+
+    ``norm(x) = g * unit(x)`` and the layer needs ``norm(x) = want`` (``out_C - m_0``: the MLP's
+    output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
+    ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
+    the norm's input that does). With ``fit_scale`` after it, exact for one calibration position."""
+    unit, offset = scale_norm(norm)
+    g = (offset + norm.weight).to(want.dtype)
+    z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to fit_scale
+    return (unit(norm, z).to(p.dtype) * _rms(norm, p) - p).to(want.dtype)  # [..., d]  x* - p
+
+
+def fit_scale(norm: nn.Module, pairs_source, distributed: bool) -> Tensor:
+    """The post-MLP norm's scale change ``dg`` ``[1, 1, d]``: per channel ``c`` the least squares
+    ``min sum_n ((g_c + dg_c) u_nc - y_nc)^2``, ``u = unit(p)`` under the patch so far and ``y =
+    out_C - m_0``: ``g_c + dg_c = sum_n u_nc y_nc / sum_n u_nc^2`` (channels no row reaches keep
+    ``g_c``). With the directions met, it restores the magnitudes: exact for one query."""
+    unit, offset = scale_norm(norm)
+    g = (offset + norm.weight.detach()).double()
+    uy, uu = torch.zeros_like(g), torch.zeros_like(g)
+    for rc, r0, v in pairs_source:
+        u, y = unit(norm, r0["p"][v]).double(), (rc["out"] - r0["m"])[v].double()  # [N, d]
+        uy, uu = uy + (u * y).sum(0), uu + u.square().sum(0)
+    if distributed:
+        for t in (uy, uu):
+            torch.distributed.all_reduce(t)
+    reached = uu > 0
+    dg = torch.where(reached, uy / uu.where(reached, 1) - g, 0)  # [d]
+    return dg[None, None].to(norm.weight.dtype)  # [1, 1, d]
+
+
+def _rms(norm: nn.Module, x: Tensor) -> Tensor:
+    return x.square().mean(-1, keepdim=True).add(norm.eps).sqrt()
