@@ -321,6 +321,10 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
     run = {"model": "tiny", "shots": 2, "seed": 0, "seconds": 1.0, "threads": 1, "tasks": tasks, "goal": goal(tasks)}
     text = markdown(run)
     assert "| rev" in text and "thought patch (rank 2)" in text and "| input side |" in text
+    fixed = {"chosen": {"lead": [1], "lead_text": "<s>", "format": "qa"}, "candidates": []}
+    assert "Prompt given (not chosen in this run): first token '<s>'" in markdown({**run, "prompting": fixed})
+    tried = {**fixed, "candidates": [{"lead_text": "<s>", "format": "qa", "hits": 3, "n": 8}]}
+    assert "the candidates: '<s>' + qa: 3/8." in markdown({**run, "prompting": tried})
     assert figure(run, tmp_path / "c.png").stat().st_size > 10_000
     with pytest.raises(tp.InputError, match="shots >= 2"):
         compare(model, CharTokenizer(), task, shots=1)

@@ -33,12 +33,16 @@ def markdown(run: dict) -> str:
     ]
     prompting = run.get("prompting")
     if prompting:
-        c = prompting["chosen"]
+        c, tried = prompting["chosen"], prompting["candidates"]
+        chosen = f"first token {c['lead_text']!r}, format {c['format']!r}"
         lines += [
-            f"Prompt chosen on dev (ICL's dev answers, every task): first token {c['lead_text']!r}, format "
-            f"{c['format']!r}; the candidates: "
-            + "; ".join(f"{x['lead_text']!r} + {x['format']}: {x['hits']}/{x['n']}" for x in prompting["candidates"])
-            + ".",
+            (
+                f"Prompt chosen on dev (ICL's dev answers, every task): {chosen}; the candidates: "
+                + "; ".join(f"{x['lead_text']!r} + {x['format']}: {x['hits']}/{x['n']}" for x in tried)
+                + "."
+            )
+            if tried
+            else f"Prompt given (not chosen in this run): {chosen}.",
             "",
         ]
     keys = list(first["methods"])
