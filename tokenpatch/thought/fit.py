@@ -42,7 +42,10 @@ class LayerFit:
       sums, so an exact fit reads as about ``sqrt(eps * condition)``, not 0; with ``"qr"`` it is
       exact. ``evaluate_thought_patch`` on the calibration inputs measures the fit itself;
     * per side, the rank and condition number of the normal equations and the ``lambda`` used
-      (``input_ridge``, ``output_ridge``: ``ridge`` itself, or what ``ridge="gcv"`` chose there).
+      (``input_ridge``, ``output_ridge``: ``ridge`` itself, or what ``ridge="gcv"`` chose there);
+    * through a post-MLP norm with ``norm_steps``: the Gauss-Newton steps taken and ``norm_error``,
+      the relative error of the norm's output ``|g' unit(p') - y|_F / |y|_F`` at the closed form and
+      after each step.
     """
 
     layer: int
@@ -56,6 +59,8 @@ class LayerFit:
     ridge: float | str = 0.0
     input_ridge: float | None = None
     output_ridge: float | None = None
+    norm_steps: int | None = None
+    norm_error: list[float] | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -90,6 +90,7 @@ def thought_patch(
     keep_bos: bool = False,
     layers: Any = None,
     start: Any = None,
+    norm_steps: int = 0,
 ) -> ThoughtPatch:
     """Fit one static patch that stands in for ``prompt`` (module docstring).
 
@@ -116,7 +117,10 @@ def thought_patch(
     ``torchrun``); the per-layer sums are all-reduced before each solve, so every process gets the
     fit of all the shards together. Language models only: ``keep_bos=True`` keeps the prompt's first
     token (a BOS the heads attend to) in front of every query in the no-prompt pass too;
-    ``layers`` (indices, e.g. ``range(4, 12)``) fits only that band and leaves the others unpatched.
+    ``layers`` (indices, e.g. ``range(4, 12)``) fits only that band and leaves the others unpatched;
+    ``norm_steps``: Gauss-Newton steps that refine the output side through a norm after the MLP
+    (Gemma 2/3) on the error of the norm's output itself (``thought.through_norm``; no effect on a
+    layer without one); ``fits`` records the relative output error before and after them.
     Returns a ``ThoughtPatch``; its patch's ``meta["thought"]["fits"]`` records the ``LayerFit``s too
     (provenance that ``save_patch`` keeps).
     """
@@ -132,6 +136,10 @@ def thought_patch(
         raise InputError(f"solver must be 'normal' or 'qr', got {solver!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
         raise InputError(f"rank must be None or an int >= 1, got {rank!r}")
+    if isinstance(norm_steps, bool) or not isinstance(norm_steps, int) or norm_steps < 0:
+        raise InputError(f"norm_steps must be an int >= 0, got {norm_steps!r}")
+    if norm_steps and distributed:
+        raise InputError("norm_steps > 0 needs every calibration position in one process: use distributed=False")
     adapter = adapter_for(model)
     sampled = None
     if calibration is None:
@@ -162,9 +170,12 @@ def thought_patch(
             progress=progress,
             keep_bos=keep_bos,
             layers=layers,
+            norm_steps=norm_steps,
         )
-    elif keep_bos or layers is not None:
-        raise InputError("keep_bos and layers are for language models (token ids); this model fits every layer")
+    elif keep_bos or layers is not None or norm_steps:
+        raise InputError(
+            "keep_bos, layers and norm_steps are for language models (token ids); this model fits every layer"
+        )
     else:
         fit = fit_icl(
             model,

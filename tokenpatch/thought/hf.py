@@ -11,8 +11,8 @@ sequential mode, with both passes the model's own forward:
   fitted. This pass runs one decoder layer at a time: the stream entering layer ``l`` is kept (the
   output of layer ``l - 1`` under its fitted patch) and each layer is called with the arguments the
   model's own forward gave it (masks, rotary embeddings), captured once, so a layer costs a few
-  layer forwards, not a forward up to it: one for the input side, one for the output side (and one
-  for a post-MLP norm's scale); the next layer's stream is written from the output side's pass
+  layer forwards, not a forward up to it: one for the input side, one for the output side (a
+  post-MLP norm's scale is fitted from that pass too); the next layer's stream is written from it
   (``lm_output.next_streams``), not run again.
 
 Calibration inputs of different lengths are padded on the right (token 0) into a few batches;
@@ -24,7 +24,8 @@ gate, the up projection, a router and its experts). Output side, with the input 
 ``dW h' (+ db) ~ t``, ``t = out_C - out_0`` what the layer still misses, on the output matrix (and
 its bias, affine). A norm after the MLP (Gemma 2/3: ``out = g * unit(W h)``) makes the output
 nonlinear in ``W``: there ``dW`` aims the norm's input ``p = W h'`` at the direction the norm must
-output, ``unit((out_C - m_0) / g) rms(p)``, and the norm's scale is then fitted per channel
+output, ``unit((out_C - m_0) / g) rms(p)``, optionally refined by ``norm_steps`` Gauss-Newton steps on
+the norm's output itself (``thought.through_norm``), and the norm's scale is then fitted per channel
 (``thought.lm_output``; ``docs/prompt-compression.md`` §2).
 """
 
@@ -51,7 +52,7 @@ from tokenpatch.thought.fit import (
     ridge_setting,
     static_patch,
 )
-from tokenpatch.thought.lm_output import STREAM_KEYS, fit_output, fit_scale, next_streams
+from tokenpatch.thought.lm_output import STREAM_KEYS, fit_norm, fit_output, next_streams
 from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 
 TARGET_CACHE_BYTES = 2**28  # the prompt's keys and values copied per target batch, at most (about)
@@ -110,6 +111,7 @@ def fit_lm(
     progress,
     keep_bos: bool = False,
     layers: Any = None,
+    norm_steps: int = 0,
 ) -> ThoughtPatch:
     """``thought_patch`` for a language model: ``prompt`` token ids ``[P]`` or ``[1, P]``, ``batches`` of
     calibration query ids ``[b, T_q]`` (the same length in a batch). ``keep_bos``: the prompt's first
@@ -217,12 +219,12 @@ def fit_lm(
             if output is not None and sites.output is not None:
                 site, kept = sites.output, ([] if i < fitted[-1] else None)
                 pairs = run(mine, True, kept)
+                if site.kind == "matrix+scale":  # read twice: the fit, then the norm's scale on its directions
+                    pairs = list(pairs)
                 fit.update(fit_output(model, i, site, pairs, mine, output, ridge, distributed, solver))
                 mine.update(cut_rank(mine, rank))
-                if site.kind == "matrix+scale":  # then the norm's scale, per channel, on the new directions
-                    mine[site.norm] = fit_scale(
-                        model.get_submodule(site.norm.rpartition(".")[0]), anchors(mine), distributed
-                    )
+                if site.kind == "matrix+scale":
+                    fit.update(fit_norm(model, site, pairs, mine, fit["output_ridge"], norm_steps, rank, distributed))
                 if kept is not None:  # the next layer's input from the output side's pass: no third pass
                     streams, moved = next_streams(model, site, mine, kept), True
             fits.append(LayerFit(**{"n": 0, **fit}))
@@ -244,6 +246,7 @@ def fit_lm(
         prompt_len=p,
         keep_bos=bool(keep_bos),
         layers=fitted,
+        norm_steps=norm_steps,
     )
     return ThoughtPatch(static_patch(deltas, meta, readers), fits)
 

@@ -6,7 +6,8 @@ misses, on the output matrix (and its bias, affine); a shared expert's output is
 ``sigmoid(gate)``, so ``t / sigmoid(gate)`` is fitted. A norm after the MLP (Gemma 2/3: ``out = m +
 g * unit(W h')``) makes the output nonlinear in ``W``: there ``dW`` aims the norm's input ``p = W h'``
 at the direction the norm must output, ``unit((out_C - m_0) / g) rms(p)`` (``norm_target``), and the
-norm's scale is then fitted per channel (``fit_scale``; ``docs/prompt-compression.md`` §2).
+norm's scale is then fitted per channel (``fit_norm``; ``docs/prompt-compression.md`` §2), after
+Gauss-Newton steps on the norm's output itself if asked (``through_norm``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.arch import OutputSite
+from tokenpatch.arch import OutputSite, weight_layout
 from tokenpatch.arch.families import scale_norm
 from tokenpatch.errors import InputError
 from tokenpatch.patch import Delta
 from tokenpatch.run import hooked
-from tokenpatch.thought.fit import solve_output, static_patch
+from tokenpatch.thought.fit import cut_rank, solve_output, static_patch
+from tokenpatch.thought.lstsq import factor
+from tokenpatch.thought.through_norm import best_scale, refine
 
 
 def fit_output(
@@ -91,30 +94,60 @@ def norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
     ``norm(x) = g * unit(x)`` and the layer needs ``norm(x) = want`` (``out_C - m_0``: the MLP's
     output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
     ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
-    the norm's input that does). With ``fit_scale`` after it, exact for one calibration position."""
+    the norm's input that does). With ``fit_norm`` after it, exact for one calibration position."""
     unit, offset = scale_norm(norm)
     g = (offset + norm.weight).to(want.dtype)
-    z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to fit_scale
+    z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to fit_norm
     return (unit(norm, z).to(p.dtype) * _rms(norm, p) - p).to(want.dtype)  # [..., d]  x* - p
 
 
-def fit_scale(norm: nn.Module, pairs_source, distributed: bool) -> Tensor:
-    """The post-MLP norm's scale change ``dg`` ``[1, 1, d]``: per channel ``c`` the least squares
-    ``min sum_n ((g_c + dg_c) u_nc - y_nc)^2``, ``u = unit(p)`` under the patch so far and ``y =
-    out_C - m_0``: ``g_c + dg_c = sum_n u_nc y_nc / sum_n u_nc^2`` (channels no row reaches keep
-    ``g_c``). With the directions met, it restores the magnitudes: exact for one query."""
+def fit_norm(
+    model: nn.Module,
+    site: OutputSite,
+    pairs: list,
+    mine: dict[str, Delta],
+    ridge: float,
+    steps: int,
+    rank: int | None,
+    distributed: bool,
+) -> dict:
+    """The post-MLP norm's scale change ``dg`` into ``mine`` (``[1, 1, d]``), after ``steps`` Gauss-Newton
+    steps on the output matrix's change (``through_norm.refine``, which replaces it in ``mine``, cut
+    to ``rank``), all from the output side's recorded states ``pairs`` (no layer pass: ``p' = p +
+    dW h'``). The scale: per channel ``c`` the least squares ``min sum_n ((g_c + dg_c) u_nc -
+    y_nc)^2``, ``u = unit(p')``, ``y = out_C - m_0`` (channels no row reaches keep ``g_c``); with
+    the directions met, it restores the magnitudes: exact for one query. Returns the diagnostics
+    (``norm_error``: the relative output error at the closed form and after each step)."""
+    down_name = site.name.rpartition(".")[0]
+    down, key = model.get_submodule(down_name), f"{down_name}.weight"
+    norm = model.get_submodule(site.norm.rpartition(".")[0])
     unit, offset = scale_norm(norm)
-    g = (offset + norm.weight.detach()).double()
-    uy, uu = torch.zeros_like(g), torch.zeros_like(g)
-    for rc, r0, v in pairs_source:
-        u, y = unit(norm, r0["p"][v]).double(), (rc["out"] - r0["m"])[v].double()  # [N, d]
-        uy, uu = uy + (u * y).sum(0), uu + u.square().sum(0)
-    if distributed:
-        for t in (uy, uu):
-            torch.distributed.all_reduce(t)
-    reached = uu > 0
-    dg = torch.where(reached, uy / uu.where(reached, 1) - g, 0)  # [d]
-    return dg[None, None].to(norm.weight.dtype)  # [1, 1, d]
+    g0 = (offset + norm.weight.detach()).double()  # [d]
+    h, p, y = (
+        torch.cat(t).double()
+        for t in zip(*((r0["hidden"][v], r0["p"][v], (rc["out"] - r0["m"])[v]) for rc, r0, v in pairs))
+    )
+    out_in = weight_layout(down, key) == "out_in"
+
+    def math_dw() -> Tensor:  # [d, d_hidden]  the output matrix's change in math layout
+        dense = mine[key].dense()[0, 0].double() if key in mine else p.new_zeros(p.shape[1], h.shape[1])
+        return dense if out_in else dense.T
+
+    def scale_on(dw: Tensor) -> Tensor:
+        u = unit(norm, p + h @ dw.T).double()  # [N, d]
+        uy, uu = (u * y).sum(0), u.square().sum(0)
+        if distributed:
+            for t in (uy, uu):
+                torch.distributed.all_reduce(t)
+        return best_scale(uy, uu, g0)
+
+    info: dict = {}
+    if steps:  # (not distributed: thought_patch refuses that)
+        dw, errors = refine(h, p, y, math_dw(), scale_on(math_dw()), g0, norm.eps, ridge, steps)
+        mine.update(cut_rank({key: factor(dw if out_in else dw.T).to(down.weight.dtype)}, rank))
+        info = {"norm_steps": len(errors) - 1, "norm_error": errors}
+    mine[site.norm] = (scale_on(math_dw()) - g0)[None, None].to(norm.weight.dtype)  # [1, 1, d]
+    return info
 
 
 def _rms(norm: nn.Module, x: Tensor) -> Tensor:

@@ -36,6 +36,7 @@ METHODS = {
     "thought_patch": "thought patch",
     "thought_patch_rank": "thought patch (rank r)",
     "thought_patch_gcv": "thought patch (GCV ridge)",
+    "thought_patch_norm": "thought patch (Gauss-Newton through the norm)",
     "thought_patch_sampled": "thought patch (self-written calibration)",
     "thought_patch_baked": "thought patch + baking",
     "prompt_baking": "prompt baking (LoRA)",
@@ -49,7 +50,7 @@ METHODS = {
 
 def closed_form(key: str) -> bool:
     """Whether the row ``key`` is a thought patch without gradient steps (the goal's candidates)."""
-    return key in ("thought_patch", "thought_patch_rank", "thought_patch_gcv") or key.startswith(
+    return key in ("thought_patch", "thought_patch_rank", "thought_patch_gcv", "thought_patch_norm") or key.startswith(
         "thought_patch_sampled_"
     )
 
@@ -137,6 +138,7 @@ def compare(
     sampled: tuple[int, ...] = (),
     bake_times: tuple[float, ...] = (),
     hybrid: float | None = None,
+    norm_steps: int = 0,
     methods: tuple[str, ...] | None = None,
     progress: bool | None = None,
 ) -> dict:
@@ -144,8 +146,8 @@ def compare(
     dict (methods keyed as in ``METHODS``) but for ``"patches"``: the fitted thought patches
     (``tp.save_patch`` them; ``json.dumps`` the rest). ``ridge``: a number, ``"gcv"``, or several to
     choose from on the dev split by the KL to ICL. ``lead``: the token ids every sequence starts
-    with (default: the tokenizer's BOS, ``leading_tokens``). ``sampled``, ``bake_times``, ``hybrid``:
-    the self-written and gradient rows (``extract``). ``"closed_form_choice"``: the closed-form
+    with (default: the tokenizer's BOS, ``leading_tokens``). ``sampled``, ``bake_times``, ``hybrid``,
+    ``norm_steps``: the self-written, gradient and through-the-norm rows (``extract``). ``"closed_form_choice"``: the closed-form
     thought patch with the lowest dev KL, the one the goal is checked on."""
     if model.training:
         raise InputError("the model is in training mode: call model.eval()")
@@ -169,6 +171,7 @@ def compare(
         sampled=sampled,
         bake_times=bake_times,
         hybrid=hybrid,
+        norm_steps=norm_steps,
         methods=methods,
         progress=progress,
     )

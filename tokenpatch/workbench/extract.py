@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenpatch.arch import adapter_for
 from tokenpatch.baselines.baking import bake
 from tokenpatch.baselines.steering import Steering, steer
 from tokenpatch.baselines.vectors import (
@@ -139,15 +140,34 @@ def _vectors(model: nn.Module, enc: Encoded, want, seed: int, n_heads: int, prog
     return out
 
 
+def _post_mlp_norm(model: nn.Module) -> bool:
+    """Whether some layer's output side goes through a norm after the MLP (Gemma 2/3)."""
+    adapter = adapter_for(model)
+    sites = (adapter.sites(model, i).output for i in range(adapter.n_layers(model)))
+    return any(site is not None and site.kind == "matrix+scale" for site in sites)
+
+
 def _patches(
-    model: nn.Module, enc: Encoded, want, *, rank, ridge, layers, sampled, bake_times, hybrid, seed, progress
+    model: nn.Module,
+    enc: Encoded,
+    want,
+    *,
+    rank,
+    ridge,
+    layers,
+    sampled,
+    bake_times,
+    hybrid,
+    norm_steps,
+    seed,
+    progress,
 ) -> dict[str, Method]:
     out: dict[str, Method] = {}
     queries = batched([q + a for q, a in zip(enc.query["calibration"], enc.answer["calibration"])])
     prompt = torch.tensor(enc.prefix + enc.demos)
     keep_bos = bool(enc.prefix)
 
-    def fit(r, lam, calibration):
+    def fit(r, lam, calibration, steps=0):
         return thought_patch(
             model,
             prompt,
@@ -157,6 +177,7 @@ def _patches(
             output="affine",
             keep_bos=keep_bos,
             layers=layers,
+            norm_steps=steps,
             progress=progress,
         ).patch
 
@@ -171,17 +192,28 @@ def _patches(
     chosen = min(by_ridge, key=by_ridge.get) if by_ridge else ridges[0]
     search = time.perf_counter() - start if by_ridge else 0.0  # every ridge's fit and dev run
     fits = {}  # key: (name, patch, seconds, rank, ridge, info)
-    for key, name, r, lam in (
-        ("thought_patch", "thought patch", None, chosen),
-        ("thought_patch_rank", f"thought patch (rank {rank})", rank, chosen),
-        ("thought_patch_gcv", "thought patch (GCV ridge)", None, "gcv"),
-    ):
+    rows = [
+        ("thought_patch", "thought patch", None, chosen, 0),
+        ("thought_patch_rank", f"thought patch (rank {rank})", rank, chosen, 0),
+        ("thought_patch_gcv", "thought patch (GCV ridge)", None, "gcv", 0),
+    ]
+    if norm_steps and _post_mlp_norm(model):
+        rows.append(
+            (
+                "thought_patch_norm",
+                f"thought patch (Gauss-Newton through the norm, {norm_steps} steps)",
+                None,
+                chosen,
+                norm_steps,
+            )
+        )
+    for key, name, r, lam, steps in rows:
         if not want(key):
             continue
-        if r is None and lam in full:  # the ridge sweep fitted it already
+        if r is None and lam in full and not steps:  # the ridge sweep fitted it already
             patch, secs = full[lam]
         else:
-            patch, secs = timed(lambda: fit(r, lam, queries))
+            patch, secs = timed(lambda: fit(r, lam, queries, steps))
         swept_here = key == "thought_patch"
         info = {"selection_s": search, "dev_kl_by_ridge": [[k, v] for k, v in by_ridge.items()]} if swept_here else {}
         fits[key] = (name, patch, secs, r, lam, info)
@@ -257,13 +289,16 @@ def extract(
     sampled: tuple[int, ...] = (),
     bake_times: tuple[float, ...] = (),
     hybrid: float | None = None,
+    norm_steps: int = 0,
     methods: tuple[str, ...] | None = None,
     progress: bool | None = None,
 ) -> dict[str, Method]:
     """Every method (``methods``: only those keys, ``"thought_patch_sampled"`` and ``"prompt_baking"``
     naming their rows), extracted from the prompt and the calibration split and placed on the dev split.
     ``sampled``: numbers of self-written continuations; ``bake_times``: prompt-baking budgets as
-    multiples of the thought patch's fit time; ``hybrid``: the hybrid's budget (the same unit)."""
+    multiples of the thought patch's fit time; ``hybrid``: the hybrid's budget (the same unit);
+    ``norm_steps``: the Gauss-Newton steps of the row that refines the fit through a post-MLP norm
+    (at the dev-chosen ridge; only on a model with such a norm)."""
     want = lambda name: methods is None or name in methods  # noqa: E731
     out = {"zero_shot": Method("zero-shot"), "icl": Method("ICL", prompted=True)}
     out.update(
@@ -277,6 +312,7 @@ def extract(
             sampled=sampled,
             bake_times=bake_times,
             hybrid=hybrid,
+            norm_steps=norm_steps,
             seed=seed,
             progress=progress,
         )
