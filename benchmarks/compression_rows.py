@@ -2,14 +2,15 @@
 
 A full comparison (``tokenpatch compress --model NAME --task ...``) takes 15-20 minutes a task on
 2 cores. A method added later (here the thought patch refined through a post-MLP norm,
-``--norm-steps K``, chosen on the dev split with ``benchmarks/compression_dev.py``) is run on
+its Gauss-Newton step count chosen per task on the dev split from ``--norm-steps``, a grid
+chosen with ``benchmarks/compression_dev.py``) is run on
 the same tasks, splits, prompt (the run's first token and format) and ridge (the one the run chose
 on dev for the thought patch), by the same ``compare``; the thought patch is run again beside it
 and must reproduce the saved row (the same correct answers, its KL to ICL within 1e-3 relative),
 which shows the setting is the same. The new rows go into the run's JSON; the closed-form choice
 (lowest dev KL) and the goal are recomputed; the table is printed and the figure redrawn.
 
-    TOKENPATCH_CACHE=/tmp/tpcache python benchmarks/compression_rows.py --model gemma3-270m --norm-steps 3
+    TOKENPATCH_CACHE=/tmp/tpcache python benchmarks/compression_rows.py --model gemma3-270m --norm-steps 1,3
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ NEW = ("thought_patch_norm",)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--norm-steps", type=int, required=True)
+    ap.add_argument("--norm-steps", required=True, help="the step counts chosen from on dev, e.g. 1,3")
     ap.add_argument("--tasks", default=None, help="comma-separated (default: every task of the run)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -46,6 +47,7 @@ def main() -> None:
     run = json.loads(path.read_text())
     model, tokenizer = pretrained.load_pretrained(args.model, dtype=torch.float32, progress=False)
     chosen = run["prompting"]["chosen"]
+    steps = tuple(int(k) for k in args.norm_steps.split(","))
     tasks = args.tasks.split(",") if args.tasks else list(run["tasks"])
     t0 = time.perf_counter()
     for task in tasks:
@@ -63,7 +65,7 @@ def main() -> None:
                 ridge=ridge,
                 lead=chosen["lead"],
                 fmt=FORMATS[chosen["format"]],
-                norm_steps=args.norm_steps,
+                norm_steps=steps,
                 methods=("thought_patch", *NEW),
             )
         again, before = res["methods"]["thought_patch"], saved["methods"]["thought_patch"]
@@ -89,7 +91,7 @@ def main() -> None:
     run["goal"] = goal(run["tasks"])
     run["added_rows"] = {
         "rows": list(NEW),
-        "norm_steps": args.norm_steps,
+        "norm_steps": list(steps),
         "tasks": tasks,
         "seconds": time.perf_counter() - t0,
         "threads": args.threads,

@@ -334,16 +334,18 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::tokenpatch.ThoughtWarning")
 def test_the_through_the_norm_row_is_fitted_only_where_a_norm_follows_the_mlp(float64_gemma_norms):
-    """``norm_steps``: Gemma 3 gets the row (its fit records the steps; a closed-form candidate of the
-    goal), Llama, with nothing after its MLP, does not."""
+    """``norm_steps``: Gemma 3 gets the row (its step count chosen on dev; its fit records the steps),
+    Llama, with nothing after its MLP, does not."""
     words = [chr(97 + i % 26) + chr(97 + i // 26) + chr(97 + 3 * i % 26) for i in range(40)]
     task = WordPairs("rev", "word -> reversed", tuple((w, (w[::-1],)) for w in words))
-    kw = dict(shots=2, test=4, calibration=6, dev=4, ridge=0.01, norm_steps=2)
+    kw = dict(shots=2, test=4, calibration=6, dev=4, ridge=0.01, norm_steps=(1, 2))
     keep = ("thought_patch", "thought_patch_norm")
     rows = compare(build("gemma3"), CharTokenizer(), task, methods=keep, **kw)["methods"]
     assert set(rows) == {"zero_shot", "icl", *keep}
-    assert rows["thought_patch_norm"]["name"] == "thought patch (Gauss-Newton through the norm, 2 steps)"
-    assert all(f["norm_steps"] >= 1 for f in rows["thought_patch_norm"]["fits"])
+    norm = rows["thought_patch_norm"]
+    assert [k for k, _ in norm["dev_kl_by_norm_steps"]] == [1, 2] and norm["norm_steps"] in (1, 2)
+    assert norm["dev_kl"] == min(v for _, v in norm["dev_kl_by_norm_steps"])  # the steps chosen on dev
+    assert all(f["norm_steps"] >= 1 for f in norm["fits"])
     assert all(f["norm_steps"] is None for f in rows["thought_patch"]["fits"])
     assert rows["thought_patch_norm"]["kl"] != rows["thought_patch"]["kl"]
     assert "thought_patch_norm" not in compare(build("llama"), CharTokenizer(), task, methods=keep, **kw)["methods"]

@@ -100,13 +100,16 @@ def _gauss_newton(z: Tensor, u: Tensor, s: Tensor, r: Tensor, g: Tensor, a: Tens
     res = b.clone()
     w = precondition(res)
     direction, rho = w, (res * w).sum()
-    b_norm = float(b.norm()) or 1.0
+    b_norm = float(b.norm())
     for _ in range(CG_STEPS):
-        ad = normal(direction)
-        alpha = rho / (direction * ad).sum()
-        x, res = x + alpha * direction, res - alpha * ad
-        if float(res.norm()) <= CG_TOL * b_norm:
+        if float(res.norm()) <= CG_TOL * b_norm:  # (at once where F is already stationary: no step)
             break
+        ad = normal(direction)
+        curvature = (direction * ad).sum()
+        if not curvature > 0:  # a direction the objective is flat along (ridge 0): stop there
+            break
+        alpha = rho / curvature
+        x, res = x + alpha * direction, res - alpha * ad
         w = precondition(res)
         rho, rho_old = (res * w).sum(), rho
         direction = w + (rho / rho_old) * direction

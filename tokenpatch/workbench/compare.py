@@ -138,7 +138,7 @@ def compare(
     sampled: tuple[int, ...] = (),
     bake_times: tuple[float, ...] = (),
     hybrid: float | None = None,
-    norm_steps: int = 0,
+    norm_steps: tuple[int, ...] = (),
     methods: tuple[str, ...] | None = None,
     progress: bool | None = None,
 ) -> dict:

@@ -192,31 +192,33 @@ def _patches(
     chosen = min(by_ridge, key=by_ridge.get) if by_ridge else ridges[0]
     search = time.perf_counter() - start if by_ridge else 0.0  # every ridge's fit and dev run
     fits = {}  # key: (name, patch, seconds, rank, ridge, info)
-    rows = [
-        ("thought_patch", "thought patch", None, chosen, 0),
-        ("thought_patch_rank", f"thought patch (rank {rank})", rank, chosen, 0),
-        ("thought_patch_gcv", "thought patch (GCV ridge)", None, "gcv", 0),
-    ]
-    if norm_steps and _post_mlp_norm(model):
-        rows.append(
-            (
-                "thought_patch_norm",
-                f"thought patch (Gauss-Newton through the norm, {norm_steps} steps)",
-                None,
-                chosen,
-                norm_steps,
-            )
-        )
-    for key, name, r, lam, steps in rows:
+    for key, name, r, lam in (
+        ("thought_patch", "thought patch", None, chosen),
+        ("thought_patch_rank", f"thought patch (rank {rank})", rank, chosen),
+        ("thought_patch_gcv", "thought patch (GCV ridge)", None, "gcv"),
+    ):
         if not want(key):
             continue
-        if r is None and lam in full and not steps:  # the ridge sweep fitted it already
+        if r is None and lam in full:  # the ridge sweep fitted it already
             patch, secs = full[lam]
         else:
-            patch, secs = timed(lambda: fit(r, lam, queries, steps))
+            patch, secs = timed(lambda: fit(r, lam, queries))
         swept_here = key == "thought_patch"
         info = {"selection_s": search, "dev_kl_by_ridge": [[k, v] for k, v in by_ridge.items()]} if swept_here else {}
         fits[key] = (name, patch, secs, r, lam, info)
+    if norm_steps and want("thought_patch_norm") and _post_mlp_norm(model):  # steps chosen on dev, the ridge above
+        start = time.perf_counter()
+        tried = {k: timed(lambda: fit(None, chosen, queries, k)) for k in norm_steps}
+        by_steps = {k: dev_kl(model, enc, patched(model, "", p, 0.0, {}), reference) for k, (p, _) in tried.items()}
+        best = min(by_steps, key=by_steps.get)
+        info = {
+            "norm_steps": best,
+            "dev_kl": by_steps[best],
+            "dev_kl_by_norm_steps": [[k, v] for k, v in by_steps.items()],
+            "selection_s": time.perf_counter() - start,
+        }
+        name = "thought patch (Gauss-Newton through the norm)"
+        fits["thought_patch_norm"] = (name, tried[best][0], tried[best][1], None, chosen, info)
     text = enc.fmt.demos(enc.demo_pairs)
     begin = demonstration_start(text)
     start_ids = enc.tokenizer(begin, add_special_tokens=False)["input_ids"] if begin else None
@@ -231,7 +233,7 @@ def _patches(
     for key, (name, patch, secs, r, lam, more) in fits.items():
         info = {"rank": r, "ridge": lam, "fits": patch.meta["thought"]["fits"], "patch": patch, **more}
         out[key] = patched(model, name, patch, secs, info)
-        known = dict(more.get("dev_kl_by_ridge", ()))
+        known = {**dict(more.get("dev_kl_by_ridge", ())), **({lam: more["dev_kl"]} if "dev_kl" in more else {})}
         out[key].info["dev_kl"] = known[lam] if lam in known else dev_kl(model, enc, out[key], reference)
     base = out.get("thought_patch")
     budget = base.extraction_s if base is not None else None
@@ -289,7 +291,7 @@ def extract(
     sampled: tuple[int, ...] = (),
     bake_times: tuple[float, ...] = (),
     hybrid: float | None = None,
-    norm_steps: int = 0,
+    norm_steps: tuple[int, ...] = (),
     methods: tuple[str, ...] | None = None,
     progress: bool | None = None,
 ) -> dict[str, Method]:
@@ -297,8 +299,8 @@ def extract(
     naming their rows), extracted from the prompt and the calibration split and placed on the dev split.
     ``sampled``: numbers of self-written continuations; ``bake_times``: prompt-baking budgets as
     multiples of the thought patch's fit time; ``hybrid``: the hybrid's budget (the same unit);
-    ``norm_steps``: the Gauss-Newton steps of the row that refines the fit through a post-MLP norm
-    (at the dev-chosen ridge; only on a model with such a norm)."""
+    ``norm_steps``: the Gauss-Newton step counts the row that refines the fit through a post-MLP norm
+    chooses from on dev (at the ridge chosen on dev; only on a model with such a norm)."""
     want = lambda name: methods is None or name in methods  # noqa: E731
     out = {"zero_shot": Method("zero-shot"), "icl": Method("ICL", prompted=True)}
     out.update(
