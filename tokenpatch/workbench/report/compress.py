@@ -43,8 +43,10 @@ BASELINES = ("task_vector", "function_vector", "attention_shift")
 # and one pair per line with an arrow.
 FORMATS = {"qa": Format(), "arrow": Format("{x} ->", " {y}", "\n")}
 # The full comparison's extra rows (compare's options): self-written calibration of 16 and 128
-# continuations, prompt baking at 1x and 10x the thought patch's fit time, the hybrid at 1x.
-FULL = {"sampled": (16, 128), "bake_times": (1.0, 10.0), "hybrid": 1.0}
+# continuations, prompt baking at 1x and 10x the thought patch's fit time, the hybrid at 1x, and
+# (on a model with a norm after its MLPs) the fit through the norm, its Gauss-Newton steps chosen
+# on dev from 1, 3 and 10.
+FULL = {"sampled": (16, 128), "bake_times": (1.0, 10.0), "hybrid": 1.0, "norm_steps": (1, 3, 10)}
 
 
 def run_model(
