@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -119,6 +120,7 @@ def study_norm(model, enc, prompt, labelled, reference, ridge: float, steps: lis
         rows.append(
             {
                 "norm_steps": k,
+                "ridge": ridge,
                 "dev_kl": kl,
                 "fit_s": seconds,
                 "norm_error_first": [e[0] for e in errors],
@@ -178,6 +180,12 @@ def figure(name: str, results: dict, path: Path) -> None:
             ax.plot([40], [lab["dev_kl"]], "*" if j == 0 else "x", color=color, markersize=12)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    sizes = sorted({r["demonstrations"] for rows in results.values() for r in rows})
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("calibration demonstrations (stars / crosses: the 40 labelled ones)")
     ax.set_ylabel("dev KL(ICL || thought patch), nats")
     ax.set_title(f"{name}: the thought patch against its calibration size")
@@ -195,6 +203,7 @@ def main() -> None:
     ap.add_argument("--norm-steps", default="0,1,3")
     ap.add_argument("--bake-steps", default="5,20")
     ap.add_argument("--continuations", type=int, default=512)
+    ap.add_argument("--ridge", type=float, default=None, help="instead of the ridge the comparison chose on dev")
     ap.add_argument("--lead", default=None, help="the first token's text (default: the comparison's dev choice)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -205,7 +214,7 @@ def main() -> None:
     lead = [tokenizer.convert_tokens_to_ids(lead_text)]
     results = {}
     for task in args.tasks.split(","):
-        ridge = float(run["tasks"][task]["methods"]["thought_patch"]["ridge"])
+        ridge = args.ridge if args.ridge is not None else float(run["tasks"][task]["methods"]["thought_patch"]["ridge"])
         print(f"{args.model} {task} (ridge {ridge:g}, first token {lead_text!r})", file=sys.stderr, flush=True)
         enc, prompt, labelled, reference = setting(model, tokenizer, task, run, lead)
         if args.study == "norm":
