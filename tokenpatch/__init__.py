@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what the names below are, for readers and type checkers; at
     from tokenpatch.dynamics import diagnostics
     from tokenpatch.dynamics.finetuning import FineTune, finetune, finetuned, simaou
     from tokenpatch.dynamics.online_gd import Replay, replay
+    from tokenpatch.dynamics.online_sgd import OnlineAlignment, online_alignment
     from tokenpatch.dynamics.trajectories import Trajectory, trajectory
     from tokenpatch.errors import FileFormatError, InputError, TokenpatchError, UnsupportedModelError, ZeroAnchorError
     from tokenpatch.generate import Generation, generate
@@ -84,6 +85,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {  # public name -> (module, its nam
     "LowRank": ("tokenpatch.lowrank", "LowRank"),
     **{n: ("tokenpatch.lora", n) for n in ("LoraExport", "save_lora")},
     **{n: ("tokenpatch.dynamics.online_gd", n) for n in ("Replay", "replay")},
+    **{n: ("tokenpatch.dynamics.online_sgd", n) for n in ("OnlineAlignment", "online_alignment")},
     **{n: ("tokenpatch.models.icl", n) for n in ("Block", "ICLConfig", "ICLTransformer", "load_model", "save_model")},
     **{n: ("tokenpatch.patching", n) for n in ("strip_context", "token_patch")},
     **{n: ("tokenpatch.plans", n) for n in ("Plan", "make_plan")},
@@ -152,6 +154,8 @@ __all__ = [
     "Trajectory",
     "replay",
     "Replay",
+    "online_alignment",
+    "OnlineAlignment",
     "finetune",
     "finetuned",
     "FineTune",
