@@ -69,6 +69,7 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, monkeypatch, pretrai
         "model",
         "dynamics",
         "finetune",
+        "online",
         "thought",
         "real_models",
         "prompt_compression",
@@ -95,6 +96,14 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, monkeypatch, pretrai
                 rows = opt[key]
                 assert len(rows) == 10 and all(r["lo"] <= r["mean"] <= r["hi"] <= 1 for r in rows)
             assert opt["loss_mean"][-1] < opt["loss_mean"][0]
+    on = data["sections"]["online"]
+    for model in ("trained", "untrained"):  # every cosine per layer with its interval; the sweep's choice
+        rows = on[model]["per_layer"]
+        assert set(rows) >= {"gradient", "gradient_shuffled", "gradient_other_run", "random", "sgd_step"}
+        assert all(len(v) == 10 and all(-1 <= r["lo"] <= r["mean"] <= r["hi"] <= 1 for r in v) for v in rows.values())
+        assert on[model]["chosen_lr"] == min(on[model]["sweep"], key=lambda r: r["heldout_mse"])["lr"]
+        assert len(on[model]["heldout_icl"]) == len(on[model]["heldout_sgd"]) == on[model]["n_context"] + 1
+    assert on["trained"]["heldout_icl"][-1] < 0.1 * on["trained"]["heldout_icl"][0]  # the context is read
     dyn = data["sections"]["dynamics"]
     assert set(dyn["models"]) == set(tp.models.SHIPPED)
     for record in dyn["models"].values():  # every layer's fitted exponent quartiles, ordered

@@ -14,6 +14,7 @@ from conftest import random_model
 import tokenpatch as tp
 from tokenpatch.dynamics.online_sgd import derangement, gradient_at, matrix_deltas, online_alignment, online_sgd
 from tokenpatch.errors import InputError
+from tokenpatch.lowrank import LowRank
 
 N_CTX = 5
 
@@ -51,7 +52,7 @@ def test_the_online_gradient_is_the_autograd_gradient_of_the_stated_loss_at_the_
                 params = dict(twin.named_parameters())
                 want = torch.autograd.grad(_own_loss(twin, xs, ys, b, i), [params[n] for n in names])
             for n, w in zip(names, want):
-                assert torch.allclose(got[n][b], w, rtol=0, atol=1e-12), (i, b, n)
+                assert torch.allclose(got[n].dense()[b], w, rtol=0, atol=1e-12), (i, b, n)
                 assert w.abs().max() > 1e-6  # not a vacuous zero gradient
 
 
@@ -60,7 +61,7 @@ def test_online_sgd_is_torch_sgd_with_batch_one(setting, shuffled):
     model, _, xs, ys, names, loss = setting
     order = derangement(N_CTX, torch.Generator().manual_seed(0)) if shuffled else list(range(N_CTX))
     lr = 0.05
-    steps = list(online_sgd(model, loss, N_CTX, names, 3, lr, order if shuffled else None))
+    steps = list(online_sgd(model, loss, N_CTX, names, lr, order if shuffled else None))
     assert len(steps) == N_CTX
     for b in range(3):
         twin = copy.deepcopy(model)
@@ -76,8 +77,8 @@ def test_online_sgd_is_torch_sgd_with_batch_one(setting, shuffled):
             opt.step()
             _, d = steps[step]
             for n, p, p0 in zip(names, trained, start):
-                assert torch.allclose(d[n][b], p.detach() - p0, rtol=0, atol=1e-12), (b, step, n)
-        assert any(float(d.abs().max()) > 1e-4 for d in steps[-1][1].values())
+                assert torch.allclose(d[n].dense()[b], p.detach() - p0, rtol=0, atol=1e-12), (b, step, n)
+        assert any(float(d.dense().abs().max()) > 1e-4 for d in steps[-1][1].values())
 
 
 def _one_block_setting():
@@ -119,7 +120,7 @@ def test_on_one_block_the_implicit_step_is_the_online_gradient_step_of_the_nlms_
     h = 1 / float((a[0] ** 2).sum())
     for i in range(1, N_CTX + 1):
         step = matrix_deltas(model, patches[i])[name].dense() - matrix_deltas(model, patches[i - 1])[name].dense()
-        g = gradient_at(model, nlms, i - 1, [name], patch=patches[i - 1])[name]  # [2, rows, cols]
+        g = gradient_at(model, nlms, i - 1, [name], patch=patches[i - 1])[name].dense()  # [2, rows, cols]
         assert torch.allclose(step[:, 0], -h * g, rtol=0, atol=1e-12), i
         assert step.abs().max() > 1e-6
     al = online_alignment(model, patches, nlms, lrs=[h, 2 * h], generator=torch.Generator().manual_seed(0))
@@ -146,12 +147,16 @@ def test_heldout_losses_follow_online_sgd(setting):
     al = online_alignment(model, patches, loss, lrs=[0.1], names=names[:2], heldout=heldout)
     assert al.gradient.shape == (3, N_CTX, 2) and al.sgd_step.shape == (1, 3, N_CTX, 2)
     assert al.heldout.shape == (1, 3, N_CTX + 1)
-    *_, d = list(online_sgd(model, loss, N_CTX, names[:2], 3, 0.1))[-1]
+    *_, d = list(online_sgd(model, loss, N_CTX, names[:2], 0.1))[-1]
     with tp.finetuned(model, d), torch.no_grad():
         assert torch.allclose(al.heldout[0, :, -1], heldout(), rtol=0, atol=1e-12)
     with torch.no_grad():
         assert torch.allclose(al.heldout[0, :, 0], heldout(), rtol=0, atol=1e-12)
     assert ((al.sgd_ceiling > 0) & (al.sgd_ceiling <= 1 + 1e-12)).all()
+    assert 0.5 < float(al.random.std()) * (8 * 32) ** 0.5 < 1.5  # a random 32 x 8 matrix: cos ~ +-1/16
+    at_last = online_alignment(model, patches, loss, lrs=[0.1], names=names[:2], ceiling_steps=[N_CTX])
+    assert at_last.sgd_ceiling[..., :-1, :].isnan().all()
+    assert torch.equal(at_last.sgd_ceiling[..., -1, :], al.sgd_ceiling[..., -1, :])
 
 
 def test_matrix_deltas_of_an_input_change_are_what_apply_writes():
@@ -182,8 +187,10 @@ def test_bad_inputs_get_one_clear_line(setting):
     with pytest.raises(InputError, match="change no matrix"):
         online_alignment(model, patches, loss, lrs=[0.1], names=["blocks.0.attn.q.weight"])
     with pytest.raises(InputError, match="lr must be"):
-        next(online_sgd(model, loss, N_CTX, names, 3, -1.0))
-    with pytest.raises(InputError, match="one loss per run"):
+        next(online_sgd(model, loss, N_CTX, names, -1.0))
+    with pytest.raises(InputError, match="not the weight matrix"):
+        gradient_at(model, loss, 0, ["blocks.0.mlp.fc_in.bias"])
+    with pytest.raises(InputError, match="one differentiable loss per run"):
         gradient_at(model, lambda i: loss(i).sum(), 0, names, patch=patches[1])
     with pytest.raises(InputError, match="at least 2"):
         derangement(1)
@@ -194,3 +201,41 @@ def test_derangement_moves_every_example():
         n = 2 + seed % 7
         perm = derangement(n, torch.Generator().manual_seed(seed))
         assert sorted(perm) == list(range(n)) and all(p != j for j, p in enumerate(perm))
+
+
+def test_low_rank_deltas_run_as_their_dense_matrices(setting):
+    model, _, xs, _, names, loss = setting
+    g = torch.Generator().manual_seed(7)
+    low = {
+        n: LowRank(
+            torch.randn(3, 2, 32, generator=g, dtype=torch.float64),
+            torch.randn(3, 2, 8, generator=g, dtype=torch.float64),
+        )
+        for n in names
+    }
+    with torch.no_grad():
+        with tp.finetuned(model, low):
+            a = loss(1)
+        with tp.finetuned(model, {n: d.dense() for n, d in low.items()}):
+            b = loss(1)
+        plain = loss(1)
+    assert torch.allclose(a, b, rtol=0, atol=1e-12) and (a - plain).abs().max() > 1e-3
+    with pytest.raises(InputError, match="lead \\[runs\\]"):
+        with tp.finetuned(model, {names[0]: LowRank(low[names[0]].u[None], low[names[0]].v[None])}):
+            pass
+
+
+def test_the_rank1_ceiling_from_factors_is_the_dense_one():
+    from tokenpatch.dynamics.diagnostics import rank1_ceiling
+
+    g = torch.Generator().manual_seed(8)
+    for rank in (1, 3, 9):  # below both sides, then past the smaller one (dense)
+        d = LowRank(
+            torch.randn(4, rank, 12, generator=g, dtype=torch.float64),
+            torch.randn(4, rank, 7, generator=g, dtype=torch.float64),
+        )
+        sv = torch.linalg.svdvals(d.dense())
+        assert torch.allclose(rank1_ceiling(d), sv[:, 0] / sv.norm(dim=-1), rtol=0, atol=1e-12)
+        assert torch.allclose(rank1_ceiling(d.dense()), rank1_ceiling(d), rtol=0, atol=1e-12)
+    assert rank1_ceiling(LowRank(torch.ones(1, 1, 3), torch.ones(1, 1, 2)))[0] == pytest.approx(1.0)
+    assert rank1_ceiling(torch.zeros(2, 3, 3))[0] == 0

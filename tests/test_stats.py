@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+from tokenpatch import stats
 from tokenpatch.stats import half_width, interval, mean_interval, wilson
 
 SHAPE = {"mean", "lo", "hi"}
@@ -129,3 +130,23 @@ def test_no_source_file_names_the_old_key():
         if any(isinstance(n, ast.Constant) and isinstance(n.value, str) and "ci95" in n.value for n in ast.walk(tree)):
             named.add(path.relative_to(PACKAGE).as_posix())
     assert named == set(), named
+
+
+def test_auroc_is_the_mann_whitney_statistic_with_a_bootstrap_interval():
+    from scipy.stats import mannwhitneyu
+
+    rng = np.random.default_rng(1)
+    scores = np.round(rng.normal(size=300), 1)  # rounded: ties count one half
+    labels = rng.random(300) < 0.3
+    scores[labels] += 0.5
+    got = stats.auroc(scores, labels)
+    pos, neg = scores[labels], scores[~labels]
+    assert got["mean"] == pytest.approx(mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg)), abs=1e-12)
+    assert got["lo"] < got["mean"] < got["hi"] and got["hi"] - got["lo"] < 0.2
+    assert set(got) == SHAPE
+    assert stats.auroc(-scores, labels)["mean"] == pytest.approx(1 - got["mean"], abs=1e-12)
+    assert stats.auroc(labels.astype(float), labels)["mean"] == 1.0
+    with pytest.raises(ValueError, match="both classes"):
+        stats.auroc(scores, np.ones(300, dtype=bool))
+    with pytest.raises(ValueError, match="one length"):
+        stats.auroc(scores[:5], labels)

@@ -21,6 +21,7 @@ __all__ = [
     "layer_alignment",
     "effective_rank",
     "cosine",
+    "rank1_ceiling",
 ]
 
 
@@ -76,9 +77,11 @@ def cosine(a: LowRank | Tensor, b: LowRank | Tensor) -> Tensor:
         if tuple(b.shape[-2:]) != a.shape:
             raise InputError(f"cannot compare a {a.shape} low-rank matrix with dense {tuple(b.shape[-2:])} ones")
         dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float64)
-        u, v, d = a.u.to(dt), a.v.to(dt), b.to(dt)
-        inner = torch.einsum("...kr,...rc,...kc->...", u, d, v)  # sum_k u_k^T D v_k
-        na, nb = LowRank(u, v).norm(), d.flatten(-2).norm(dim=-1)
+        u, v = a.u.to(dt), a.v.to(dt)
+        # D v_k in D's own dtype (one pass over the dense matrix, never copied wider), the rest in float64
+        dv = (b @ a.v.to(b.dtype).transpose(-1, -2)).to(dt)  # [*lead, rows, k]
+        inner = (u * dv.transpose(-1, -2)).sum((-1, -2))  # sum_k u_k^T D v_k
+        na, nb = LowRank(u, v).norm(), b.flatten(-2).norm(dim=-1).to(dt)
     else:
         if a.shape[-2:] != b.shape[-2:]:
             raise InputError(f"cannot compare {tuple(a.shape[-2:])} and {tuple(b.shape[-2:])} matrices")
@@ -118,3 +121,18 @@ def effective_rank(delta: LowRank) -> Tensor:
     sv = torch.linalg.svdvals(r_u @ r_v.transpose(-1, -2))  # [*lead, r]  those of U^T V = Q_u (R_u R_v^T) Q_v^T
     p = sv / sv.sum(-1, keepdim=True).clamp_min(torch.finfo(sv.dtype).tiny)
     return torch.exp(-(p * p.clamp_min(torch.finfo(p.dtype).tiny).log()).sum(-1))
+
+
+def rank1_ceiling(d: LowRank | Tensor) -> Tensor:
+    """The largest cosine any rank-1 matrix can have with ``D``: ``s_1(D) / |D|_F`` -> ``[*lead]`` (0 where
+    ``D = 0``). ``D`` dense ``[*lead, rows, cols]``, or a ``LowRank`` of rank ``k`` read from its factors
+    (``D = U^T V = Q_u R_u R_v^T Q_v^T``: the singular values of the ``k x k`` matrix ``R_u R_v^T``)
+    while ``k`` is below both sides, densely beyond."""
+    if isinstance(d, LowRank) and d.rank < min(d.shape):
+        _, ru = torch.linalg.qr(d.u.double().transpose(-1, -2))  # [*lead, k, k]
+        _, rv = torch.linalg.qr(d.v.double().transpose(-1, -2))
+        sv = torch.linalg.svdvals(ru @ rv.transpose(-1, -2))
+    else:
+        sv = torch.linalg.svdvals((d.dense() if isinstance(d, LowRank) else d).double())
+    top, total = sv[..., 0], sv.norm(dim=-1)
+    return torch.where(top > 0, top / total.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(top))

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from tokenpatch.arch import adapter_for, weight_layout
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError
+from tokenpatch.lowrank import LowRank
 from tokenpatch.progress import progress_bar
 
 __all__ = ["FineTune", "finetune", "finetuned", "simaou", "OPTIMIZERS"]
@@ -97,12 +98,13 @@ def _names(model: nn.Module, layers, output: bool) -> list[str]:
 
 
 class _DenseHook:
-    """Forward hook of one module: adds run ``b``'s dense ``dW x + db`` to the outputs of the
-    sequences of run ``b`` (the input batch is ``runs * k`` sequences, run-major)."""
+    """Forward hook of one module: adds run ``b``'s ``dW x + db`` to the outputs of the sequences of run
+    ``b`` (the input batch is ``runs * k`` sequences, run-major); ``dW`` dense ``[R, *W.shape]`` or a
+    ``LowRank`` with lead ``[R]`` in the weight's layout (then ``x -> (x V^T) U``, never a dense matrix)."""
 
-    def __init__(self, name: str, weight: Tensor | None, bias: Tensor | None, layout: str):
+    def __init__(self, name: str, weight: Tensor | LowRank | None, bias: Tensor | None, layout: str):
         self.name, self.weight, self.bias, self.layout = name, weight, bias, layout
-        self.runs = (weight if weight is not None else bias).shape[0]
+        self.runs = weight.lead[0] if isinstance(weight, LowRank) else (weight if weight is not None else bias).shape[0]
 
     def __call__(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
         x = args[0]
@@ -112,18 +114,24 @@ class _DenseHook:
                 "fine-tuning runs (each run's sequences must be consecutive)"
             )
         y = out.reshape(self.runs, -1, out.shape[-1])  # [R, k*T, out]
-        if self.weight is not None:  # "out_in": y = x W^T; "in_out": y = x W
+        x = x.reshape(self.runs, -1, x.shape[-1])  # [R, k*T, in]
+        if isinstance(self.weight, LowRank):  # "out_in": W = U^T V reads x by V; "in_out": by U
+            first, second = (
+                (self.weight.v, self.weight.u) if self.layout == "out_in" else (self.weight.u, self.weight.v)
+            )
+            y = y + (x @ first.to(out.dtype).transpose(-1, -2)) @ second.to(out.dtype)  # [R, k*T, out]
+        elif self.weight is not None:  # "out_in": y = x W^T; "in_out": y = x W
             w = self.weight.transpose(-1, -2) if self.layout == "out_in" else self.weight  # [R, in, out]
-            y = y + x.reshape(self.runs, -1, x.shape[-1]) @ w.to(out.dtype)  # [R, k*T, out]
+            y = y + x @ w.to(out.dtype)  # [R, k*T, out]
         if self.bias is not None:
             y = y + self.bias.to(out.dtype)[:, None, :]  # [R, 1, out]
         return y.reshape(out.shape)
 
 
 @contextlib.contextmanager
-def finetuned(model: nn.Module, deltas: Mapping[str, Tensor]) -> Iterator[nn.Module]:
+def finetuned(model: nn.Module, deltas: Mapping[str, Tensor | LowRank]) -> Iterator[nn.Module]:
     """Run ``model`` as ``R`` fine-tuned models at once: ``deltas`` maps parameter names to
-    ``[R, *param.shape]`` changes (``FineTune.at()``); inside the block, the ``k`` consecutive
+    ``[R, *param.shape]`` changes (``FineTune.at()``), or for a weight a ``LowRank`` with lead ``[R]``; inside the block, the ``k`` consecutive
     sequences ``r * k .. r * k + k - 1`` of an input batch of ``R * k`` run with parameters
     ``W + dW[r]``. Hooks only: the weights are never written, and the hooks go on exit, errors
     included."""
@@ -133,9 +141,16 @@ def finetuned(model: nn.Module, deltas: Mapping[str, Tensor]) -> Iterator[nn.Mod
     for name, delta in deltas.items():
         if name not in params:
             raise InputError(f"{name} is not a parameter of this model")
-        if tuple(delta.shape[1:]) != tuple(params[name].shape):
+        if isinstance(delta, LowRank):
+            if len(delta.lead) != 1 or tuple(delta.shape) != tuple(params[name].shape):
+                raise InputError(
+                    f"{name}: a low-rank delta must have lead [runs] and shape {tuple(params[name].shape)}"
+                )
+            runs.add(delta.lead[0])
+        elif tuple(delta.shape[1:]) != tuple(params[name].shape):
             raise InputError(f"{name}: delta {tuple(delta.shape)} is not [runs, *{tuple(params[name].shape)}]")
-        runs.add(delta.shape[0])
+        else:
+            runs.add(delta.shape[0])
         module_name, _, attr = name.rpartition(".")
         by_module.setdefault(module_name, {})[attr] = delta
     if len(runs) > 1:

@@ -1,6 +1,6 @@
-"""Command line: ``tokenpatch train | verify | generate | compress | markov | induction | reproduce``
+"""Command line: ``tokenpatch train | verify | generate | compress | markov | induction | icl-sgd | reproduce``
 (``tokenpatch <command> --help``): the parser, ``reproduce`` and the dispatch; each family of commands
-in its own module (``linreg``, ``lm``, ``markov``, ``induction``).
+in its own module (``linreg``, ``lm``, ``markov``, ``induction``, ``icl_sgd``).
 
 A user mistake (a bad value, a missing or wrong file) is one line on stderr, ``tokenpatch:
 error: ...``, and exit status 2, never a traceback; ``--debug`` (or ``TOKENPATCH_DEBUG=1``) shows
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenpatch.errors import TokenpatchError
 from tokenpatch.version import __version__
-from tokenpatch.workbench.cli import induction, linreg, lm, markov
+from tokenpatch.workbench.cli import icl_sgd, induction, linreg, lm, markov
 from tokenpatch.workbench.cli.args import (
     USAGE_ERROR,
     Help,
@@ -254,6 +254,7 @@ def _parser() -> argparse.ArgumentParser:
 
     markov.add_parser(sub)
     induction.add_parser(sub)
+    icl_sgd.add_parser(sub)
 
     r = sub.add_parser(
         "reproduce",
@@ -301,6 +302,7 @@ COMMANDS = {  # command -> (check, run)
     "reproduce": (_check_reproduce, _reproduce),
     "markov": (markov.check, markov.run),
     "induction": (induction.check, induction.run),
+    "icl-sgd": (icl_sgd.check, icl_sgd.run),
 }
 
 

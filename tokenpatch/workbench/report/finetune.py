@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tokenpatch.dynamics.diagnostics import cosine
+from tokenpatch.dynamics.diagnostics import cosine, rank1_ceiling
 from tokenpatch.dynamics.finetuning import finetune, finetuned, simaou
 from tokenpatch.dynamics.trajectories import trajectory
 from tokenpatch.lowrank import LowRank
@@ -56,12 +56,6 @@ def _mean_patch(patch: Patch, name: str, tasks: int) -> LowRank:
     d = patch[name]  # lead [B*m, 1], rank 1
     u, v = d.u.reshape(tasks, -1, d.shape[0]), d.v.reshape(tasks, -1, d.shape[1])  # [B, m, rows], [B, m, cols]
     return LowRank(u / u.shape[1], v)
-
-
-def _ceiling(dense: Tensor) -> Tensor:
-    """The largest cosine any rank-1 matrix can have with ``dense [B, rows, cols]``: ``s_1 / |D|_F``."""
-    sv = torch.linalg.svdvals(dense.double())  # [B, min(rows, cols)]
-    return sv[:, 0] / sv.norm(dim=-1).clamp_min(torch.finfo(torch.float64).tiny)
 
 
 @torch.no_grad()
@@ -142,7 +136,7 @@ def compare(
             "mean_patch_alignment": per_layer(lambda nm: cosine(mean_patch[nm], last[nm])),
             "other_task_alignment": per_layer(lambda nm: cosine(icl[nm], last[nm].roll(1, 0))),
             "random_alignment": per_layer(lambda nm: cosine(rand[nm], last[nm])),
-            "rank1_ceiling": per_layer(lambda nm: _ceiling(last[nm])),
+            "rank1_ceiling": per_layer(lambda nm: rank1_ceiling(last[nm])),
             "simaou": [_stats(simaou(a, b, c)) for a, b, c in zip(h_ctx, h_0, h_ft)],
             "simaou_random": [
                 _stats(simaou(a, b, b + torch.randn(b.shape, generator=g, dtype=b.dtype))) for a, b in zip(h_ctx, h_0)

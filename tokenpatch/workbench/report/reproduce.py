@@ -32,6 +32,7 @@ from tokenpatch.workbench.report.dynamics import dynamics_section
 from tokenpatch.workbench.report.finetune import finetune_section
 from tokenpatch.workbench.report.induction import induction_section
 from tokenpatch.workbench.report.markov import markov_section
+from tokenpatch.workbench.report.online import online_section
 from tokenpatch.workbench.report.real_models import real_models_section
 from tokenpatch.workbench.report.section import Section, code_digest, read_part, write_part
 from tokenpatch.workbench.report.thought import thought_section
@@ -174,6 +175,7 @@ SECTIONS = (
     "model",
     "dynamics",
     "finetune",
+    "online",
     "thought",
     "real_models",
     "prompt_compression",
@@ -191,6 +193,7 @@ def _default_builders(model, n_tasks: int, seed: int) -> dict:
         "model": lambda out, progress: model_section(model, out),
         "dynamics": dynamics_section,
         "finetune": finetune_section,
+        "online": online_section,
         "thought": thought_section,
         "real_models": real_models_section,  # a one-line note without the models
         "prompt_compression": compression_section,  # likewise
