@@ -32,12 +32,13 @@ def _reached(*args, **kwargs):
 @pytest.fixture
 def no_work(monkeypatch):
     """Real models and the long runs stubbed: reaching one means the input was accepted."""
+    from tokenpatch.workbench.report import icl_sgd_page
     from tokenpatch.workbench.report import induction as report_induction
     from tokenpatch.workbench.report import markov as report_markov
     from tokenpatch.workbench.report import reproduce as report_reproduce
     from tokenpatch.workbench.zoo import pretrained
 
-    for owner in (pretrained, cli_lm, cli_induction):
+    for owner in (pretrained, cli_lm, cli_induction, icl_sgd_page):
         monkeypatch.setattr(owner, "load_pretrained", _reached)
     for owner, name in [(report_markov, "markov_section"), (report_induction, "run_lm")]:
         monkeypatch.setattr(owner, name, _reached)
@@ -138,6 +139,7 @@ SLOTS = [
     (["induction", "train", "--out", "{v}", *TINY_LM], "out", "lm.safetensors", OK),
     (["induction", "report", "--model", "{v}", "--out", "{t}/r"], "in", "lm.safetensors", {}),
     (["induction", "report", "--model", "{d}/lm.safetensors", "--out", "{v}"], "out", "r", REACHED),
+    (["icl-sgd", "--model", LM, "--out", "{v}"], "out", "r", REACHED),
     (["reproduce", "--out", "{v}"], "out", "r", REACHED),
     (["reproduce", "--checkpoint", "{v}"], "in", "x.safetensors", {}),
 ]
@@ -193,7 +195,7 @@ def test_the_sweep_covers_every_subcommand(capsys):
     def choices(argv):
         with pytest.raises(SystemExit):
             main([*argv, "--help"])
-        return re.search(r"\{([a-z,]+)\}", capsys.readouterr().out).group(1).split(",")
+        return re.search(r"\{([a-z,-]+)\}", capsys.readouterr().out).group(1).split(",")
 
     families = ("markov", "induction")
     every = {f"{c} {s}" for c in families for s in choices([c])} | set(choices([])) - set(families)

@@ -104,3 +104,16 @@ def test_separation_scores_wrong_answers_and_says_when_it_cannot():
     assert sep["probability"]["mean"] == 1.0 and sep["margin"]["mean"] == 1.0
     none = separation({**answers, "right": [True] * 4})
     assert none["per_layer"] is None and none["wrong"] == 0
+
+
+def test_the_command_refuses_bad_arguments_in_one_line(tmp_path, capsys):
+    from tokenpatch.workbench.cli.main import main
+
+    assert main(["icl-sgd", "--model", "smollm2-135m", "--shots", "12", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--shots 12" in err
+    (tmp_path / "icl-sgd-smollm2-135m.json").write_text("{}")
+    assert main(["icl-sgd", "--model", "smollm2-135m", "--out", str(tmp_path)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["icl-sgd", "--model", "gpt-5", "--out", str(tmp_path)])
