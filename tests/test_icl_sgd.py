@@ -14,7 +14,7 @@ from conftest import build, float64_gemma_norms  # noqa: F401 (a fixture)
 import tokenpatch as tp
 from tokenpatch.dynamics.online_sgd import gradient_at, matrix_deltas
 from tokenpatch.workbench import icl_sgd
-from tokenpatch.workbench.report import icl_sgd_page
+from tokenpatch.workbench.report import icl_sgd_figures, icl_sgd_page
 
 
 class CharTokenizer:
@@ -83,8 +83,8 @@ def test_the_page_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     assert mon["answers"] == 9 and len(mon["detail"]["norms"][0]) == 3 and len(mon["detail"]["right"]) == 9
     paths = {k: tmp_path / f"x.{k}" for k in ("md", "json")}
     paths |= {k: tmp_path / f"x-{k}.png" for k in ("steps", "whole", "monitor")}
-    icl_sgd_page.figures(data, paths)
-    text = icl_sgd_page.markdown({**data, "threads": 1, "seconds": {**data["seconds"], "total": 1.0}}, paths)
+    icl_sgd_figures.figures(data, paths)
+    text = icl_sgd_figures.markdown({**data, "threads": 1, "seconds": {**data["seconds"], "total": 1.0}}, paths)
     assert "## 4. Monitoring" in text and all(paths[k].stat().st_size > 10_000 for k in ("steps", "whole"))
     json.dumps(data)
 
