@@ -72,6 +72,7 @@ def test_the_page_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     data = icl_sgd_page.measure(model, CharTokenizer(), "tiny", shots=3, tests=3, monitor=3, seed=0, progress=False)
     s = data["steps"]
     assert s["chosen_lr"] in s["lrs"] and len(s["per_layer"]["gradient"]) == 3
+    assert len(s["heldout_icl"]) == len(s["heldout_sgd"]) == 4 and data["untrained"]["lrs"] == [s["chosen_lr"]]
     for key in ("gradient", "gradient_shuffled", "gradient_other_run", "random", "sgd_step", "sgd_weights"):
         v = s["overall"][key]
         assert -1 <= v["lo"] <= v["mean"] <= v["hi"] <= 1, key
@@ -82,10 +83,10 @@ def test_the_page_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     mon = data["monitor"]
     assert mon["answers"] == 9 and len(mon["detail"]["norms"][0]) == 3 and len(mon["detail"]["right"]) == 9
     paths = {k: tmp_path / f"x.{k}" for k in ("md", "json")}
-    paths |= {k: tmp_path / f"x-{k}.png" for k in ("steps", "whole", "monitor")}
+    paths |= {k: tmp_path / f"x-{k}.png" for k in ("steps", "curves", "whole", "monitor")}
     icl_sgd_figures.figures(data, paths)
     text = icl_sgd_figures.markdown({**data, "threads": 1, "seconds": {**data["seconds"], "total": 1.0}}, paths)
-    assert "## 4. Monitoring" in text and all(paths[k].stat().st_size > 10_000 for k in ("steps", "whole"))
+    assert "## 4. Monitoring" in text and all(paths[k].stat().st_size > 10_000 for k in ("steps", "curves", "whole"))
     json.dumps(data)
 
 

@@ -72,9 +72,9 @@ class Runs:
         batch = pad_left([self.lead + q + a for q, a, _ in rows], self.pad)
         return batch, torch.tensor([len(a) for _, a, _ in rows])
 
-    def heldout(self) -> tuple[dict, Tensor]:
-        """Every run's test queries with their answers, run-major."""
-        rows = [t for ts in self.tests for t in ts]
+    def heldout(self, per_run: int) -> tuple[dict, Tensor]:
+        """The first ``per_run`` test queries of every run with their answers, run-major."""
+        rows = [t for ts in self.tests for t in ts[:per_run]]
         return pad_left([self.lead + q + a for q, a, _ in rows], self.pad), torch.tensor([len(a) for _, a, _ in rows])
 
 
@@ -122,26 +122,54 @@ def layer_of(name: str) -> int:
     return int(name.split("layers.")[1].split(".")[0])
 
 
+HELDOUT = 10  # test queries per run whose answer NLL is read after every online-SGD step
+
+
 def losses(model: nn.Module, runs: Runs) -> tuple[Callable[[int], Tensor], Callable[[], Tensor]]:
+    """``loss(j)``: demonstration ``j``'s answer NLL read without the prompt, per run; ``heldout()``: the
+    mean answer NLL of the first ``HELDOUT`` test queries of each run."""
     examples = [runs.example(j) for j in range(runs.shots)]
-    held, held_len = runs.heldout()
+    held, held_len = runs.heldout(HELDOUT)
     r = len(runs.tasks)
 
-    def loss(j: int) -> Tensor:  # demonstration j's answer NLL, read without the prompt, per run
+    def loss(j: int) -> Tensor:
         return answer_nll(model, *examples[j])
 
-    def heldout() -> Tensor:  # mean answer NLL over each run's test queries
+    def heldout() -> Tensor:
         return answer_nll(model, held, held_len).reshape(r, -1).mean(1)
 
     return loss, heldout
 
 
-def step_by_step(model: nn.Module, runs: Runs, lrs, *, generator=None, progress=None):
-    """``tp.online_alignment`` on the runs' prompts (module docstring) and the implicit patches ``dW_0 .. dW_k``."""
+@torch.no_grad()
+def icl_heldout(model: nn.Module, runs: Runs) -> Tensor:
+    """The mean answer NLL of each run's first ``HELDOUT`` test queries read after ``lead + d_1 .. d_i``,
+    ``i = 0..k`` -> ``[R, k + 1]``: in-context learning's held-out loss along the prompt."""
+    out = []
+    for i in range(runs.shots + 1):
+        rows, lens = [], []
+        for d, tests in zip(runs.demos, runs.tests):
+            for q, a, _ in tests[:HELDOUT]:
+                rows.append(runs.lead + _flat(d[:i]) + q + a)
+                lens.append(len(a))
+        out.append(answer_nll(model, pad_left(rows, runs.pad), torch.tensor(lens)).reshape(len(runs.tasks), -1).mean(1))
+    return torch.stack(out, 1)
+
+
+def step_by_step(model: nn.Module, runs: Runs, lrs, *, heldout: bool = True, generator=None, progress=None):
+    """``tp.online_alignment`` on the runs' prompts (module docstring) and the implicit patches ``dW_0 .. dW_k``;
+    ``heldout=False``: no held-out loss along the way (the random-init control)."""
     patches = [token_patch(model, runs.prefix(i), progress=False) for i in range(runs.shots + 1)]
-    loss, heldout = losses(model, runs)
+    loss, held = losses(model, runs)
     al = online_alignment(
-        model, patches, loss, lrs=lrs, heldout=heldout, ceiling_steps=(), generator=generator, progress=progress
+        model,
+        patches,
+        loss,
+        lrs=lrs,
+        heldout=held if heldout else None,
+        ceiling_steps=(),
+        generator=generator,
+        progress=progress,
     )
     return al, patches
 

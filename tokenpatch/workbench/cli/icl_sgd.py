@@ -43,6 +43,7 @@ def outputs(args) -> dict[str, Path]:
         "md": out / f"{stem}.md",
         "json": out / f"{stem}.json",
         "steps": out / f"{stem}-steps.png",
+        "curves": out / f"{stem}-curves.png",
         "whole": out / f"{stem}-whole.png",
         "monitor": out / f"{stem}-monitor.png",
     }

@@ -36,6 +36,31 @@ def figures(data: dict, paths: dict[str, Path]) -> None:
         f"{data['model']}: implicit steps against explicit gradients (mean over the layer's matrices and "
         f"{len(data['tasks'])} prompts, 95% intervals)",
     )
+    s, k = data["steps"], data["shots"]
+    plots.curves(
+        {
+            "per demonstration i: mean over every matrix and prompt": {
+                "x": "demonstration i",
+                "y": "cosine",
+                "lines": {
+                    "cos(S_i, -g_i)": (list(range(1, k + 1)), s["by_step"]["gradient"]),
+                    "cos(S_i, online SGD step)": (list(range(1, k + 1)), s["by_step"]["sgd_step"]),
+                    "cos(dW_i - dW_0, D_i)": (list(range(1, k + 1)), s["by_step"]["sgd_weights"]),
+                    "random matrix": (list(range(1, k + 1)), s["by_step"]["random"]),
+                },
+            },
+            "held-out answer NLL (mean over prompts)": {
+                "x": "demonstrations read i",
+                "y": "NLL (nats)",
+                "lines": {
+                    "in context (prefix i)": (list(range(k + 1)), s["heldout_icl"]),
+                    f"online SGD, lr {s['chosen_lr']:g}": (list(range(k + 1)), s["heldout_sgd"]),
+                },
+            },
+        },
+        paths["curves"],
+        f"{data['model']}: along the prompt",
+    )
     m = data["whole"]["methods"]
     plots.per_layer(
         {
@@ -148,6 +173,8 @@ def markdown(data: dict, paths: dict[str, Path]) -> str:
             *steps,
             "",
             f"![step by step]({paths['steps'].name})",
+            "",
+            f"![along the prompt]({paths['curves'].name})",
             "",
             "## 3. Whole updates",
             "",
