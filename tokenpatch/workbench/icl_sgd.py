@@ -175,34 +175,25 @@ def step_by_step(model: nn.Module, runs: Runs, lrs, *, heldout: bool = True, gen
 
 
 def train(model: nn.Module, runs: Runs, names: list[str], optimizer: str, lr: float, steps: int) -> dict:
-    """``steps`` full-batch steps of ``optimizer`` on every run's ``k`` demonstrations (the mean answer NLL),
-    each run its own copy of the matrices ``names``: ``"sgd"`` (plain gradient steps, kept in factors:
-    ``name -> LowRank`` with lead ``[R]``) or ``"adam"`` (elementwise, so dense: ``name -> [R, *W.shape]``)."""
+    """``steps`` full-batch steps of ``torch.optim.SGD`` or ``Adam`` (``optimizer``: ``"sgd"`` / ``"adam"``)
+    on every run's ``k`` demonstrations (the mean answer NLL), each run its own copy of the matrices
+    ``names`` -> ``name -> D [R, *W.shape]``. Dense: a full batch has a gradient term per position of every
+    demonstration, more terms after a few steps than a factored form saves."""
     batch, answer = runs.example(None)
-    r = len(runs.tasks)
+    r, params = len(runs.tasks), dict(model.named_parameters())
 
     def loss(_: int) -> Tensor:
         return answer_nll(model, batch, answer).reshape(r, -1).mean(1)
 
-    if optimizer == "sgd":
-        d: dict = {}
-        for _ in range(steps):
-            g = gradient_at(model, loss, 0, names, deltas=d)
-            d = {n: (d[n] + _scaled(g[n], -lr)) if n in d else _scaled(g[n], -lr) for n in names}
-        return d
-    params = dict(model.named_parameters())
     d = {n: torch.zeros(r, *params[n].shape, dtype=params[n].dtype) for n in names}
-    opt = torch.optim.Adam(list(d.values()), lr=lr)
+    opt = (torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam)(list(d.values()), lr=lr)
     for _ in range(steps):
         g = gradient_at(model, loss, 0, names, deltas=d)
         for n, t in d.items():
             t.grad = g[n].dense()
+        del g
         opt.step()
     return {n: t.detach() for n, t in d.items()}
-
-
-def _scaled(d: LowRank, c: float) -> LowRank:
-    return LowRank(c * d.u, d.v)
 
 
 @torch.no_grad()
