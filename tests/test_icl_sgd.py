@@ -37,6 +37,21 @@ def _runs(tasks=("country_capital", "present_past")) -> icl_sgd.Runs:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_answer_nll_is_the_full_logits_one(family, float64_gemma_norms):  # noqa: F811
+    """Logits only at the answer predictors: the same numbers as every position's logits, row by row."""
+    model = build(family)
+    batch, answer = _runs().heldout(4)
+    got = icl_sgd.answer_nll(model, batch, answer)
+    logp = model(**batch, use_cache=False).logits.log_softmax(-1)  # [B, T, vocab]
+    ids = batch["input_ids"]
+    for b, a in enumerate(answer.tolist()):
+        t = ids.shape[1]
+        want = -sum(float(logp[b, p, ids[b, p + 1]]) for p in range(t - 1 - a, t - 1))
+        assert abs(float(got[b] - want)) < 1e-12, (b, float(got[b]), float(want))
+    assert answer.min() < answer.max()  # rows of different answer lengths in one batch
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_the_gradient_at_the_implicit_weights_is_autograds(family, float64_gemma_norms):  # noqa: F811
     model = build(family)
     for p in model.parameters():
@@ -67,7 +82,9 @@ def test_the_page_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     model = build("llama")
     for p in model.parameters():
         p.requires_grad_(False)
-    monkeypatch.setitem(icl_sgd_page.SETTINGS, "tiny", ([2], "arrow", ("country_capital", "present_past", "antonym")))
+    monkeypatch.setitem(
+        icl_sgd_page.SETTINGS, "tiny", ([2], "arrow", {"country_capital": 1.0, "present_past": 0.1, "antonym": 1.0})
+    )
     monkeypatch.setattr(icl_sgd_page, "FULL", {"sgd": 2, "adam": 2})
     data = icl_sgd_page.measure(model, CharTokenizer(), "tiny", shots=3, tests=3, monitor=3, seed=0, progress=False)
     s = data["steps"]
@@ -77,6 +94,9 @@ def test_the_page_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
         v = s["overall"][key]
         assert -1 <= v["lo"] <= v["mean"] <= v["hi"] <= 1, key
     assert set(data["whole"]["methods"]) == {"online_sgd", "sgd", "adam"}
+    w = data["whole"]
+    held = {float(k): v for k, v in w["adam_heldout"].items()}
+    assert set(held) == set(icl_sgd_page.ADAM_LRS) and w["lrs"]["adam"] == min(held, key=held.get)
     for rec in data["whole"]["methods"].values():
         assert 0 < rec["ceiling_overall"]["mean"] <= 1 and len(rec["simaou"]) == 3
     assert set(data["accuracy"]) == {"icl", "zero_shot", "thought_patch", "online_sgd", "sgd", "adam"}

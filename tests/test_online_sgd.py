@@ -237,5 +237,6 @@ def test_the_rank1_ceiling_from_factors_is_the_dense_one():
         sv = torch.linalg.svdvals(d.dense())
         assert torch.allclose(rank1_ceiling(d), sv[:, 0] / sv.norm(dim=-1), rtol=0, atol=1e-12)
         assert torch.allclose(rank1_ceiling(d.dense()), rank1_ceiling(d), rtol=0, atol=1e-12)
+        assert torch.allclose(rank1_ceiling(d.dense().mT), rank1_ceiling(d), rtol=0, atol=1e-12)  # wide: D D^T
     assert rank1_ceiling(LowRank(torch.ones(1, 1, 3), torch.ones(1, 1, 2)))[0] == pytest.approx(1.0)
     assert rank1_ceiling(torch.zeros(2, 3, 3))[0] == 0

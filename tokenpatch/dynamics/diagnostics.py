@@ -127,12 +127,16 @@ def rank1_ceiling(d: LowRank | Tensor) -> Tensor:
     """The largest cosine any rank-1 matrix can have with ``D``: ``s_1(D) / |D|_F`` -> ``[*lead]`` (0 where
     ``D = 0``). ``D`` dense ``[*lead, rows, cols]``, or a ``LowRank`` of rank ``k`` read from its factors
     (``D = U^T V = Q_u R_u R_v^T Q_v^T``: the singular values of the ``k x k`` matrix ``R_u R_v^T``)
-    while ``k`` is below both sides, densely beyond."""
+    while ``k`` is below both sides, densely beyond: ``s_1(D)^2`` the top eigenvalue of the smaller Gram
+    matrix (``D^T D`` or ``D D^T``), a fraction of a full SVD's work."""
     if isinstance(d, LowRank) and d.rank < min(d.shape):
         _, ru = torch.linalg.qr(d.u.double().transpose(-1, -2))  # [*lead, k, k]
         _, rv = torch.linalg.qr(d.v.double().transpose(-1, -2))
         sv = torch.linalg.svdvals(ru @ rv.transpose(-1, -2))
+        top, total = sv[..., 0], sv.norm(dim=-1)
     else:
-        sv = torch.linalg.svdvals((d.dense() if isinstance(d, LowRank) else d).double())
-    top, total = sv[..., 0], sv.norm(dim=-1)
+        m = (d.dense() if isinstance(d, LowRank) else d).double()  # [*lead, rows, cols]
+        gram = m.mT @ m if m.shape[-2] >= m.shape[-1] else m @ m.mT
+        top = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
+        total = m.flatten(-2).norm(dim=-1)
     return torch.where(top > 0, top / total.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(top))

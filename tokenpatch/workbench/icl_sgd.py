@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.baselines.vectors import pad_left
 from tokenpatch.dynamics.diagnostics import cosine, rank1_ceiling
 from tokenpatch.dynamics.finetuning import finetuned, simaou
@@ -108,14 +109,24 @@ def encode_runs(
 
 
 def answer_nll(model: nn.Module, batch: dict, answer: Tensor) -> Tensor:
-    """Each row's summed negative log-likelihood of its last ``answer[b]`` tokens -> ``[rows]`` (the
-    vocabulary's logits only where an answer token is predicted: the last ``max(answer) + 1`` positions)."""
+    """Each row's summed negative log-likelihood of its last ``answer[b]`` tokens -> ``[rows]``.
+
+    The vocabulary's logits only at the ``sum(answer)`` positions that predict an answer token: the model
+    keeps its last ``max(answer) + 1`` positions and a pre-hook on its output embedding passes on only
+    those rows of the head's input (on a 262k-token vocabulary the head costs more than the body)."""
     keep = int(answer.max()) + 1
-    logits = model(**batch, use_cache=False, logits_to_keep=keep).logits[:, :-1].float().log_softmax(-1)
-    target = batch["input_ids"][:, -(keep - 1) :]  # [B, keep - 1]
-    nll = -logits.gather(-1, target[..., None])[..., 0]
-    mine = torch.arange(keep - 1)[None] >= keep - 1 - answer[:, None]  # each row's answer: its last tokens
-    return (nll * mine).sum(-1)
+    mine = torch.arange(keep - 1)[None] >= keep - 1 - answer[:, None]  # [B, keep - 1]: each row's answer predictors
+    rows = torch.arange(len(answer))[:, None].expand_as(mine)[mine]  # [N]: the row of each predictor
+    target = batch["input_ids"][:, -(keep - 1) :][mine]  # [N]
+
+    def predictors(module, args):
+        return (args[0][:, :-1][mine],)  # [B, keep, d] -> [N, d]
+
+    with registered_hooks([(model.get_output_embeddings().register_forward_pre_hook, predictors)]):
+        logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # [N, vocab]
+    logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+    nll = -logp.gather(-1, target[:, None])[:, 0]  # [N]
+    return nll.new_zeros(len(answer)).index_add(0, rows, nll)
 
 
 def layer_of(name: str) -> int:
@@ -250,11 +261,11 @@ def _neg(d: LowRank) -> LowRank:
     return LowRank(-d.u, d.v)
 
 
-def fit_thought(model: nn.Module, runs: Runs, r: int, progress=None):
-    """The thought patch of run ``r``'s prompt on its calibration queries (ridge by GCV, the lead kept)."""
+def fit_thought(model: nn.Module, runs: Runs, r: int, ridge: float | str, progress=None):
+    """The thought patch of run ``r``'s prompt on its calibration queries (the lead kept), at ``ridge``."""
     cal = batched(runs.calibration[r])
     return thought_patch(
-        model, torch.tensor(runs.prompt(r)), cal, ridge="gcv", keep_bos=bool(runs.lead), progress=progress
+        model, torch.tensor(runs.prompt(r)), cal, ridge=ridge, keep_bos=bool(runs.lead), progress=progress
     ).patch
 
 

@@ -178,9 +178,12 @@ def markdown(data: dict, paths: dict[str, Path]) -> str:
             "",
             "## 3. Whole updates",
             "",
-            f"Full-batch SGD (lr {w['lrs']['sgd']:g}, {w['steps']['sgd']} steps) and Adam (lr {w['lrs']['adam']:g}, "
-            f"{w['steps']['adam']} steps) on the {data['shots']} demonstrations, online SGD (one pass); the token patch "
-            "of the whole prompt (at the first query) and its thought patch (the calibration split, ridge by GCV):",
+            f"Full-batch SGD (lr {w['lrs']['sgd']:g}, the online choice; {w['steps']['sgd']} steps) and Adam (lr "
+            f"{w['lrs']['adam']:g}, {w['steps']['adam']} steps; held-out answer NLL after its steps "
+            + ", ".join(f"{lr}: {v:.3f}" for lr, v in w["adam_heldout"].items())
+            + f") on the {data['shots']} demonstrations, online SGD (one pass); the token patch of the whole prompt "
+            "(at the first query) and its thought patch (the calibration split; per task the ridge the "
+            "prompt-compression comparison chose on its dev split):",
             "",
             *whole,
             "",
