@@ -105,6 +105,7 @@ try:
     import transformers as T
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.olmo2 import modeling_olmo2
 except ImportError:  # pragma: no cover - the hf extra is part of the test install
     T = None
 
@@ -116,6 +117,9 @@ CONFIGS = {
     "qwen2": lambda: T.Qwen2Config(**SMALL, num_key_value_heads=2),  # biases on q, k, v
     "qwen3": lambda: T.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16),  # q/k norms
     "mistral": lambda: T.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5),
+    "gemma": lambda: T.GemmaConfig(
+        **SMALL, num_key_value_heads=2, head_dim=16, pad_token_id=0
+    ),  # Gemma 1: llama's form
     "gemma2": lambda: T.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=16, sliding_window=5),
     "gemma3": lambda: T.Gemma3TextConfig(
         **SMALL,
@@ -138,6 +142,26 @@ CONFIGS = {
         decoder_sparse_step=1,
         mlp_only_layers=[1],
     ),
+    "phi3": lambda: T.Phi3Config(**SMALL, num_key_value_heads=2, pad_token_id=0),  # fused qkv and gate_up
+    "olmo": lambda: T.OlmoConfig(**SMALL, num_key_value_heads=2, pad_token_id=0),  # norms without parameters
+    "stablelm": lambda: T.StableLmConfig(**SMALL, num_key_value_heads=2, qk_layernorm=True),
+    "starcoder2": lambda: T.Starcoder2Config(**SMALL, num_key_value_heads=2),  # biases, a plain MLP
+    "granite": lambda: T.GraniteConfig(  # multipliers on the embedding, each sublayer, attention, logits
+        **SMALL,
+        num_key_value_heads=2,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.7,
+        attention_multiplier=0.2,
+        logits_scaling=2.0,
+    ),
+    "olmo2": lambda: T.Olmo2Config(**SMALL, num_key_value_heads=2, pad_token_id=0),  # norms after the sublayers
+    "phi": lambda: T.PhiConfig(**SMALL, qk_layernorm=True),  # parallel, partial rotary
+    "gptj": lambda: T.GPTJConfig(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, rotary_dim=8, n_positions=64),
+    "cohere": lambda: T.CohereConfig(**SMALL, num_key_value_heads=2, use_qk_norm=True),  # parallel
+    "stablelm_parallel": lambda: T.StableLmConfig(**SMALL, num_key_value_heads=2, use_parallel_residual=True),
+    "falcon": lambda: T.FalconConfig(**SMALL, bias=True),  # parallel attention, one norm
+    "falcon_new": lambda: T.FalconConfig(**SMALL, new_decoder_architecture=True, num_kv_heads=2),  # two norms
+    "falcon_sequential": lambda: T.FalconConfig(**SMALL, parallel_attn=False),
 }
 GEMMAS = ("gemma2", "gemma3")
 
@@ -160,13 +184,18 @@ def build(name: str, seed: int = 0, attn: str | None = None):
 
 @pytest.fixture
 def float64_gemma_norms(monkeypatch):
-    """Gemma's RMSNorm computes in float32 whatever the model dtype; evaluate it in float64."""
+    """The norms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2) compute in float32
+    whatever the model dtype; evaluate them in float64."""
 
     def forward(self, x):
         return self._norm(x) * (1.0 + self.weight)
 
+    def olmo2(self, x):
+        return self.weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.variance_epsilon)
+
     monkeypatch.setattr(modeling_gemma3.Gemma3RMSNorm, "forward", forward)
     monkeypatch.setattr(modeling_gemma2.Gemma2RMSNorm, "forward", forward)
+    monkeypatch.setattr(modeling_olmo2.Olmo2RMSNorm, "forward", olmo2)
 
 
 def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:

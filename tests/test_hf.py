@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import tokenpatch as tp
+from tokenpatch.arch import adapter_for
+from tokenpatch.arch.hf_modules import HFModules
 from tokenpatch.thought import hf as thought_hf
 from tokenpatch.thought import lm_output as thought_lm_output
 
@@ -64,7 +66,7 @@ def test_gemma_zero_scale_channels(float64_gemma_norms):
     assert tp.verify(model, patch, x).max_abs <= 1e-12
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "gpt_neox", "gpt_neox_sequential", "qwen2_moe"])
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_chunk_removed_and_keep_bos(name, float64_gemma_norms):
     """A chunk removed from the middle: the other context tokens stay, unpatched; the patches act at
     the queries' positions in the shorter sequence, and act together (two queries here)."""
@@ -81,7 +83,7 @@ def test_chunk_removed_and_keep_bos(name, float64_gemma_norms):
         torch.testing.assert_close(got, model(x).logits[:, -1], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "gpt_neox", "qwen2_moe"])
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "gemma2"])  # Gemma 2 runs eager: NaN with padding
 def test_padded_batch_gives_each_prompts_patches(name, float64_gemma_norms):
     model = build(name)
     a, b = ids(1, 12, seed=2), ids(1, 7, seed=3)
@@ -124,14 +126,17 @@ def test_update_norms_are_the_weight_updates(float64_gemma_norms):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["gemma3", "qwen2_moe", "gpt2"])
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_functional_call_apply_and_save_round_trip(name, tmp_path, float64_gemma_norms):
-    """Gemma: a dense norm-scale delta per layer; MoE: the input change reaches the router and the
-    stacked experts (apply writes W + W D into each); GPT-2: Conv1D weights stored [in, out]."""
+    """Gemma 2/3 and OLMo 2: a dense norm-scale delta per layer; MoE: the input change reaches the
+    router and the stacked experts (apply writes W + W D into each); GPT-2: Conv1D weights stored
+    [in, out]; Phi-3: one fused gate_up_proj; parallel blocks: output deltas only."""
     model, x = build(name), ids(1, 10)
     patch = tp.token_patch(model, x)
-    readers = patch.readers["model.layers.0.mlp:input" if name != "gpt2" else "transformer.h.0.mlp:input"]
-    assert len(readers) == {"gemma3": 2, "qwen2_moe": 5, "gpt2": 1}[name]
+    adapter = adapter_for(model)
+    sites = [adapter.sites(model, i) for i in range(3)]  # a parallel block's MLP input does not change
+    assert [k for k in patch if k.endswith(":input")] == [f"{s.input_site}:input" for s in sites if s.input_site]
+    assert all(len(patch.readers[f"{s.input_site}:input"]) == len(s.inputs) for s in sites if s.input_site)
     want = model(x).logits[:, -1]
     stripped = tp.strip_context(model, x)
     hooked = tp.functional_call(model, patch, **stripped).logits[:, -1]
@@ -182,7 +187,7 @@ def test_unknown_architecture_lists_the_supported_ones():
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=50
     )
     model = T.AutoModelForMaskedLM.from_config(config).eval()
-    with pytest.raises(tp.UnsupportedModelError, match=r"model_type 'bert'.*llama.*gemma3_text.*gpt2.*gpt_neox"):
+    with pytest.raises(tp.UnsupportedModelError, match=r"model_type 'bert'.*gemma3_text.*gpt2.*gpt_neox.*llama"):
         tp.token_patch(model, torch.tensor([[1, 2, 3]]))
 
 
@@ -193,7 +198,7 @@ def test_eager_attention_with_padding_names_the_cause():
         tp.token_patch(model, batch)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3"])
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "gemma2"])  # Gemma 2 runs eager: NaN with padding
 def test_trajectory_is_the_token_patch_of_every_prefix(name, float64_gemma_norms):
     model, x = build(name), ids(2, 8)
     traj = tp.trajectory(model, x, query=-2)
@@ -211,7 +216,9 @@ def test_trajectory_is_the_token_patch_of_every_prefix(name, float64_gemma_norms
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2_moe", "gemma3"])
+# Gemma 2 runs eager attention, whose softmax is float32 whatever the model dtype: the prompt's cache
+# and the full forward differ by ~2e-8 there (Gemma 3 under eager too); Gemma 3 under sdpa covers the form
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "gemma2"])
 def test_thought_patch_of_one_query_is_exact_there(name, float64_gemma_norms):
     """One calibration query: the least-squares fit interpolates it (the token patch), so the
     prompt-free model under the static patch gives the with-prompt logits at that query."""
@@ -219,7 +226,8 @@ def test_thought_patch_of_one_query_is_exact_there(name, float64_gemma_norms):
     prompt, query = ids(1, 12, seed=4)[0], ids(1, 1, seed=5)
     with pytest.warns(tp.ThoughtWarning, match="rank-deficient"):  # one position: the minimum-norm interpolant
         fit = tp.thought_patch(model, prompt, query)
-    assert fit.patch.static and any(k.endswith(":input") for k in fit.patch)
+    parallel = HFModules.family(model).parallel(model.config)  # no input side: the MLP input does not change
+    assert fit.patch.static and any(k.endswith(":input") for k in fit.patch) != parallel
     want = model(torch.cat([prompt[None], query], 1)).logits[:, -1]
     got = tp.functional_call(model, fit.patch, query).logits[:, -1]
     assert float((got - want).abs().max()) <= 1e-10 < float((model(query).logits[:, -1] - want).abs().max())

@@ -21,13 +21,11 @@ from tokenpatch.lora import CONFIG_FILE, WEIGHTS_FILE
 peft = pytest.importorskip("peft")
 
 DENSE = [name for name in CONFIGS if name != "qwen2_moe"]
+# a norm scale patched after the MLP is written whole; an output bias as peft's lora_bias
 EXTRAS = {
-    "gemma2": ["modules_to_save"],
-    "gemma3": ["modules_to_save"],
-    "gpt2": ["lora_bias"],
-    "gpt_neox": ["lora_bias"],
+    **dict.fromkeys(["gemma2", "gemma3", "olmo2"], ["modules_to_save"]),
+    **dict.fromkeys(["gpt2", "gpt_neox", "gpt_neox_sequential", "starcoder2", "phi", "gptj", "falcon"], ["lora_bias"]),
 }
-EXTRAS["gpt_neox_sequential"] = ["lora_bias"]
 
 
 def _thought(model, rank=None, seed=1):

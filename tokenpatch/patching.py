@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from tokenpatch import files, solve
 from tokenpatch.arch import Sites, adapter_for, weight_layout
-from tokenpatch.arch.families import scale_norm
+from tokenpatch.arch.norms import norm_eps, scale_norm
 from tokenpatch.errors import InputError, UnsupportedModelError, ZeroAnchorError
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 from tokenpatch.plans import Plan, at_queries, make_plan, refuse_padded_queries, strip
@@ -119,11 +119,11 @@ def layer_patch(
         if sites.output is not None:
             kind, name = sites.output.kind, sites.output.name
             if kind == "bias":
-                deltas[name] = solve.output_shift(m_c, m_0)
+                deltas[name] = solve.output_shift(m_c, m_0) / sites.output.scale
             elif kind == "gated":  # a matrix whose output is scaled by sigmoid(gate) (a shared expert)
                 acts_on = "the MLP hidden state with context"
                 gate = torch.sigmoid(gate_c.to(solve.work_dtype(m_c, gate_c)))  # [B, Q, 1]
-                shift = solve.output_shift(m_c, m_0) / gate
+                shift = solve.output_shift(m_c, m_0) / (gate * sites.output.scale)
                 deltas[name] = _stored(solve.minimal_patch(shift, hidden_c), _math_weight(model, name)[1])
             elif kind == "matrix+scale":
                 acts_on = "the MLP hidden state with context"
@@ -133,13 +133,14 @@ def layer_patch(
                 offset = scale_norm(norm, norm_name)[1]
                 scale = offset + norm.weight.detach()
                 down, dscale = solve.output_patch_scaled(
-                    out_c, m_c, m_0, solve.apply_weight(w, hidden_c, layout), hidden_c, scale, norm.eps
+                    out_c, m_c, m_0, solve.apply_weight(w, hidden_c, layout), hidden_c, scale, norm_eps(norm)
                 )
                 deltas[name] = _stored(down, layout)
                 deltas[norm_name] = dscale
             else:
                 acts_on = "the MLP hidden state with context"
-                deltas[name] = _stored(solve.output_patch(m_c, m_0, hidden_c), _math_weight(model, name)[1])
+                shift = solve.output_shift(m_c, m_0) / sites.output.scale
+                deltas[name] = _stored(solve.minimal_patch(shift, hidden_c), _math_weight(model, name)[1])
     except ZeroAnchorError as exc:
         where = [(b, labels[q]) for b, q in exc.index]
         raise ZeroAnchorError(

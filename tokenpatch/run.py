@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from tokenpatch import files
 from tokenpatch.arch import ADAPTERS, weight_layout
-from tokenpatch.arch.families import scale_norm
 from tokenpatch.arch.hooks import registered_hooks
+from tokenpatch.arch.norms import scale_norm
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 
@@ -52,7 +52,7 @@ class DeltaHook:
 
     * ``after`` (a forward hook) adds a low-rank weight delta and a dense bias delta to the output,
       ``out + u (v . x) + db``; or a norm's dense scale delta, ``out + dg * unit(x)``
-      (``arch.families.SCALE_NORMS``);
+      (``arch.norms.SCALE_NORMS``);
     * ``before`` (a forward pre-hook with kwargs) changes the module's input, ``x -> x + D x``
       (a ``"<module>:input"`` delta ``D = sum_k d_k v_k^T``), so every matrix inside reading ``x``
       computes ``(W + W D) x`` with one product, and routers or stacked experts see the change too.

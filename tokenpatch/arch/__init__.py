@@ -46,8 +46,14 @@ def adapter_for(model: nn.Module) -> Adapter:
         if adapter.matches(model):
             return adapter
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    hf = "; ".join(f"{f.name}: {', '.join(f.model_types)}" for f in FAMILIES)
+    hf = ", ".join(sorted({t for f in FAMILIES for t in f.model_types}))
     what = f" (Hugging Face model_type {model_type!r})" if model_type is not None else ""
+    if any(model_type in f.model_types for f in FAMILIES):  # a known type in a configuration of another design
+        designs = ", ".join(f.name for f in FAMILIES if model_type in f.model_types)
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: this configuration of model_type {model_type!r} matches none of its supported "
+            f"block designs ({designs}; docs/hugging-face.md says which configs each covers)"
+        )
     raise UnsupportedModelError(
         f"tokenpatch has no adapter for {type(model).__module__}.{type(model).__name__}{what}; supported: "
         f"tokenpatch's own ICLTransformer and Block, and Hugging Face causal LMs of model_type [{hf}] "

@@ -61,6 +61,9 @@ class OutputSite:
     * ``"gated"``: a rank-1 patch of the output matrix ``name`` whose output is scaled by a sigmoid gate
       (a shared expert), the shift divided by the gate.
 
+    ``scale``: a constant the block multiplies the MLP output by before the residual add (Granite's
+    ``residual_multiplier``); the shift each kind absorbs is ``(m_C - m_0) / scale``.
+
     ``names``: the parameters it writes. Indexing (``site[0]``, ``site[1:]``) reads it as the tuple
     ``(kind, name)`` or ``(kind, name, norm)`` of earlier versions; read the fields instead.
     """
@@ -68,6 +71,7 @@ class OutputSite:
     kind: Literal["bias", "matrix", "matrix+scale", "gated"]
     name: str
     norm: str | None = None
+    scale: float = 1.0
 
     def __post_init__(self):
         if self.kind not in OUTPUT_KINDS:
@@ -76,6 +80,8 @@ class OutputSite:
             raise UnsupportedModelError(
                 f"OutputSite({self.kind!r}, {self.name!r}): a norm is given exactly with kind 'matrix+scale'"
             )
+        if self.kind == "matrix+scale" and self.scale != 1.0:
+            raise UnsupportedModelError(f"OutputSite({self.kind!r}, {self.name!r}): a norm after the MLP with a scale")
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -27,12 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor, nn
-
-from tokenpatch.errors import UnsupportedModelError
-
-__all__ = ["Family", "FAMILIES", "SCALE_NORMS", "scale_norm", "CONFIG_IGNORED"]
+__all__ = ["Family", "FAMILIES", "CONFIG_IGNORED"]
 
 # Hugging Face config fields that do not change a causal LM's forward, left out of a patch's config
 # record (every other field counts, ``Adapter.config_ignored``): names and versions, the dtype (the
@@ -76,27 +71,34 @@ CONFIG_IGNORED = (
 class Family:
     """Where a block design keeps what the patch needs, as names relative to a decoder layer.
 
-    ``layers``: the decoder layers' ``ModuleList`` under the base model. ``mlp_norm``: the norm
-    whose output is the MLP input ``s``; in a sequential block its input is ``m``. ``attn``: the
-    attention module; a parallel block's ``m`` is the layer input plus its output. ``inputs``: the
-    parameters reading ``s`` (changed together through the input change of ``mlp``). ``down``: the
+    ``layers``: the decoder layers' ``ModuleList`` under the base model (a dotted path). ``when``:
+    which configs of the ``model_types`` have this design (the first record whose ``when`` holds is
+    the model's: Falcon, StableLM and OPT have several). ``mlp_norm``: the norm whose output is the
+    MLP input ``s``; in a sequential block its input is ``m``; ``None``: the MLP reads the residual
+    stream itself (norms after the sublayers: OLMo 2, OPT-350m), ``s = m``. ``attn``: the attention
+    module; a parallel block's ``m`` is the layer input plus its output. ``inputs``: the parameters
+    reading ``s`` (changed together through the input change of ``mlp``). ``mlp``: the module whose
+    input is ``s`` (the MLP, or its first matrix where the layer has no MLP module: OPT);
+    ``mlp_out``: the module whose output is the MLP's contribution, if not ``mlp``. ``down``: the
     MLP output matrix (its input is ``hidden``). ``out_norm``: a norm between the MLP and the
-    residual add (Gemma 2/3), patched in its scale. ``down_gate``: a module whose sigmoid scales
-    ``down``'s output (a shared expert's gate). ``parallel``: whether a model of this family (its
-    config) has a parallel block. ``dense``: the family of the layers that lack ``down`` (the plain
-    MLP layers of a mixture-of-experts model). ``lone_zero``: projections whose outputs a token
-    alone does not need (its own query and key: one attention weight, 1), skipped in the
-    no-context pass. ``o_proj``: the attention's output matrix, whose input is the heads' outputs
-    side by side (per-head baselines read and patch it). ``attn_out``: the module whose output is
-    the attention's contribution to the residual stream, if not ``attn`` (a norm after it: Gemma 2/3).
-    ``position_table``: the learned position embedding under the base model (GPT-2's ``wpe``), whose
-    size bounds the position ids; ``None`` for rotary positions.
+    residual add (Gemma 2/3, OLMo 2), patched in its scale. ``down_gate``: a module whose sigmoid
+    scales ``down``'s output (a shared expert's gate). ``out_scale``: a constant the block multiplies
+    each sublayer's output by before the residual add (Granite's ``residual_multiplier``).
+    ``parallel``: whether a model of this family (its config) has a parallel block. ``dense``: the
+    family of the layers that lack ``down`` (the plain MLP layers of a mixture-of-experts model).
+    ``lone_zero``: projections whose outputs a token alone does not need (its own query and key:
+    one attention weight, 1), skipped in the no-context pass. ``o_proj``: the attention's output
+    matrix, whose input is the heads' outputs side by side (per-head baselines read and patch it).
+    ``attn_out``: the module whose output is the attention's contribution to the residual stream,
+    if not ``attn`` (a norm after it: Gemma 2/3, OLMo 2). ``position_table``: the learned position
+    embedding under the base model (GPT-2's ``wpe``), whose size less ``position_offset`` (OPT
+    keeps 2 rows before position 0) bounds the position ids; ``None`` for rotary positions.
     """
 
     name: str
     model_types: tuple[str, ...]
     layers: str
-    mlp_norm: str
+    mlp_norm: str | None
     attn: str
     inputs: tuple[str, ...]
     down: str
@@ -109,6 +111,10 @@ class Family:
     o_proj: str = "self_attn.o_proj"
     attn_out: str | None = None
     position_table: str | None = None
+    when: Callable[[Any], bool] = field(default=lambda config: True)
+    mlp_out: str | None = None
+    out_scale: Callable[[Any], float] | None = None
+    position_offset: int = 0
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
@@ -157,6 +163,152 @@ FAMILIES: list[Family] = [
         parallel=lambda config: bool(getattr(config, "use_parallel_residual", False)),
         o_proj="attention.dense",
     ),
+    # Llama's block under other names or with other details that change nothing for the patch:
+    # a fused gate_up_proj (Phi-3; the input change covers it), norms without parameters (OLMo),
+    # LayerNorm with biases (StableLM), biases and a plain MLP (StarCoder 2); and Granite, whose
+    # residual_multiplier scales each sublayer's output: the output shift is divided by it.
+    Family(
+        "phi3",
+        ("phi3",),
+        "layers",
+        "post_attention_layernorm",
+        "self_attn",
+        ("mlp.gate_up_proj.weight",),
+        "mlp.down_proj",
+    ),
+    Family(
+        "olmo",
+        ("olmo", "stablelm"),
+        "layers",
+        "post_attention_layernorm",
+        "self_attn",
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.down_proj",
+        lone_zero=_QK,
+        when=lambda config: not getattr(config, "use_parallel_residual", False),
+    ),
+    Family(
+        "starcoder2",
+        ("starcoder2",),
+        "layers",
+        "post_attention_layernorm",
+        "self_attn",
+        ("mlp.c_fc.weight",),
+        "mlp.c_proj",
+        lone_zero=_QK,
+    ),
+    Family(
+        "granite",
+        ("granite",),
+        "layers",
+        "post_attention_layernorm",
+        "self_attn",
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.down_proj",
+        lone_zero=_QK,
+        out_scale=lambda config: float(config.residual_multiplier),
+    ),
+    # Norms after the sublayers (OLMo 2): the MLP reads the residual stream itself (s = m), and a
+    # norm between the MLP and the residual add is patched in its scale, as Gemma 2/3's.
+    Family(
+        "olmo2",
+        ("olmo2",),
+        "layers",
+        None,
+        "self_attn",
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.down_proj",
+        out_norm="post_feedforward_layernorm",
+        lone_zero=_QK,
+        attn_out="post_attention_layernorm",
+    ),
+    # Parallel blocks: attention and MLP both read the norm of the layer input (Phi, GPT-J, Cohere,
+    # StableLM with use_parallel_residual, Falcon), so the MLP input is the same in both passes and
+    # the whole attention difference goes to the output side, as in NeoX.
+    Family(
+        "phi",
+        ("phi",),
+        "layers",
+        "input_layernorm",
+        "self_attn",
+        ("mlp.fc1.weight",),
+        "mlp.fc2",
+        parallel=lambda config: True,
+        lone_zero=_QK,
+        o_proj="self_attn.dense",
+    ),
+    Family(
+        "gptj",
+        ("gptj",),
+        "h",
+        "ln_1",
+        "attn",
+        ("mlp.fc_in.weight",),
+        "mlp.fc_out",
+        parallel=lambda config: True,
+        lone_zero=("attn.q_proj", "attn.k_proj"),
+        o_proj="attn.out_proj",
+    ),
+    Family(
+        "cohere",
+        ("cohere",),
+        "layers",
+        "input_layernorm",
+        "self_attn",
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.down_proj",
+        parallel=lambda config: True,
+        lone_zero=_QK,
+    ),
+    Family(
+        "stablelm_parallel",
+        ("stablelm",),
+        "layers",
+        "input_layernorm",
+        "self_attn",
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.down_proj",
+        parallel=lambda config: True,
+        lone_zero=_QK,
+        when=lambda config: config.use_parallel_residual,
+    ),
+    # Falcon, three designs by config: a separate norm for the MLP (the new decoder architecture with
+    # two norms), one norm for both (parallel attention), or the sequential block.
+    Family(
+        "falcon_ln_mlp",
+        ("falcon",),
+        "h",
+        "ln_mlp",
+        "self_attention",
+        ("mlp.dense_h_to_4h.weight",),
+        "mlp.dense_4h_to_h",
+        parallel=lambda config: True,
+        o_proj="self_attention.dense",
+        when=lambda c: c.new_decoder_architecture and c.parallel_attn and c.num_ln_in_parallel_attn in (None, 2),
+    ),
+    Family(
+        "falcon_parallel",
+        ("falcon",),
+        "h",
+        "input_layernorm",
+        "self_attention",
+        ("mlp.dense_h_to_4h.weight",),
+        "mlp.dense_4h_to_h",
+        parallel=lambda config: True,
+        o_proj="self_attention.dense",
+        when=lambda c: c.parallel_attn and (not c.new_decoder_architecture or c.num_ln_in_parallel_attn == 1),
+    ),
+    Family(
+        "falcon",
+        ("falcon",),
+        "h",
+        "post_attention_layernorm",
+        "self_attention",
+        ("mlp.dense_h_to_4h.weight",),
+        "mlp.dense_4h_to_h",
+        o_proj="self_attention.dense",
+        when=lambda c: not c.parallel_attn and not c.new_decoder_architecture,
+    ),
     # Mixture of experts with a shared expert: the router and every expert read the MLP input (one
     # input change patches them all, so the same experts are chosen with the same weights); the
     # output shift goes into the shared expert's down_proj, divided by its sigmoid gate. Layers with
@@ -180,28 +332,3 @@ FAMILIES: list[Family] = [
         lone_zero=_QK,
     ),
 ]
-
-
-def _rms_unit(module: nn.Module, x: Tensor) -> Tensor:
-    """``x / sqrt(mean(x^2) + eps)``, in at least float32: what an RMSNorm multiplies its scale by."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + module.eps)
-
-
-# Norms whose scale a patch may change: class name -> (the normalised input the scale multiplies,
-# the constant added to the weight to give the scale). ``out = (offset + w) * unit(x)``, so a
-# delta ``dw`` adds ``dw * unit(x)``.
-SCALE_NORMS: dict[str, tuple[Callable[[nn.Module, Tensor], Tensor], float]] = {
-    "Gemma3RMSNorm": (_rms_unit, 1.0),
-    "Gemma2RMSNorm": (_rms_unit, 1.0),
-}
-
-
-def scale_norm(module: nn.Module, name: str = "") -> tuple[Callable[[nn.Module, Tensor], Tensor], float]:
-    for cls in type(module).__mro__:
-        if cls.__name__ in SCALE_NORMS:
-            return SCALE_NORMS[cls.__name__]
-    raise UnsupportedModelError(
-        f"cannot patch the scale of {name or 'module'} ({type(module).__name__}): not a "
-        f"known norm (known: {sorted(SCALE_NORMS)}); add it to tokenpatch.arch.families.SCALE_NORMS"
-    )

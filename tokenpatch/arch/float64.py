@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as Fn
 from torch import Tensor, nn
 
-from tokenpatch.arch.families import SCALE_NORMS
+from tokenpatch.arch.norms import SCALE_NORMS, norm_eps
 from tokenpatch.errors import UnsupportedModelError
 
 __all__ = ["RMS_OFFSETS", "linear64", "norm64"]
@@ -25,6 +25,8 @@ RMS_OFFSETS = {
     "MistralRMSNorm": 0.0,
     "Qwen2RMSNorm": 0.0,
     "Qwen3RMSNorm": 0.0,
+    "Phi3RMSNorm": 0.0,
+    "GraniteRMSNorm": 0.0,
     "GemmaRMSNorm": 1.0,
     **{name: offset for name, (_, offset) in SCALE_NORMS.items()},
 }
@@ -46,6 +48,8 @@ def norm64(module: nn.Module, where: str) -> Callable[[Tensor], Tensor]:
         w = None if module.weight is None else module.weight.detach().double()
         b = None if module.bias is None else module.bias.detach().double()
         return lambda x: Fn.layer_norm(x, module.normalized_shape, w, b, module.eps)
+    if type(module).__name__ == "OlmoLayerNorm":  # a LayerNorm without parameters
+        return lambda x: Fn.layer_norm(x, module.normalized_shape, None, None, 1e-5)
     offset = next((RMS_OFFSETS[c.__name__] for c in type(module).__mro__ if c.__name__ in RMS_OFFSETS), None)
     if offset is None:
         raise UnsupportedModelError(
@@ -53,5 +57,5 @@ def norm64(module: nn.Module, where: str) -> Callable[[Tensor], Tensor]:
             f"LayerNorm and {sorted(RMS_OFFSETS)} (add it to tokenpatch.arch.float64.RMS_OFFSETS)"
         )
     scale = offset + module.weight.detach().double()
-    eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+    eps = norm_eps(module)
     return lambda x: scale * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)

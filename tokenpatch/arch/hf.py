@@ -56,6 +56,13 @@ def check_finite(rec: list[dict[str, Tensor]], padded: bool) -> None:
             raise InputError(f"the model's own forward gives non-finite states at the queries at layer {i}{hint}")
 
 
+def _before_patches(module: nn.Module):
+    """Registers a forward pre-hook on ``module`` that runs before any registered earlier: on the MLP
+    (which reads ``m`` itself where no norm comes first), before a patch's input change, so ``m`` and
+    ``s`` are recorded as the layer computes them, unchanged, as a norm's hooks would see them."""
+    return lambda hook: module.register_forward_pre_hook(hook, prepend=True)
+
+
 class _Zero(nn.Module):
     """Stands in for a module whose output nobody needs: zeros of ``width`` features (the input's
     own width by default), no work."""
@@ -76,15 +83,16 @@ def _lone_pass(layers: nn.ModuleList, fam: Family) -> Iterator[None]:
     Every layer's input after the first is replaced by the with-context state, so the MLP outputs
     are never read; and a token alone attends to itself only, so its attention weight is 1 whatever
     its query and key are (``softmax`` of one score): zero queries and keys (and their norms and
-    rotations: still zero) leave the attention output ``W_o v`` exactly as it is."""
-    names = (fam.mlp, *fam.lone_zero)
+    rotations: still zero) leave the attention output ``W_o v`` exactly as it is. Where the MLP reads
+    the residual stream itself (``Family.mlp_norm`` is ``None``) it stays: its input is ``m_0``."""
+    names = (*([fam.mlp] if fam.mlp_norm is not None else []), *fam.lone_zero)
     saved = [[layer.get_submodule(n) for n in names] for layer in layers]
     try:
         for layer in layers:
             for n in names:
                 parent, _, attr = n.rpartition(".")
                 module = layer.get_submodule(n)
-                width = getattr(module, "out_features", None) if n != fam.mlp else None
+                width = getattr(module, "out_features", None)  # a Linear's; an MLP module keeps its input's
                 setattr(layer.get_submodule(parent) if parent else layer, attr, _Zero(width))
         yield
     finally:
@@ -134,8 +142,9 @@ class HFAdapter(HFModules):
             )
 
     def position_limit(self, model: nn.Module) -> int | None:
-        table = self.family(model).position_table
-        return getattr(model.base_model, table).num_embeddings if table else None
+        fam = self.family(model)
+        table = fam.position_table
+        return model.base_model.get_submodule(table).num_embeddings - fam.position_offset if table else None
 
     # ------------------------------------------------------------------------- inputs
     def check_inputs(self, model: nn.Module, inputs: Any) -> dict:
@@ -247,14 +256,16 @@ class HFAdapter(HFModules):
 
             return hook
 
-        pairs = []
+        pairs, s_is_m = [], []  # s_is_m: layers whose MLP reads the residual stream itself
         for i in range(len(rec)):
             site = self._sites_of(model, i)
+            s_is_m.append("mlp_norm" not in site)
             pairs.append(
                 (lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True), grab(i, "h", True))
             )
             pairs.append((site["layer"].register_forward_hook, grab(i, "out", False)))
-            pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
+            if "mlp_norm" in site:
+                pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
             pairs.append((site["down"].register_forward_pre_hook, grab(i, "hidden", True)))
             if "down_gate" in site:
                 pairs.append((site["down_gate"].register_forward_hook, grab(i, "gate", False)))
@@ -262,14 +273,15 @@ class HFAdapter(HFModules):
                 pairs.append((site["down"].register_forward_hook, grab(i, "p", False)))
             if parallel:
                 pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
-            else:
-                pairs.append((site["mlp_norm"].register_forward_pre_hook, grab(i, "m", True)))
+            else:  # the norm's input, or the MLP's where it reads the residual stream itself (s = m)
+                pairs.append((_before_patches(site.get("mlp_norm", site["mlp"])), grab(i, "m", True)))
         with registered_hooks(pairs):
             yield rec
-        if parallel:
-            for r in rec:
-                if "a" in r:  # a layer the forward reached (a caller may end it early)
-                    r["m"] = r["h"] + r.pop("a")
+        for r, same in zip(rec, s_is_m):
+            if parallel and "a" in r:  # a layer the forward reached (a caller may end it early)
+                r["m"] = r["h"] + r.pop("a")
+            if same and "m" in r:
+                r["s"] = r["m"]
 
     def trace(self, model: nn.Module, inputs: dict, query: list[int]) -> list[dict[str, Tensor]]:
         """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``."""
@@ -330,11 +342,12 @@ class HFAdapter(HFModules):
                 pairs.append((register, swap(i)))
             elif parallel:
                 pairs.append((register, record(i)))
-            pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
+            if "mlp_norm" in site:
+                pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
             if parallel:
                 pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
             else:
-                pairs.append((site["mlp_norm"].register_forward_pre_hook, grab(i, "m", True)))
+                pairs.append((_before_patches(site.get("mlp_norm", site["mlp"])), grab(i, "m", True)))
         stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
         # each layer's output is read only where the next layer's input is not replaced: with a chunk
         # removed the other kept tokens need the whole layer, each query alone needs no MLP at all
@@ -344,7 +357,7 @@ class HFAdapter(HFModules):
         if parallel:  # m_0 = (the layer input) + (the lone token's attention output)
             for i, o in enumerate(out):
                 o["m"] = (rec[i]["h"] if i > 0 else o.pop("h")) + o.pop("a")
-        return [(o["m"], o["s"]) for o in out]
+        return [(o["m"], o.get("s", o["m"])) for o in out]  # no norm before the MLP: s = m
 
     @staticmethod
     def _forward_kwargs(inputs: dict) -> dict:

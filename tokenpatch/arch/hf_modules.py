@@ -29,16 +29,18 @@ class HFModules(Adapter):
 
     @staticmethod
     def family(model: nn.Module) -> Family | None:
-        """The model's ``Family`` record, from ``config.model_type`` (``None``: not a known design)."""
-        mt = getattr(getattr(model, "config", None), "model_type", None)
-        return next((f for f in FAMILIES if mt in f.model_types), None)
+        """The model's ``Family`` record, from ``config.model_type`` and the first record whose ``when``
+        holds for the config (``None``: not a known design)."""
+        config = getattr(model, "config", None)
+        mt = getattr(config, "model_type", None)
+        return next((f for f in FAMILIES if mt in f.model_types and f.when(config)), None)
 
     def matches(self, model: nn.Module) -> bool:
         return self.family(model) is not None
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         """The decoder layers (``model.base_model.<Family.layers>``)."""
-        return getattr(model.base_model, self.family(model).layers)
+        return model.base_model.get_submodule(self.family(model).layers)
 
     def n_layers(self, model: nn.Module) -> int:
         return len(self.layers(model))
@@ -70,10 +72,12 @@ class HFModules(Adapter):
         fam, layer = self._layer_family(model, i), self.layers(model)[i]
         out = {
             "layer": layer,
-            "mlp_norm": layer.get_submodule(fam.mlp_norm),
+            "mlp": layer.get_submodule(fam.mlp),
             "attn": layer.get_submodule(fam.attn),
             "down": layer.get_submodule(fam.down),
         }
+        if fam.mlp_norm is not None:
+            out["mlp_norm"] = layer.get_submodule(fam.mlp_norm)
         if fam.down_gate is not None:
             out["down_gate"] = layer.get_submodule(fam.down_gate)
         return out
@@ -91,7 +95,7 @@ class HFModules(Adapter):
         owner: dict[int, int] = {}
         for i, layer in enumerate(self.layers(model)):
             fam = self._layer_family(model, i)
-            names = (fam.mlp, fam.mlp_norm, fam.attn, fam.down, fam.out_norm, fam.down_gate)
+            names = (fam.mlp, fam.mlp_out, fam.mlp_norm, fam.attn, fam.down, fam.out_norm, fam.down_gate)
             for name, module in [("the layer", layer), *((n, layer.get_submodule(n)) for n in names if n)]:
                 j = owner.setdefault(id(module), i)
                 if j != i:
@@ -109,14 +113,15 @@ class HFModules(Adapter):
         parallel = fam.parallel(model.config)
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
         down = self._sites_of(model, i)["down"]
+        scale = 1.0 if fam.out_scale is None else fam.out_scale(model.config)
         if fam.down_gate is not None:
-            output = OutputSite("gated", f"{p}{fam.down}.weight")
+            output = OutputSite("gated", f"{p}{fam.down}.weight", scale=scale)
         elif fam.out_norm is not None:
-            output = OutputSite("matrix+scale", f"{p}{fam.down}.weight", f"{p}{fam.out_norm}.weight")
+            output = OutputSite("matrix+scale", f"{p}{fam.down}.weight", f"{p}{fam.out_norm}.weight", scale=scale)
         elif getattr(down, "bias", None) is not None:
-            output = OutputSite("bias", f"{p}{fam.down}.bias")
+            output = OutputSite("bias", f"{p}{fam.down}.bias", scale=scale)
         else:
-            output = OutputSite("matrix", f"{p}{fam.down}.weight")
+            output = OutputSite("matrix", f"{p}{fam.down}.weight", scale=scale)
         return Sites(inputs=inputs, output=output, input_site=None if parallel else f"{p}{fam.mlp}")
 
     # ------------------------------------------------------------------------- heads and attention
@@ -134,8 +139,8 @@ class HFModules(Adapter):
 
     def mlp_outputs(self, model: nn.Module) -> list[nn.Module]:
         return [
-            layer.get_submodule(self._layer_family(model, i).out_norm or self._layer_family(model, i).mlp)
-            for i, layer in enumerate(self.layers(model))
+            layer.get_submodule(fam.out_norm or fam.mlp_out or fam.mlp)
+            for fam, layer in ((self._layer_family(model, i), layer) for i, layer in enumerate(self.layers(model)))
         ]
 
     def attention_norms(self, model: nn.Module) -> list[nn.Module | None]:
@@ -152,8 +157,9 @@ class HFModules(Adapter):
         layer = self.layers(model)[i]
         o_proj = linear64(layer.get_submodule(fam.o_proj))
         post = norm64(layer.get_submodule(fam.attn_out), fam.attn_out) if fam.attn_out else (lambda a: a)
-        mlp_norm = norm64(layer.get_submodule(fam.mlp_norm), fam.mlp_norm)
-        return lambda z: mlp_norm(h + post(o_proj(z)))
+        mlp_norm = norm64(layer.get_submodule(fam.mlp_norm), fam.mlp_norm) if fam.mlp_norm else (lambda a: a)
+        scale = 1.0 if fam.out_scale is None else fam.out_scale(model.config)  # Granite's residual multiplier
+        return lambda z: mlp_norm(h + scale * post(o_proj(z)))
 
     def attention_patterns(self, model: nn.Module, inputs: Any) -> list[Tensor]:
         """One forward with ``output_attentions=True`` under eager attention (fused kernels return no

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for
-from tokenpatch.arch.families import scale_norm
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
+from tokenpatch.arch.norms import norm_eps, scale_norm
 from tokenpatch.baselines.steering import (
     Steering,
     head_contribution,
@@ -208,7 +208,7 @@ def _norm_gain(model: nn.Module, layer: int, z: Tensor) -> Tensor | float:
     unit, offset = scale_norm(norm)
     with torch.no_grad():
         a = o_proj_modules(model)[layer](z.flatten(1).to(next(norm.parameters()).dtype))  # [B, d]
-        rms = (a.double().square().mean(-1) + norm.eps).sqrt().mean()
+        rms = (a.double().square().mean(-1) + norm_eps(norm)).sqrt().mean()
         return ((offset + norm.weight.double()) / rms).to(a.dtype)  # [d]
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import OutputSite, weight_layout
-from tokenpatch.arch.families import scale_norm
+from tokenpatch.arch.norms import norm_eps, scale_norm
 from tokenpatch.errors import InputError
 from tokenpatch.patch import Delta
 from tokenpatch.run import hooked
@@ -52,6 +52,7 @@ def fit_output(
                 t = (rc["out"] - r0["out"])[v]  # [N, d]  what the layer still misses
             if kind == "gated":  # the matrix's output is scaled by sigmoid(gate): fit t / gate
                 t = t / torch.sigmoid(r0["gate"][v].to(t.dtype))
+            t = t / site.scale  # the block multiplies the MLP output by it (Granite)
             yield r0["hidden"][v], t
 
     return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
@@ -65,7 +66,8 @@ def next_streams(model: nn.Module, site: OutputSite, mine: dict[str, Delta], kep
     its input change only: the output deltas act after the MLP's hidden features ``h'`` (recorded),
     so only the output matrix (and the post-MLP norm) run again.
 
-    ``out = out_pass + g (W' h' - W h')`` (``g``: the shared expert's ``sigmoid(gate)``, else 1), or
+    ``out = out_pass + g (W' h' - W h')`` (``g``: the shared expert's ``sigmoid(gate)``, else 1, times
+    ``OutputSite.scale``), or
     with a norm after the MLP (Gemma 2/3) ``out = m + norm'(W' h')``, primes marking the patched
     module. The fit already assumes this form (``out = m + MLP output``)."""
     module = site.name.rpartition(".")[0]  # the output matrix's module (``name``: its weight, or its bias)
@@ -81,7 +83,7 @@ def next_streams(model: nn.Module, site: OutputSite, mine: dict[str, Delta], kep
             if norm is not None:
                 streams.append(rec["m"] + norm(new))
                 continue
-        change = new - down(h)
+        change = (new - down(h)) * site.scale
         if site.kind == "gated":
             change = change * torch.sigmoid(rec["gate"].to(change.dtype))
         streams.append(out + change)
@@ -143,7 +145,7 @@ def fit_norm(
 
     info: dict = {}
     if steps:  # (not distributed: thought_patch refuses that)
-        dw, errors = refine(h, p, y, math_dw(), scale_on(math_dw()), g0, norm.eps, ridge, steps)
+        dw, errors = refine(h, p, y, math_dw(), scale_on(math_dw()), g0, norm_eps(norm), ridge, steps)
         mine.update(cut_rank({key: factor(dw if out_in else dw.T).to(down.weight.dtype)}, rank))
         info = {"norm_steps": len(errors) - 1, "norm_error": errors}
     mine[site.norm] = (scale_on(math_dw()) - g0)[None, None].to(norm.weight.dtype)  # [1, 1, d]
@@ -151,4 +153,4 @@ def fit_norm(
 
 
 def _rms(norm: nn.Module, x: Tensor) -> Tensor:
-    return x.square().mean(-1, keepdim=True).add(norm.eps).sqrt()
+    return x.square().mean(-1, keepdim=True).add(norm_eps(norm)).sqrt()
