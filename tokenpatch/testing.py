@@ -2,14 +2,20 @@
 
 A missing term in a patch can hide behind freshly initialised norms (gamma = 1, beta = 0) and
 zero biases; ``perturbed`` moves them off their init first, as tokenpatch's own tests do.
+``tiny_hf_model`` builds a tiny random float64 Hugging Face model of each block design tokenpatch
+patches (``TINY_HF``), and ``float64_norms`` evaluates the norms that Hugging Face keeps in float32.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-__all__ = ["perturbed"]
+__all__ = ["perturbed", "TINY_HF", "tiny_hf_config", "tiny_hf_model", "float64_norms"]
 
 
 def perturbed(module: nn.Module, seed: int = 0, scale: float = 0.3) -> nn.Module:
@@ -21,3 +27,131 @@ def perturbed(module: nn.Module, seed: int = 0, scale: float = 0.3) -> nn.Module
             if "ln" in name or "norm" in name or name.endswith("bias"):
                 p.add_(scale * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p))
     return module
+
+
+# ----------------------------------------------------------------------------- tiny Hugging Face models
+# One tiny random configuration per block design tokenpatch patches (``arch.families.FAMILIES``), as
+# ``(transformers config class, keyword arguments)``: what tokenpatch's tests check to float64
+# rounding, and what ``benchmarks/hf_families.py`` measures for ``docs/hugging-face.md``.
+_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101)
+_KV = dict(_SMALL, num_key_value_heads=2)
+TINY_HF: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", _KV),
+    "qwen2": ("Qwen2Config", _KV),  # biases on q, k, v
+    "qwen3": ("Qwen3Config", dict(_KV, head_dim=16)),  # q/k norms
+    "mistral": ("MistralConfig", dict(_KV, sliding_window=5)),
+    "gemma": ("GemmaConfig", dict(_KV, head_dim=16, pad_token_id=0)),  # Gemma 1: llama's form
+    "gemma2": ("Gemma2Config", dict(_KV, head_dim=16, sliding_window=5)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            _SMALL,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=5,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
+    "gpt_neox": ("GPTNeoXConfig", dict(_SMALL, rotary_pct=0.5)),  # parallel residual
+    "gpt_neox_sequential": ("GPTNeoXConfig", dict(_SMALL, use_parallel_residual=False)),
+    # mixture of experts with a shared expert; layer 1 a plain MLP
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            _KV,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "phi3": ("Phi3Config", dict(_KV, pad_token_id=0)),  # fused qkv and gate_up
+    "olmo": ("OlmoConfig", dict(_KV, pad_token_id=0)),  # norms without parameters
+    "stablelm": ("StableLmConfig", dict(_KV, qk_layernorm=True)),
+    "starcoder2": ("Starcoder2Config", _KV),  # biases, a plain MLP
+    "granite": (  # multipliers on the embedding, each sublayer, attention, logits
+        "GraniteConfig",
+        dict(_KV, embedding_multiplier=3.0, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=2.0),
+    ),
+    "olmo2": ("Olmo2Config", dict(_KV, pad_token_id=0)),  # norms after the sublayers
+    "phi": ("PhiConfig", dict(_SMALL, qk_layernorm=True)),  # parallel, partial rotary
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, rotary_dim=8, n_positions=64)),
+    "cohere": ("CohereConfig", dict(_KV, use_qk_norm=True)),  # parallel
+    "stablelm_parallel": ("StableLmConfig", dict(_KV, use_parallel_residual=True)),
+    "falcon": ("FalconConfig", dict(_SMALL, bias=True)),  # parallel attention, one norm
+    "falcon_new": ("FalconConfig", dict(_SMALL, new_decoder_architecture=True, num_kv_heads=2)),  # two norms
+    "falcon_sequential": ("FalconConfig", dict(_SMALL, parallel_attn=False)),
+    # the same designs under other model_types (other attention, norms, names: one tiny model each)
+    "bitnet": ("BitNetConfig", dict(_KV, pad_token_id=0)),
+    "cwm": ("CwmConfig", dict(_KV, head_dim=16)),
+    "diffllama": ("DiffLlamaConfig", dict(_KV, pad_token_id=0)),  # differential attention
+    "ernie4_5": ("Ernie4_5Config", dict(_KV, head_dim=16, pad_token_id=0)),
+    "exaone": ("ExaoneConfig", dict(_KV, pad_token_id=0)),
+    "helium": ("HeliumConfig", dict(_KV, head_dim=16, pad_token_id=0)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(_KV, head_dim=16, pad_token_id=0)),
+    "internlm3": ("InternLM3Config", dict(_KV, head_dim=16, pad_token_id=0)),
+    "iquestcoder": ("IQuestCoderConfig", dict(_KV, head_dim=16, pad_token_id=0)),
+    "ministral": ("MinistralConfig", dict(_KV, head_dim=16, pad_token_id=0)),
+    "seed_oss": ("SeedOssConfig", dict(_KV, head_dim=16, pad_token_id=0)),
+    "smollm3": ("SmolLM3Config", dict(_KV, pad_token_id=0)),
+    "glm": ("GlmConfig", dict(_KV, head_dim=16, pad_token_id=0)),  # a fused gate_up_proj, as Phi-3
+    "cohere2": ("Cohere2Config", dict(_KV, pad_token_id=0)),  # parallel, as Cohere
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
+}
+EAGER_ONLY = ("gemma2",)  # transformers has no sdpa path for Gemma 2
+
+
+def tiny_hf_config(name: str):
+    """The ``transformers`` config of ``TINY_HF[name]`` (needs ``pip install 'tokenpatch[hf]'``)."""
+    transformers = importlib.import_module("transformers")  # the optional Hugging Face extra
+    cls, kwargs = TINY_HF[name]
+    return getattr(transformers, cls)(**kwargs)
+
+
+def tiny_hf_model(name: str, seed: int = 0, attn: str | None = None) -> nn.Module:
+    """A tiny random float64 causal LM of ``TINY_HF[name]`` in eval mode, every 1-D parameter (norm
+    weights, biases) moved off its init by ``N(0, 0.3^2)``, greedy generation to full length."""
+    transformers = importlib.import_module("transformers")
+    torch.manual_seed(seed)
+    attn = attn or ("eager" if name in EAGER_ONLY else "sdpa")
+    extra = {"experts_implementation": "eager"} if "moe" in name else {}  # float64 experts on CPU
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(name), attn_implementation=attn, **extra)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norm weights and biases
+                p.add_(0.3 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None
+    return model.double().eval()
+
+
+def _rms_float64(offset: float):
+    def forward(self, x):
+        eps = getattr(self, "eps", getattr(self, "variance_epsilon", None))
+        return (offset + self.weight) * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+    return forward
+
+
+@contextlib.contextmanager
+def float64_norms() -> Iterator[None]:
+    """Inside the block, the RMSNorms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2),
+    which compute in float32 whatever the model dtype, compute in the input's dtype; restored on exit.
+    With them a float64 model's patch is exact to ~1e-15 (without, to that float32 rounding)."""
+    modules = {
+        "gemma2": ("Gemma2RMSNorm", 1.0),
+        "gemma3": ("Gemma3RMSNorm", 1.0),
+        "olmo2": ("Olmo2RMSNorm", 0.0),
+    }
+    saved = []
+    try:
+        for family, (cls, offset) in modules.items():
+            norm = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls)
+            saved.append((norm, norm.forward))
+            norm.forward = _rms_float64(offset)
+        yield
+    finally:
+        for norm, forward in saved:
+            norm.forward = forward

@@ -121,7 +121,25 @@ _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key project
 FAMILIES: list[Family] = [
     Family(
         "llama",
-        ("llama", "mistral", "qwen2", "qwen3", "gemma"),
+        (
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "gemma",
+            "bitnet",
+            "cwm",
+            "diffllama",
+            "ernie4_5",
+            "exaone",
+            "helium",
+            "hunyuan_v1_dense",
+            "internlm3",
+            "iquestcoder",
+            "ministral",
+            "seed_oss",
+            "smollm3",
+        ),
         "layers",
         "post_attention_layernorm",
         "self_attn",
@@ -143,7 +161,7 @@ FAMILIES: list[Family] = [
     ),
     Family(
         "gpt2",
-        ("gpt2",),
+        ("gpt2", "gpt_bigcode"),
         "h",
         "ln_2",
         "attn",
@@ -169,7 +187,7 @@ FAMILIES: list[Family] = [
     # residual_multiplier scales each sublayer's output: the output shift is divided by it.
     Family(
         "phi3",
-        ("phi3",),
+        ("phi3", "glm"),
         "layers",
         "post_attention_layernorm",
         "self_attn",
@@ -251,7 +269,7 @@ FAMILIES: list[Family] = [
     ),
     Family(
         "cohere",
-        ("cohere",),
+        ("cohere", "cohere2"),
         "layers",
         "input_layernorm",
         "self_attn",

@@ -1,0 +1,94 @@
+"""Every Hugging Face block design tokenpatch patches, on a tiny random float64 model of each.
+
+Claim (``docs/hugging-face.md``): for every ``model_type`` tokenpatch accepts, the patched lone token
+reproduces every layer's hidden state and the with-context logits to float64 rounding, and so do
+``tp.generate``, ``tp.trajectory`` and a one-query ``tp.thought_patch``. This script prints the table
+of the docs: per tiny model (``tokenpatch.testing.TINY_HF``; norms and biases moved off their init)
+its design, the patch kinds it uses and the worst error of each path, and writes
+``benchmarks/results/hf_families.json``. ``tests/test_hf.py`` asserts the same bounds.
+
+    python benchmarks/hf_families.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+import tokenpatch as tp
+from tokenpatch.arch import adapter_for
+from tokenpatch.testing import EAGER_ONLY, TINY_HF, float64_norms, tiny_hf_model
+
+
+def errors(name: str) -> dict:
+    """The worst absolute error of each path on the tiny model ``name`` (float64)."""
+    model = tiny_hf_model(name)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(1, 101, (2, 12), generator=g)
+    out = {"verify": tp.verify(model, tp.token_patch(model, x, query=[-1, -4, 3]), x).max_abs}
+    gen = tp.generate(model, x[:, :9], max_new_tokens=8)
+    out["generate"] = float(gen.logit_error.max())
+    try:  # the prefixes run as one left-padded batch
+        traj = tp.trajectory(model, x[:1, :8], query=-1)
+        out["trajectory"] = max(
+            tp.verify(model, traj.patch(i), traj.prefix_inputs(x[:1, :8], i)).max_abs for i in (2, 7)
+        )
+    except tp.InputError:  # eager attention (Gemma 2): transformers' own forward gives NaN with padding
+        out["trajectory"] = None
+    prompt, query = x[0], x[1:, :1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.ThoughtWarning)  # one calibration query: the minimum-norm interpolant
+        fit = tp.thought_patch(model, prompt, query, progress=False)
+    with torch.no_grad():
+        want = model(torch.cat([prompt[None], query], 1)).logits[:, -1]
+        got = tp.functional_call(model, fit.patch, query).logits[:, -1]
+    out["thought_patch"] = float((got - want).abs().max())
+    return out
+
+
+def _cell(error: float | None) -> str:
+    return "NaN in eager + padding" if error is None else f"{error:.0e}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hf_families.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rows = {}
+    print(
+        "| tiny model | `model_type` | design | input side | output side | verify | generate | trajectory | thought patch |"
+    )
+    print("|---|---|---|---|---|---:|---:|---:|---:|")
+    for name in TINY_HF:
+        model = tiny_hf_model(name)
+        adapter = adapter_for(model)
+        sites = adapter.sites(model, 0)
+        inputs = ", ".join(n.rpartition(".")[0].split(".", 3)[-1] for n in sites.inputs) or "none (parallel)"
+        output = sites.output.kind + ("" if sites.output.scale == 1 else f" / {sites.output.scale:g}")
+        with float64_norms():
+            err = errors(name)
+        if name in EAGER_ONLY:  # eager attention's float32 softmax: the prompt cache and the full forward differ
+            err["attention"] = "eager"
+        rows[name] = {
+            "model_type": model.config.model_type,
+            "design": adapter.family(model).name,
+            "inputs": list(sites.inputs),
+            "output": sites.output.kind,
+            **err,
+        }
+        r = rows[name]
+        print(
+            f"| {name} | {r['model_type']} | {r['design']} | {inputs} | {output} | {r['verify']:.0e} | "
+            f"{r['generate']:.0e} | {_cell(r['trajectory'])} | {r['thought_patch']:.0e} |",
+            flush=True,
+        )
+    Path(args.out).write_text(json.dumps({"torch": torch.__version__, "models": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
