@@ -23,7 +23,7 @@ peft = pytest.importorskip("peft")
 DENSE = [name for name in CONFIGS if name != "qwen2_moe"]
 # a norm scale patched after the MLP is written whole; an output bias as peft's lora_bias
 EXTRAS = {
-    **dict.fromkeys(["gemma2", "gemma3", "olmo2"], ["modules_to_save"]),
+    **dict.fromkeys(["gemma2", "gemma3", "olmo2", "olmo3", "exaone4"], ["modules_to_save"]),
     **dict.fromkeys(
         ["gpt2", "gpt_neox", "gpt_neox_sequential", "starcoder2", "phi", "gptj", "falcon", "gpt_bigcode"], ["lora_bias"]
     ),

@@ -95,10 +95,13 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "internlm3": ("InternLM3Config", dict(_KV, head_dim=16, pad_token_id=0)),
     "iquestcoder": ("IQuestCoderConfig", dict(_KV, head_dim=16, pad_token_id=0)),
     "ministral": ("MinistralConfig", dict(_KV, head_dim=16, pad_token_id=0)),
+    "ministral3": ("Ministral3Config", dict(_KV, head_dim=16, pad_token_id=0)),
     "seed_oss": ("SeedOssConfig", dict(_KV, head_dim=16, pad_token_id=0)),
     "smollm3": ("SmolLM3Config", dict(_KV, pad_token_id=0)),
     "glm": ("GlmConfig", dict(_KV, head_dim=16, pad_token_id=0)),  # a fused gate_up_proj, as Phi-3
     "cohere2": ("Cohere2Config", dict(_KV, pad_token_id=0)),  # parallel, as Cohere
+    "olmo3": ("Olmo3Config", dict(_KV, pad_token_id=0)),  # norms after the sublayers, as OLMo 2
+    "exaone4": ("Exaone4Config", dict(_KV, pad_token_id=0)),
     "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
 }
 EAGER_ONLY = ("gemma2",)  # transformers has no sdpa path for Gemma 2
@@ -137,13 +140,15 @@ def _rms_float64(offset: float):
 
 @contextlib.contextmanager
 def float64_norms() -> Iterator[None]:
-    """Inside the block, the RMSNorms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2),
+    """Inside the block, the RMSNorms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2/3, EXAONE 4),
     which compute in float32 whatever the model dtype, compute in the input's dtype; restored on exit.
     With them a float64 model's patch is exact to ~1e-15 (without, to that float32 rounding)."""
     modules = {
         "gemma2": ("Gemma2RMSNorm", 1.0),
         "gemma3": ("Gemma3RMSNorm", 1.0),
         "olmo2": ("Olmo2RMSNorm", 0.0),
+        "olmo3": ("Olmo3RMSNorm", 0.0),
+        "exaone4": ("Exaone4RMSNorm", 0.0),
     }
     saved = []
     try:

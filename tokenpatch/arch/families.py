@@ -81,7 +81,7 @@ class Family:
     input is ``s`` (the MLP, or its first matrix where the layer has no MLP module: OPT);
     ``mlp_out``: the module whose output is the MLP's contribution, if not ``mlp``. ``down``: the
     MLP output matrix (its input is ``hidden``). ``out_norm``: a norm between the MLP and the
-    residual add (Gemma 2/3, OLMo 2), patched in its scale. ``down_gate``: a module whose sigmoid
+    residual add (Gemma 2/3, OLMo 2/3, EXAONE 4), patched in its scale. ``down_gate``: a module whose sigmoid
     scales ``down``'s output (a shared expert's gate). ``out_scale``: a constant the block multiplies
     each sublayer's output by before the residual add (Granite's ``residual_multiplier``).
     ``parallel``: whether a model of this family (its config) has a parallel block. ``dense``: the
@@ -137,6 +137,7 @@ FAMILIES: list[Family] = [
             "internlm3",
             "iquestcoder",
             "ministral",
+            "ministral3",
             "seed_oss",
             "smollm3",
         ),
@@ -226,11 +227,11 @@ FAMILIES: list[Family] = [
         lone_zero=_QK,
         out_scale=lambda config: float(config.residual_multiplier),
     ),
-    # Norms after the sublayers (OLMo 2): the MLP reads the residual stream itself (s = m), and a
+    # Norms after the sublayers (OLMo 2 and 3, EXAONE 4): the MLP reads the residual stream itself (s = m), and a
     # norm between the MLP and the residual add is patched in its scale, as Gemma 2/3's.
     Family(
         "olmo2",
-        ("olmo2",),
+        ("olmo2", "olmo3", "exaone4"),
         "layers",
         None,
         "self_attn",
