@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from tokenpatch.errors import FileFormatError, InputError
 from tokenpatch.file_header import META_KEY, read_header
+from tokenpatch.offload import named_values
 from tokenpatch.paths import write_new
 from tokenpatch.per_model import PerModel
 
@@ -169,7 +170,7 @@ def fingerprint(model: nn.Module, cached: bool = True) -> str:
     hit = _cached(model)
     if cached and hit is not None and hit.current():
         return hit.digest
-    params = list(model.named_parameters())
+    params = list(named_values(model))  # an accelerate-offloaded parameter: its data, wherever it is
     digest = _digest(params)
     _remember(model, params, digest)
     return digest

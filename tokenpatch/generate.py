@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank, norm_of
@@ -71,7 +72,7 @@ def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
     An input change ``D = sum_k d_k v_k^T`` counts as ``W D = sum_k (W d_k) v_k^T`` on every matrix
     reading it; every norm from the factors as ``Patch.norms`` takes them (``lowrank.norm_of``: a huge
     ``v`` of a tiny anchor does not overflow), summed in float64."""
-    params = dict(model.named_parameters())
+    params = dict(offload.named_values(model))  # an accelerate-offloaded weight: its data
     readers = patch.readers
     per_layer = []
     for i in range(adapter.n_layers(model)):
@@ -81,7 +82,7 @@ def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
             key = f"{sites.input_site}{INPUT_SUFFIX}"
             d = patch[key]  # LowRank [B, 1, 1, H]: u = d, v
             for reader, layout in readers.get(key, []):
-                w = params[reader].detach().to(d.u.dtype)
+                w = params[reader].detach().to(d.u.device, d.u.dtype)
                 wd = (
                     torch.einsum("...oi,bqri->bqr...o", w, d.u)
                     if layout == "out_in"

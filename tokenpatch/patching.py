@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tokenpatch import files, solve
+from tokenpatch import files, offload, solve
 from tokenpatch.arch import Sites, adapter_for, weight_layout
 from tokenpatch.arch.norms import norm_eps, scale_norm
 from tokenpatch.errors import InputError, UnsupportedModelError, ZeroAnchorError
@@ -87,9 +87,8 @@ def take(t: Tensor, positions: list[int]) -> Tensor:
 
 def _math_weight(model: nn.Module, name: str) -> tuple[Tensor, str]:
     """A weight as stored, and its layout (``"out_in"``: applied as ``W @ x``; ``"in_out"``: ``x @ W``)."""
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    return getattr(module, attr), weight_layout(module, name)
+    module = model.get_submodule(name.rpartition(".")[0])
+    return offload.value(model, name), weight_layout(module, name)  # an offloaded weight: its data
 
 
 def _stored(delta: LowRank, layout: str) -> LowRank:
@@ -131,7 +130,7 @@ def layer_patch(
                 norm_name = sites.output.norm
                 norm = model.get_submodule(norm_name.rpartition(".")[0])
                 offset = scale_norm(norm, norm_name)[1]
-                scale = offset + norm.weight.detach()
+                scale = offset + offload.value(model, norm_name).detach()
                 down, dscale = solve.output_patch_scaled(
                     out_c, m_c, m_0, solve.apply_weight(w, hidden_c, layout), hidden_c, scale, norm_eps(norm)
                 )

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from tokenpatch import files
+from tokenpatch import files, offload
 from tokenpatch.arch import ADAPTERS, weight_layout
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.norms import scale_norm
@@ -269,6 +269,13 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
     patch.check_model(model)
     patch.check_finite()
     params = dict(model.named_parameters())
+    targets = [r for name in patch for r, _ in patch.readers.get(name, [])] + [n for n in patch if n in params]
+    gone = next((n for n in targets if offload.offloaded(params[n])), None)
+    if gone is not None:
+        raise InputError(
+            f"apply() cannot write into weights accelerate offloaded ({gone} is on the meta device, its data "
+            "on disk or in CPU memory): use tp.functional_call(model, patch, ...), which runs the patch as hooks"
+        )
     state = files.cached_state(model)  # unchanged by the round trip below, so kept valid after it
     saved: dict[str, Tensor] = {}
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch import OutputSite, weight_layout
 from tokenpatch.arch.norms import norm_eps, scale_norm
 from tokenpatch.errors import InputError
@@ -43,11 +44,12 @@ def fit_output(
     if output == "vector" and not affine:
         raise InputError(f"layer {i}: {name.rpartition('.')[0]} has no bias for a thought vector; use output='affine'")
     norm = model.get_submodule(site.norm.rpartition(".")[0]) if kind == "matrix+scale" else None
+    g = None if norm is None else scale_norm(norm)[1] + offload.value(model, site.norm).detach()  # [d] its scale
 
     def pairs():
         for rc, r0, v in pairs_source:  # v: the real (not padding) positions [b, T]
             if kind == "matrix+scale":  # a norm after the MLP: aim its input at the direction it must output
-                t = norm_target(norm, rc["out"][v] - r0["m"][v], r0["p"][v])  # [N, d]
+                t = norm_target(norm, g, rc["out"][v] - r0["m"][v], r0["p"][v])  # [N, d]
             else:
                 t = (rc["out"] - r0["out"])[v]  # [N, d]  what the layer still misses
             if kind == "gated":  # the matrix's output is scaled by sigmoid(gate): fit t / gate
@@ -90,15 +92,15 @@ def next_streams(model: nn.Module, site: OutputSite, mine: dict[str, Delta], kep
     return streams
 
 
-def norm_target(norm: nn.Module, want: Tensor, p: Tensor) -> Tensor:
+def norm_target(norm: nn.Module, scale: Tensor, want: Tensor, p: Tensor) -> Tensor:
     """The change of a post-MLP norm's input ``p`` that makes its output point along ``want``.
 
-    ``norm(x) = g * unit(x)`` and the layer needs ``norm(x) = want`` (``out_C - m_0``: the MLP's
+    ``norm(x) = g * unit(x)`` (``scale``: ``g``, the norm's offset plus its weight) and the layer needs ``norm(x) = want`` (``out_C - m_0``: the MLP's
     output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
     ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
     the norm's input that does). With ``fit_norm`` after it, exact for one calibration position."""
-    unit, offset = scale_norm(norm)
-    g = (offset + norm.weight).to(want.dtype)
+    unit = scale_norm(norm)[0]
+    g = scale.to(want.dtype)
     z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to fit_norm
     return (unit(norm, z).to(p.dtype) * _rms(norm, p) - p).to(want.dtype)  # [..., d]  x* - p
 
@@ -124,7 +126,7 @@ def fit_norm(
     down, key = model.get_submodule(down_name), f"{down_name}.weight"
     norm = model.get_submodule(site.norm.rpartition(".")[0])
     unit, offset = scale_norm(norm)
-    g0 = (offset + norm.weight.detach()).double()  # [d]
+    g0 = (offset + offload.value(model, site.norm).detach()).double()  # [d]
     h, p, y = (
         torch.cat(t).double()
         for t in zip(*((r0["hidden"][v], r0["p"][v], (rc["out"] - r0["m"])[v]) for rc, r0, v in pairs))
