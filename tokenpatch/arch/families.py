@@ -1,22 +1,22 @@
-"""Hugging Face block designs as data: one ``Family`` record per design, and the norms whose scale
-a patch may change.
+"""Hugging Face block designs as data: one ``Family`` record per design.
 
 The adapter (``arch.hf``) changes the MLP input of every layer once (``Sites.input_site``), which
 covers every parameter reading it, so it needs to know only where ``m``, ``s`` and ``hidden`` are
-read and where the output side goes; that is the ``Family`` record. Supported block designs
-(``docs/hugging-face.md``):
+read and where the output side goes; that is the ``Family`` record. The five forms
+(``docs/hugging-face.md``, "Block designs", with every ``model_type`` and its measured error):
 
-* ``llama`` (Llama, Mistral, Qwen2, Qwen3, Gemma 1; no biases, GQA, q/k norms): ``gate_proj`` and
-  ``up_proj`` share the input patch; the output shift is a rank-1 patch of ``down_proj``;
-* ``gemma2`` (Gemma 2, Gemma 3): as Llama, plus the post-feedforward RMSNorm with scale
-  ``1 + w``: a rank-1 ``down_proj`` patch and a dense patch of that norm's scale
-  (``solve.output_patch_scaled``, zero-scale channels included);
-* ``gpt2`` (``Conv1D`` weights stored ``[in, out]``, absolute positions): rank-1 on ``c_fc``, the
-  output shift in the ``c_proj`` bias;
-* ``gpt_neox`` (Pythia): with the parallel residual (the default) the MLP reads the norm of the
-  layer input, the same in both passes, so there is no input patch; the attention difference goes
-  into the ``dense_4h_to_h`` bias. With ``use_parallel_residual=False`` it is the sequential case;
-* ``qwen2_moe`` (mixture of experts with a shared expert): the router and every expert read the
+* sequential, a norm before the MLP (``llama`` and its kin, ``gpt2``, ``phi3``, ``olmo``,
+  ``starcoder2``, sequential ``gpt_neox`` and ``falcon``): the input change on the MLP's input; the
+  output shift ``m_C - m_0`` in the output bias, else a rank-1 patch of the output matrix;
+* a residual multiplier (``granite``): the block adds ``r * MLP(s)``, so the shift is divided by
+  ``r`` (``OutputSite.scale``);
+* a norm after the MLP (``gemma2``: Gemma 2/3, scale ``1 + w``; ``olmo2``: OLMo 2/3 and EXAONE 4,
+  scale ``w``, and no norm before the MLP, ``s = m``): a rank-1 output-matrix patch and a dense patch
+  of the norm's scale (``solve.output_patch_scaled``, zero-scale channels included);
+* parallel (``gpt_neox`` by default, ``phi``, ``gptj``, ``cohere``, ``stablelm_parallel``, Falcon's
+  ``falcon_parallel`` and ``falcon_ln_mlp``): the MLP reads a norm of the layer input, the same in both
+  passes, so there is no input change; the whole attention difference is the output shift;
+* mixture of experts with a shared expert (``qwen2_moe``): the router and every expert read the
   input change (the same experts are chosen); the output shift goes into the shared expert's
   ``down_proj``, divided by its sigmoid gate.
 """

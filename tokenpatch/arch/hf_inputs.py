@@ -1,0 +1,145 @@
+"""The inputs of a Hugging Face causal LM as tokenpatch reads them: token ids, attention mask and
+position ids checked and completed (``check_inputs``), the no-context inputs (``strip``), and the
+position checks a patch's forward needs (``check_positions``, ``position_limit``).
+
+``HFInputs`` is the middle of ``HFAdapter``: it adds these to the module map (``arch.hf_modules``);
+``arch.hf`` adds the two passes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tokenpatch.arch.hf_modules import HFModules
+from tokenpatch.errors import InputError
+from tokenpatch.plans import refuse_padded_queries
+
+__all__ = ["HFInputs"]
+
+
+class HFInputs(HFModules):
+    """Inputs: token ids ``[batch, pos]``, or a mapping with ``input_ids`` and optionally
+    ``attention_mask`` (what a tokenizer returns; padded batches) and ``position_ids``. Without
+    position ids they are counted from the attention mask (``cumsum - 1``), so a left-padded row
+    gets the positions it would have alone."""
+
+    def check_positions(self, model: nn.Module, patch: Any, args: tuple, kwargs: dict) -> None:
+        """Refuse a forward that leaves out ``position_ids`` (the model then counts them from 0 in each
+        sequence) where the patch's plan needs others: with absolute positions (a ``Family.position_table``,
+        GPT-2) any position but 0 of each sequence; with rotary ones, a kept sequence whose distances changed (a chunk
+        removed before a kept token; a token alone, or a kept run shifted as a whole, is the same at
+        any position). Given position ids are the caller's: with padding they are not the plan's
+        positions, so they are not compared. A patch without a plan or static has no positions."""
+        plan = patch.plan
+        if len(args) > 1:  # arguments by position: in the order of this model's own forward
+            kwargs = {**inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments, **kwargs}
+        # a cache's length starts the count: positions the adapter cannot see
+        given = any(kwargs.get(k) is not None for k in ("position_ids", "cache", "past_key_values"))
+        if plan is None or patch.static or given:
+            return
+        kept = list(plan.query if plan.mode == "alone" else plan.kept)
+        if self.family(model).position_table is not None:  # absolute positions: every id counts
+            wrong = any(p != (0 if plan.mode == "alone" else i) for i, p in enumerate(kept))
+        else:
+            wrong = plan.mode == "chunk" and any(b - a != 1 for a, b in zip(kept, kept[1:]))
+        if wrong:
+            what = f"its queries alone at positions {kept}" if plan.mode == "alone" else f"the kept positions {kept}"
+            raise InputError(
+                f"this patch was made for {what}, but no position_ids were given, so the model counts "
+                "from 0: pass position_ids= as tp.strip_context gives them (**tp.strip_context(model, inputs))"
+            )
+
+    def position_limit(self, model: nn.Module) -> int | None:
+        fam = self.family(model)
+        table = fam.position_table
+        return model.base_model.get_submodule(table).num_embeddings - fam.position_offset if table else None
+
+    # ------------------------------------------------------------------------- inputs
+    def check_inputs(self, model: nn.Module, inputs: Any) -> dict:
+        """``{"input_ids" [B, T], "attention_mask" [B, T] or None, "position_ids" [B, T]}``."""
+        self.check_model(model)  # a causal LM in eval mode whose layers have their own modules
+        if isinstance(inputs, Tensor):
+            inputs = {"input_ids": inputs}
+        if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
+            raise InputError(
+                f"inputs must be token ids [batch, pos] or a mapping with 'input_ids' (a tokenizer's "
+                f"output), got {type(inputs).__name__}"
+            )
+        ids = inputs["input_ids"]
+        if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(
+                f"input_ids must be an integer tensor [batch, pos], got "
+                f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}"
+                f"{' ' + str(ids.dtype) if isinstance(ids, Tensor) else ''}"
+            )
+        if not ids.numel():
+            raise InputError(f"input_ids are empty (shape {tuple(ids.shape)}): pass at least one row of one token")
+        vocab = model.get_input_embeddings().num_embeddings
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InputError(
+                f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got [{int(ids.min())}, {int(ids.max())}]"
+            )
+        device = model.get_input_embeddings().weight.device
+        mask = inputs.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, Tensor) or mask.shape != ids.shape:
+                got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+                raise InputError(
+                    f"attention_mask must be a tensor of the shape of input_ids {tuple(ids.shape)}, got {got}"
+                )
+            if bool(((mask != 0) & (mask != 1)).any()):  # before any cast: 0.5 is not a token
+                raise InputError("attention_mask must hold 0 (padding) and 1 (token) only")
+            mask = None if mask.all() else mask.to(device=device, dtype=torch.long)
+        pos = inputs.get("position_ids")
+        if pos is None:
+            pos = (
+                (mask.cumsum(-1) - 1).clamp_min(0)
+                if mask is not None
+                else torch.arange(ids.shape[1], device=device).expand(ids.shape)
+            )
+        elif not isinstance(pos, Tensor) or pos.shape != ids.shape or pos.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"position_ids must be an integer tensor of the shape of input_ids {tuple(ids.shape)}")
+        if int(pos.min()) < 0:
+            raise InputError(f"position_ids must be >= 0, got {int(pos.min())}")
+        size = self.position_limit(model)  # learned absolute positions (GPT-2) end somewhere
+        if size is not None and int(pos.max()) >= size:
+            raise InputError(
+                f"position id {int(pos.max())} is past the model's learned position table "
+                f"({self.family(model).position_table}, {size} positions): pass at most {size} tokens per row"
+            )
+        return {"input_ids": ids.to(device), "attention_mask": mask, "position_ids": pos.to(device)}
+
+    def padding(self, inputs: dict) -> Tensor | None:
+        mask = inputs["attention_mask"]
+        return None if mask is None else mask == 0
+
+    def seq_len(self, inputs: dict) -> int:
+        return inputs["input_ids"].shape[1]
+
+    def batch_size(self, inputs: dict) -> int:
+        return inputs["input_ids"].shape[0]
+
+    def strip(self, inputs: dict, positions: Tensor, separate: bool) -> dict:
+        """The keyword arguments of the no-context forward, every token at its original position id:
+        each of ``positions`` alone (``separate``: ``input_ids``, ``position_ids`` ``[B*K, 1]``), or the
+        kept tokens ``positions`` as one sequence per row (``[B, K]``, with the attention mask if padded)."""
+        mask = inputs["attention_mask"]
+        if not separate:
+            ids = inputs["input_ids"][:, positions]
+            # an explicit mask, even of ones: without one, transformers reads a jump in the position ids
+            # (the removed chunk) as the start of another packed sequence and masks what came before
+            return {
+                "input_ids": ids,
+                "position_ids": inputs["position_ids"][:, positions],
+                "attention_mask": torch.ones_like(ids) if mask is None else mask[:, positions],
+            }
+        refuse_padded_queries(self.padding(inputs), positions.tolist())
+        return {
+            "input_ids": inputs["input_ids"][:, positions].reshape(-1, 1),
+            "position_ids": inputs["position_ids"][:, positions].reshape(-1, 1),
+        }
