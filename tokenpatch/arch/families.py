@@ -73,13 +73,12 @@ class Family:
 
     ``layers``: the decoder layers' ``ModuleList`` under the base model (a dotted path). ``when``:
     which configs of the ``model_types`` have this design (the first record whose ``when`` holds is
-    the model's: Falcon, StableLM and OPT have several). ``mlp_norm``: the norm whose output is the
+    the model's: Falcon and StableLM have several). ``mlp_norm``: the norm whose output is the
     MLP input ``s``; in a sequential block its input is ``m``; ``None``: the MLP reads the residual
-    stream itself (norms after the sublayers: OLMo 2, OPT-350m), ``s = m``. ``attn``: the attention
+    stream itself (norms after the sublayers: OLMo 2/3, EXAONE 4), ``s = m``. ``attn``: the attention
     module; a parallel block's ``m`` is the layer input plus its output. ``inputs``: the parameters
     reading ``s`` (changed together through the input change of ``mlp``). ``mlp``: the module whose
-    input is ``s`` (the MLP, or its first matrix where the layer has no MLP module: OPT);
-    ``mlp_out``: the module whose output is the MLP's contribution, if not ``mlp``. ``down``: the
+    input is ``s`` and whose output is the MLP's contribution. ``down``: the
     MLP output matrix (its input is ``hidden``). ``out_norm``: a norm between the MLP and the
     residual add (Gemma 2/3, OLMo 2/3, EXAONE 4), patched in its scale. ``down_gate``: a module whose sigmoid
     scales ``down``'s output (a shared expert's gate). ``out_scale``: a constant the block multiplies
@@ -91,8 +90,8 @@ class Family:
     matrix, whose input is the heads' outputs side by side (per-head baselines read and patch it).
     ``attn_out``: the module whose output is the attention's contribution to the residual stream,
     if not ``attn`` (a norm after it: Gemma 2/3, OLMo 2). ``position_table``: the learned position
-    embedding under the base model (GPT-2's ``wpe``), whose size less ``position_offset`` (OPT
-    keeps 2 rows before position 0) bounds the position ids; ``None`` for rotary positions.
+    embedding under the base model (GPT-2's ``wpe``), whose size bounds the position ids; ``None``
+    for rotary positions.
     """
 
     name: str
@@ -112,9 +111,7 @@ class Family:
     attn_out: str | None = None
     position_table: str | None = None
     when: Callable[[Any], bool] = field(default=lambda config: True)
-    mlp_out: str | None = None
     out_scale: Callable[[Any], float] | None = None
-    position_offset: int = 0
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)

@@ -55,9 +55,8 @@ class HFInputs(HFModules):
             )
 
     def position_limit(self, model: nn.Module) -> int | None:
-        fam = self.family(model)
-        table = fam.position_table
-        return model.base_model.get_submodule(table).num_embeddings - fam.position_offset if table else None
+        table = self.family(model).position_table
+        return model.base_model.get_submodule(table).num_embeddings if table else None
 
     # ------------------------------------------------------------------------- inputs
     def check_inputs(self, model: nn.Module, inputs: Any) -> dict:

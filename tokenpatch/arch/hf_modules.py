@@ -95,7 +95,7 @@ class HFModules(Adapter):
         owner: dict[int, int] = {}
         for i, layer in enumerate(self.layers(model)):
             fam = self._layer_family(model, i)
-            names = (fam.mlp, fam.mlp_out, fam.mlp_norm, fam.attn, fam.down, fam.out_norm, fam.down_gate)
+            names = (fam.mlp, fam.mlp_norm, fam.attn, fam.down, fam.out_norm, fam.down_gate)
             for name, module in [("the layer", layer), *((n, layer.get_submodule(n)) for n in names if n)]:
                 j = owner.setdefault(id(module), i)
                 if j != i:
@@ -139,7 +139,7 @@ class HFModules(Adapter):
 
     def mlp_outputs(self, model: nn.Module) -> list[nn.Module]:
         return [
-            layer.get_submodule(fam.out_norm or fam.mlp_out or fam.mlp)
+            layer.get_submodule(fam.out_norm or fam.mlp)
             for fam, layer in ((self._layer_family(model, i), layer) for i, layer in enumerate(self.layers(model)))
         ]
 
