@@ -24,7 +24,7 @@ read and where the output side goes; that is the ``Family`` record. The five for
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["Family", "FAMILIES", "CONFIG_IGNORED"]
@@ -115,46 +115,58 @@ class Family:
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
-FAMILIES: list[Family] = [
-    Family(
+_GATED = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+# Llama's block; the other designs below are written as what differs from it (or from Falcon's).
+_LLAMA = Family(
+    "llama",
+    (
         "llama",
-        (
-            "llama",
-            "mistral",
-            "qwen2",
-            "qwen3",
-            "gemma",
-            "bitnet",
-            "cwm",
-            "diffllama",
-            "ernie4_5",
-            "exaone",
-            "helium",
-            "hunyuan_v1_dense",
-            "internlm3",
-            "iquestcoder",
-            "ministral",
-            "ministral3",
-            "seed_oss",
-            "smollm3",
-        ),
-        "layers",
-        "post_attention_layernorm",
-        "self_attn",
-        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "mlp.down_proj",
-        lone_zero=_QK,
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "bitnet",
+        "cwm",
+        "diffllama",
+        "ernie4_5",
+        "exaone",
+        "helium",
+        "hunyuan_v1_dense",
+        "internlm3",
+        "iquestcoder",
+        "ministral",
+        "ministral3",
+        "seed_oss",
+        "smollm3",
     ),
-    Family(
-        "gemma2",
-        ("gemma2", "gemma3_text"),
-        "layers",
-        "pre_feedforward_layernorm",
-        "self_attn",
-        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "mlp.down_proj",
+    "layers",
+    "post_attention_layernorm",
+    "self_attn",
+    _GATED,
+    "mlp.down_proj",
+    lone_zero=_QK,
+)
+_FALCON = Family(  # sequential (parallel_attn=False); its query, key and value are one fused matrix
+    "falcon",
+    ("falcon",),
+    "h",
+    "post_attention_layernorm",
+    "self_attention",
+    ("mlp.dense_h_to_4h.weight",),
+    "mlp.dense_4h_to_h",
+    o_proj="self_attention.dense",
+    when=lambda c: not c.parallel_attn and not c.new_decoder_architecture,
+)
+_PARALLEL = dict(mlp_norm="input_layernorm", parallel=lambda config: True)  # attention and MLP read one norm
+FAMILIES: list[Family] = [
+    _LLAMA,
+    # Gemma 2/3: a norm after the attention and after the MLP (patched in its scale), another before it
+    replace(
+        _LLAMA,
+        name="gemma2",
+        model_types=("gemma2", "gemma3_text"),
+        mlp_norm="pre_feedforward_layernorm",
         out_norm="post_feedforward_layernorm",
-        lone_zero=_QK,
         attn_out="post_attention_layernorm",
     ),
     Family(
@@ -183,75 +195,38 @@ FAMILIES: list[Family] = [
     # a fused gate_up_proj (Phi-3; the input change covers it), norms without parameters (OLMo),
     # LayerNorm with biases (StableLM), biases and a plain MLP (StarCoder 2); and Granite, whose
     # residual_multiplier scales each sublayer's output: the output shift is divided by it.
-    Family(
-        "phi3",
-        ("phi3", "glm"),
-        "layers",
-        "post_attention_layernorm",
-        "self_attn",
-        ("mlp.gate_up_proj.weight",),
-        "mlp.down_proj",
-    ),
-    Family(
-        "olmo",
-        ("olmo", "stablelm"),
-        "layers",
-        "post_attention_layernorm",
-        "self_attn",
-        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "mlp.down_proj",
-        lone_zero=_QK,
+    replace(_LLAMA, name="phi3", model_types=("phi3", "glm"), inputs=("mlp.gate_up_proj.weight",), lone_zero=()),
+    replace(
+        _LLAMA,
+        name="olmo",
+        model_types=("olmo", "stablelm"),
         when=lambda config: not getattr(config, "use_parallel_residual", False),
     ),
-    Family(
-        "starcoder2",
-        ("starcoder2",),
-        "layers",
-        "post_attention_layernorm",
-        "self_attn",
-        ("mlp.c_fc.weight",),
-        "mlp.c_proj",
-        lone_zero=_QK,
+    replace(_LLAMA, name="starcoder2", model_types=("starcoder2",), inputs=("mlp.c_fc.weight",), down="mlp.c_proj"),
+    replace(
+        _LLAMA, name="granite", model_types=("granite",), out_scale=lambda config: float(config.residual_multiplier)
     ),
-    Family(
-        "granite",
-        ("granite",),
-        "layers",
-        "post_attention_layernorm",
-        "self_attn",
-        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "mlp.down_proj",
-        lone_zero=_QK,
-        out_scale=lambda config: float(config.residual_multiplier),
-    ),
-    # Norms after the sublayers (OLMo 2 and 3, EXAONE 4): the MLP reads the residual stream itself (s = m), and a
-    # norm between the MLP and the residual add is patched in its scale, as Gemma 2/3's.
-    Family(
-        "olmo2",
-        ("olmo2", "olmo3", "exaone4"),
-        "layers",
-        None,
-        "self_attn",
-        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "mlp.down_proj",
+    # Norms after the sublayers (OLMo 2 and 3, EXAONE 4): the MLP reads the residual stream itself
+    # (s = m), and a norm between the MLP and the residual add is patched in its scale, as Gemma 2/3's.
+    replace(
+        _LLAMA,
+        name="olmo2",
+        model_types=("olmo2", "olmo3", "exaone4"),
+        mlp_norm=None,
         out_norm="post_feedforward_layernorm",
-        lone_zero=_QK,
         attn_out="post_attention_layernorm",
     ),
     # Parallel blocks: attention and MLP both read the norm of the layer input (Phi, GPT-J, Cohere,
     # StableLM with use_parallel_residual, Falcon), so the MLP input is the same in both passes and
     # the whole attention difference goes to the output side, as in NeoX.
-    Family(
-        "phi",
-        ("phi",),
-        "layers",
-        "input_layernorm",
-        "self_attn",
-        ("mlp.fc1.weight",),
-        "mlp.fc2",
-        parallel=lambda config: True,
-        lone_zero=_QK,
+    replace(
+        _LLAMA,
+        name="phi",
+        model_types=("phi",),
+        inputs=("mlp.fc1.weight",),
+        down="mlp.fc2",
         o_proj="self_attn.dense",
+        **_PARALLEL,
     ),
     Family(
         "gptj",
@@ -265,66 +240,30 @@ FAMILIES: list[Family] = [
         lone_zero=("attn.q_proj", "attn.k_proj"),
         o_proj="attn.out_proj",
     ),
-    Family(
-        "cohere",
-        ("cohere", "cohere2"),
-        "layers",
-        "input_layernorm",
-        "self_attn",
-        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "mlp.down_proj",
-        parallel=lambda config: True,
-        lone_zero=_QK,
-    ),
-    Family(
-        "stablelm_parallel",
-        ("stablelm",),
-        "layers",
-        "input_layernorm",
-        "self_attn",
-        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "mlp.down_proj",
-        parallel=lambda config: True,
-        lone_zero=_QK,
+    replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2"), **_PARALLEL),
+    replace(
+        _LLAMA,
+        name="stablelm_parallel",
+        model_types=("stablelm",),
         when=lambda config: config.use_parallel_residual,
+        **_PARALLEL,
     ),
     # Falcon, three designs by config: a separate norm for the MLP (the new decoder architecture with
     # two norms), one norm for both (parallel attention), or the sequential block.
-    Family(
-        "falcon_ln_mlp",
-        ("falcon",),
-        "h",
-        "ln_mlp",
-        "self_attention",
-        ("mlp.dense_h_to_4h.weight",),
-        "mlp.dense_4h_to_h",
+    replace(
+        _FALCON,
+        name="falcon_ln_mlp",
+        mlp_norm="ln_mlp",
         parallel=lambda config: True,
-        o_proj="self_attention.dense",
         when=lambda c: c.new_decoder_architecture and c.parallel_attn and c.num_ln_in_parallel_attn in (None, 2),
     ),
-    Family(
-        "falcon_parallel",
-        ("falcon",),
-        "h",
-        "input_layernorm",
-        "self_attention",
-        ("mlp.dense_h_to_4h.weight",),
-        "mlp.dense_4h_to_h",
-        parallel=lambda config: True,
-        o_proj="self_attention.dense",
+    replace(
+        _FALCON,
+        name="falcon_parallel",
+        **_PARALLEL,
         when=lambda c: c.parallel_attn and (not c.new_decoder_architecture or c.num_ln_in_parallel_attn == 1),
     ),
-    Family(
-        "falcon",
-        ("falcon",),
-        "h",
-        "post_attention_layernorm",
-        "self_attention",
-        ("mlp.dense_h_to_4h.weight",),
-        "mlp.dense_4h_to_h",
-        o_proj="self_attention.dense",
-        when=lambda c: not c.parallel_attn and not c.new_decoder_architecture,
-    ),
+    _FALCON,
     # Mixture of experts with a shared expert: the router and every expert read the MLP input (one
     # input change patches them all, so the same experts are chosen with the same weights); the
     # output shift goes into the shared expert's down_proj, divided by its sigmoid gate. Layers with
