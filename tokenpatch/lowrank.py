@@ -17,7 +17,21 @@ from torch import Tensor
 
 from tokenpatch.errors import InputError
 
-__all__ = ["LowRank", "norm_of", "check_finite"]
+__all__ = ["LowRank", "norm_of", "check_finite", "matrix_shape", "as_parameter"]
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The matrix a parameter of ``shape`` is patched as: itself, or for stacked matrices ``[E, out, in]``
+    (a mixture of experts' output matrices, ``arch.experts``) the one matrix ``[out, E * in] = [D_1 ... D_E]``."""
+    return (shape[1], shape[0] * shape[2]) if len(shape) == 3 else tuple(shape)
+
+
+def as_parameter(dense: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """A patched matrix ``[*lead, *matrix_shape(shape)]`` laid out as its parameter ``[*lead, *shape]``."""
+    if len(shape) != 3:
+        return dense
+    n_experts, out, width = shape
+    return dense.unflatten(-1, (n_experts, width)).movedim(-2, -3)  # [*lead, out, E, in] -> [*lead, E, out, in]
 
 
 def _exponent(t: Tensor) -> Tensor:

@@ -5,8 +5,9 @@ A ``Patch`` holds one delta per patched parameter of a model, keyed by the name 
 (a rank-1 change ``s -> s + D s`` of what the module reads: the input side of a Hugging Face
 model's MLP, equal to ``W + W D`` on every matrix reading it). Every delta is batched over the same
 two leading dims ``[batch, query]`` -- one patch per (sequence, query position) -- and is either a
-``LowRank`` (``lowrank.py``) for a matrix, or a dense tensor ``[batch, query, *param.shape]`` for a
-vector (a bias or a norm scale).
+``LowRank`` (``lowrank.py``) for a matrix (stacked experts' output matrices ``[E, out, in]`` as the
+one matrix ``[out, E * in]``, ``lowrank.matrix_shape``), or a dense tensor ``[batch, query,
+*param.shape]`` for a vector (a bias or a norm scale).
 
 How the patch runs is its type, never its metadata. Fields, all carried by ``+``, ``.sum``,
 ``Patch.stack``, indexing, ``.map`` and the patch files:
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 
 from tokenpatch import files
 from tokenpatch.errors import InputError, caller_stacklevel
-from tokenpatch.lowrank import LowRank, check_finite, norm_of
+from tokenpatch.lowrank import LowRank, check_finite, matrix_shape, norm_of
 from tokenpatch.patch_fields import (
     BEHAVIOUR_KEYS,
     INPUT_SUFFIX,
@@ -386,6 +387,7 @@ class Patch(Mapping):
                 raise InputError(f"patch names {name!r}, which is not a parameter of {type(model).__name__}")
             shape = tuple(params[name].shape)
             got = d.shape if isinstance(d, LowRank) else tuple(d.shape[2:])
+            shape = matrix_shape(shape) if isinstance(d, LowRank) else shape  # stacked experts: one matrix
             if got != shape:
                 raise InputError(f"patch delta for {name} has shape {got}, the parameter is {shape}")
         want = self.meta.get("model", {}).get("fingerprint")

@@ -136,10 +136,11 @@ def layer_patch(
                 )
                 deltas[name] = _stored(down, layout)
                 deltas[norm_name] = dscale
-            else:
+            else:  # "matrix", or "experts": the stacked output matrices as one (arch.experts)
                 acts_on = "the MLP hidden state with context"
                 shift = solve.output_shift(m_c, m_0) / sites.output.scale
-                deltas[name] = _stored(solve.minimal_patch(shift, hidden_c), _math_weight(model, name)[1])
+                layout = "out_in" if kind == "experts" else _math_weight(model, name)[1]
+                deltas[name] = _stored(solve.minimal_patch(shift, hidden_c), layout)
     except ZeroAnchorError as exc:
         where = [(b, labels[q]) for b, q in exc.index]
         raise ZeroAnchorError(

@@ -20,9 +20,11 @@ from torch import Tensor, nn
 
 from tokenpatch import files, offload
 from tokenpatch.arch import ADAPTERS, weight_layout
+from tokenpatch.arch.experts import OUTPUT_MATRIX, scattered_hiddens, stacked_experts
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.norms import scale_norm
 from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.lowrank import as_parameter
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 
 __all__ = ["apply", "functional_call", "patched_run", "hooked", "DeltaHook"]
@@ -154,6 +156,11 @@ class DeltaHook:
         self._check(x)
         return self._added(out, x, self._change(module, x.shape[0]))
 
+    def after_experts(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        """Forward hook on stacked experts (``arch.experts``): the output matrices' delta, read as the one
+        matrix ``[D_1 ... D_E]`` on the chosen experts' weighted hidden states ``z`` (recomputed here)."""
+        return self.after(module, (scattered_hiddens(module, *args[:3]),), out)
+
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         """Forward pre-hook: the input change ``x -> x + D x``."""
         x = args[0] if args else kwargs["hidden_states"]
@@ -179,6 +186,10 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
     pairs = []  # (register, hook): every delta checked before any hook goes on
     for module_name, deltas in by_module.items():
         module = model.get_submodule(module_name)
+        if set(deltas) == {OUTPUT_MATRIX} and stacked_experts(module, module_name):
+            hook = DeltaHook(module_name, patch, broadcast, any_length, weight=deltas[OUTPUT_MATRIX])
+            pairs.append((module.register_forward_hook, hook.after_experts))
+            continue
         if (
             set(deltas) - {"weight", "bias"}
             or isinstance(deltas.get("bias"), LowRank)
@@ -186,8 +197,8 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
         ):
             raise UnsupportedModelError(
                 f"cannot apply deltas {sorted(deltas)} to {module_name} ({type(module).__name__}): "
-                "functional_call supports low-rank weight and dense bias deltas of linear layers, and dense "
-                "scale deltas of known norms"
+                "functional_call supports low-rank weight and dense bias deltas of linear layers, dense "
+                "scale deltas of known norms, and low-rank deltas of stacked experts' output matrices"
             )
         weight = deltas.get("weight")
         if isinstance(weight, Tensor):  # a norm's scale
@@ -292,7 +303,7 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
                     continue
                 p = params[name]
                 saved.setdefault(name, p.detach().clone())
-                dense = delta.dense()[0, 0] if isinstance(delta, LowRank) else delta[0, 0]
+                dense = as_parameter(delta.dense()[0, 0], p.shape) if isinstance(delta, LowRank) else delta[0, 0]
                 p.add_(dense.to(device=p.device, dtype=p.dtype))
         yield model
     finally:

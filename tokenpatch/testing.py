@@ -68,6 +68,14 @@ TINY_HF: dict[str, tuple[str, dict]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # mixture of experts without a shared expert (the output shift split over the chosen experts)
+    "mixtral": ("MixtralConfig", dict(_KV, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (  # layer 1 a plain MLP; the routing weights not renormalised
+        "Qwen3MoeConfig",
+        dict(_KV, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]),
+    ),
+    "olmoe": ("OlmoeConfig", dict(_KV, num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
+    "phimoe": ("PhimoeConfig", dict(_KV, num_local_experts=4, num_experts_per_tok=2)),
     "phi3": ("Phi3Config", dict(_KV, pad_token_id=0)),  # fused qkv and gate_up
     "olmo": ("OlmoConfig", dict(_KV, pad_token_id=0)),  # norms without parameters
     "stablelm": ("StableLmConfig", dict(_KV, qk_layernorm=True)),
@@ -105,6 +113,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
 }
 EAGER_ONLY = ("gemma2",)  # transformers has no sdpa path for Gemma 2
+MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "phimoe")  # run with transformers' eager experts
 
 
 def tiny_hf_config(name: str):
@@ -120,7 +129,7 @@ def tiny_hf_model(name: str, seed: int = 0, attn: str | None = None) -> nn.Modul
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
     attn = attn or ("eager" if name in EAGER_ONLY else "sdpa")
-    extra = {"experts_implementation": "eager"} if "moe" in name else {}  # float64 experts on CPU
+    extra = {"experts_implementation": "eager"} if name in MOE else {}  # float64 experts on CPU
     model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(name), attn_implementation=attn, **extra)
     with torch.no_grad():
         for p in model.parameters():

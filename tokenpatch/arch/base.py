@@ -47,7 +47,7 @@ from tokenpatch.errors import UnsupportedModelError
 
 __all__ = ["OutputSite", "OUTPUT_KINDS", "Sites", "Adapter", "WEIGHT_LAYOUTS", "weight_layout"]
 
-OUTPUT_KINDS = ("bias", "matrix", "matrix+scale", "gated")
+OUTPUT_KINDS = ("bias", "matrix", "matrix+scale", "gated", "experts")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,10 @@ class OutputSite:
     * ``"matrix+scale"``: a rank-1 patch of the output matrix ``name`` plus a dense delta of the scale
       ``norm`` of the post-MLP norm (Gemma 2/3, ``solve.output_patch_scaled``);
     * ``"gated"``: a rank-1 patch of the output matrix ``name`` whose output is scaled by a sigmoid gate
-      (a shared expert), the shift divided by the gate.
+      (a shared expert), the shift divided by the gate;
+    * ``"experts"``: the stacked output matrices ``name`` ``[E, out, in]`` of a mixture of experts, read
+      as the one matrix ``[D_1 ... D_E]`` on the chosen experts' weighted hidden states
+      (``arch.experts``): the rank-1 ``(m_C - m_0) z_C^T / |z_C|^2``, split over the chosen experts.
 
     ``scale``: a constant the block multiplies the MLP output by before the residual add (Granite's
     ``residual_multiplier``); the shift each kind absorbs is ``(m_C - m_0) / scale``.
@@ -68,7 +71,7 @@ class OutputSite:
     ``(kind, name)`` or ``(kind, name, norm)`` of earlier versions; read the fields instead.
     """
 
-    kind: Literal["bias", "matrix", "matrix+scale", "gated"]
+    kind: Literal["bias", "matrix", "matrix+scale", "gated", "experts"]
     name: str
     norm: str | None = None
     scale: float = 1.0
@@ -130,6 +133,8 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     # mixture-of-experts routers: a weight [experts, d] applied with F.linear
     "Qwen2MoeTopKRouter": "out_in",
     "MixtralTopKRouter": "out_in",
+    "Qwen3MoeTopKRouter": "out_in",
+    "OlmoeTopKRouter": "out_in",
 }
 
 

@@ -16,9 +16,11 @@ read and where the output side goes; that is the ``Family`` record. The five for
 * parallel (``gpt_neox`` by default, ``phi``, ``gptj``, ``cohere``, ``stablelm_parallel``, Falcon's
   ``falcon_parallel`` and ``falcon_ln_mlp``): the MLP reads a norm of the layer input, the same in both
   passes, so there is no input change; the whole attention difference is the output shift;
-* mixture of experts with a shared expert (``qwen2_moe``): the router and every expert read the
-  input change (the same experts are chosen); the output shift goes into the shared expert's
-  ``down_proj``, divided by its sigmoid gate.
+* mixture of experts (``qwen2_moe``, with a shared expert; ``mixtral``, ``qwen3_moe``, ``olmoe``,
+  ``phimoe``, without): the router and every expert read the input change (the same experts are
+  chosen, with the same weights); the output shift goes into the shared expert's ``down_proj``,
+  divided by its sigmoid gate, or, without one, into the chosen experts' ``down_proj``, split in
+  proportion to their routing weights (``arch.experts``).
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class Family:
     position_table: str | None = None
     when: Callable[[Any], bool] = field(default=lambda config: True)
     out_scale: Callable[[Any], float] | None = None
+    experts: bool = False
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
@@ -156,6 +159,18 @@ _FALCON = Family(  # sequential (parallel_attn=False); its query, key and value 
     "mlp.dense_4h_to_h",
     o_proj="self_attention.dense",
     when=lambda c: not c.parallel_attn and not c.new_decoder_architecture,
+)
+# Mixture of experts without a shared expert: the output shift is split over the chosen experts'
+# stacked down_proj in proportion to their routing weights (arch.experts); layers with a plain MLP
+# (Qwen3-MoE's mlp_only_layers) are patched as Llama's. PhiMoE names its router ``router``.
+_MIXTRAL = replace(
+    _LLAMA,
+    name="mixtral",
+    model_types=("mixtral", "qwen3_moe", "olmoe"),
+    inputs=("mlp.gate.weight", "mlp.experts.gate_up_proj"),
+    down="mlp.experts",
+    experts=True,
+    dense="llama",
 )
 _PARALLEL = dict(mlp_norm="input_layernorm", parallel=lambda config: True)  # attention and MLP read one norm
 FAMILIES: list[Family] = [
@@ -286,4 +301,6 @@ FAMILIES: list[Family] = [
         dense="llama",
         lone_zero=_QK,
     ),
+    _MIXTRAL,
+    replace(_MIXTRAL, name="phimoe", model_types=("phimoe",), inputs=("mlp.router.weight", "mlp.experts.gate_up_proj")),
 ]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch.arch.experts import scattered_hiddens
 from tokenpatch.arch.families import CONFIG_IGNORED, Family
 from tokenpatch.arch.hf_inputs import HFInputs
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
@@ -134,6 +135,16 @@ class HFAdapter(HFInputs):
 
             return hook
 
+        def experts_hidden(i):
+            def hook(module, args):  # experts(x [B*T, d], index [B*T, K], weights [B*T, K])
+                x, index, weights = (
+                    t.view(*shape, -1) if every else t.view(*shape, -1)[:, query.to(t.device)] for t in args[:3]
+                )
+                z = scattered_hiddens(module, x.flatten(0, 1), index.flatten(0, 1), weights.flatten(0, 1))
+                rec[i]["hidden"] = z.view(*x.shape[:2], -1)  # [B, Q, E * I]
+
+            return hook
+
         pairs, s_is_m = [], []  # s_is_m: layers whose MLP reads the residual stream itself
         for i in range(len(rec)):
             site = self._sites_of(model, i)
@@ -144,7 +155,10 @@ class HFAdapter(HFInputs):
             pairs.append((site["layer"].register_forward_hook, grab(i, "out", False)))
             if "mlp_norm" in site:
                 pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
-            pairs.append((site["down"].register_forward_pre_hook, grab(i, "hidden", True)))
+            if self._layer_family(model, i).experts:  # the chosen experts' weighted hidden states z
+                pairs.append((site["down"].register_forward_pre_hook, experts_hidden(i)))
+            else:
+                pairs.append((site["down"].register_forward_pre_hook, grab(i, "hidden", True)))
             if "down_gate" in site:
                 pairs.append((site["down_gate"].register_forward_hook, grab(i, "gate", False)))
             if self._layer_family(model, i).out_norm is not None:  # the MLP output before its norm

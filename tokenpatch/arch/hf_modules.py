@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch.base import Adapter, OutputSite, Sites
+from tokenpatch.arch.experts import OUTPUT_MATRIX, stacked_experts
 from tokenpatch.arch.families import FAMILIES, Family
 from tokenpatch.arch.float64 import linear64, norm64
 from tokenpatch.errors import InputError, UnsupportedModelError
@@ -114,7 +115,14 @@ class HFModules(Adapter):
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
         down = self._sites_of(model, i)["down"]
         scale = 1.0 if fam.out_scale is None else fam.out_scale(model.config)
-        if fam.down_gate is not None:
+        if fam.experts:
+            if not stacked_experts(down, f"{p}{fam.down}"):
+                raise UnsupportedModelError(
+                    f"{p}{fam.down} ({type(down).__name__}) is not a stacked-experts module of transformers "
+                    "(use_experts_implementation): its output matrices are unknown"
+                )
+            output = OutputSite("experts", f"{p}{fam.down}.{OUTPUT_MATRIX}", scale=scale)
+        elif fam.down_gate is not None:
             output = OutputSite("gated", f"{p}{fam.down}.weight", scale=scale)
         elif fam.out_norm is not None:
             output = OutputSite("matrix+scale", f"{p}{fam.down}.weight", f"{p}{fam.out_norm}.weight", scale=scale)

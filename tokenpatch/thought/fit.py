@@ -146,20 +146,21 @@ def static_patch(deltas: dict[str, Delta], meta: dict, readers=None) -> Patch:
 def solve_output(
     pairs,
     i: int,
-    module: nn.Module,
-    name: str,
+    model: nn.Module,
+    matrix: str,
+    bias: str | None,
     output: str,
-    affine: bool,
     deltas: dict,
     ridge: float | str,
     distributed: bool,
     solver: str,
 ) -> dict:
     """The output side's least squares on ``(hidden [N, d_hidden], target [N, d])`` pairs: the output
-    matrix (``output="affine"``; ``"vector"`` fits no matrix, so the features are empty) and, where the
-    site has a bias (``affine``), the intercept as a last feature of ones, into ``deltas``; returns
-    diagnostics."""
-    module_name = name.rpartition(".")[0]
+    matrix ``matrix`` (a parameter name; ``output="affine"``; ``"vector"`` fits no matrix, so the
+    features are empty) and, where the site has a ``bias``, the intercept as a last feature of ones,
+    into ``deltas``; returns diagnostics. Stacked experts' output matrices ``[E, out, in]`` are fitted
+    as the one matrix ``[out, E * in]`` on the scattered hidden states (``arch.experts``)."""
+    affine = bias is not None
 
     def design():
         for x, t in pairs:
@@ -170,12 +171,13 @@ def solve_output(
     a, rank, cond, lam, parts = solve(acc, ridge, affine, f"layer {i} output side")
     if output == "affine":
         dw = a[:, :-1] if affine else a  # [d, d_hidden]  math layout
-        layout = weight_layout(module, name)
+        w = model.get_parameter(matrix)
+        layout = weight_layout(model.get_submodule(matrix.rpartition(".")[0]), matrix) if w.ndim == 2 else "out_in"
         if parts is not None and layout != "out_in":
             parts = (parts[1].T, parts[0].T)
-        deltas[f"{module_name}.weight"] = factor(dw if layout == "out_in" else dw.T, parts).to(module.weight.dtype)
+        deltas[matrix] = factor(dw if layout == "out_in" else dw.T, parts).to(w.dtype)
     if affine:
-        deltas[name] = a[:, -1][None, None].to(module.bias.dtype)  # [1, 1, d]
+        deltas[bias] = a[:, -1][None, None].to(model.get_parameter(bias).dtype)  # [1, 1, d]
     return {
         "n": acc.n,
         "output_residual": residual(acc, a, lam, affine),

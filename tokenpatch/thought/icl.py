@@ -218,4 +218,5 @@ def _fit_output(
             t = ((m_c + module(hidden_c)) - (m_0 + module(hidden_0))).flatten(0, -2)  # [N, d]  what is missing
             yield hidden_0.flatten(0, -2), t
 
-    return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
+    bias = name if affine else None
+    return solve_output(pairs(), i, model, f"{module_name}.weight", bias, output, deltas, ridge, distributed, solver)

@@ -39,7 +39,6 @@ def fit_output(
 ) -> dict:
     """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``."""
     kind, name = site.kind, site.name
-    module = model.get_submodule(name.rpartition(".")[0])
     affine = kind == "bias"  # "matrix" and "gated" sites have no bias: a linear fit
     if output == "vector" and not affine:
         raise InputError(f"layer {i}: {name.rpartition('.')[0]} has no bias for a thought vector; use output='affine'")
@@ -57,7 +56,8 @@ def fit_output(
             t = t / site.scale  # the block multiplies the MLP output by it (Granite)
             yield r0["hidden"][v], t
 
-    return solve_output(pairs(), i, module, name, output, affine, deltas, ridge, distributed, solver)
+    matrix = name if kind == "experts" else f"{name.rpartition('.')[0]}.weight"  # stacked experts: the tensor itself
+    return solve_output(pairs(), i, model, matrix, name if affine else None, output, deltas, ridge, distributed, solver)
 
 
 STREAM_KEYS = ("m", "hidden", "gate")  # what next_streams reads of the output side's pass
@@ -72,6 +72,9 @@ def next_streams(model: nn.Module, site: OutputSite, mine: dict[str, Delta], kep
     ``OutputSite.scale``), or
     with a norm after the MLP (Gemma 2/3) ``out = m + norm'(W' h')``, primes marking the patched
     module. The fit already assumes this form (``out = m + MLP output``)."""
+    if site.kind == "experts":  # the stacked output matrices read as one on the recorded z (arch.experts)
+        change = [mine[site.name].index((0, 0)).matvec(rec["hidden"].to(mine[site.name].dtype)) for rec, _ in kept]
+        return [out + (c * site.scale).to(out.dtype) for (_, out), c in zip(kept, change)]
     module = site.name.rpartition(".")[0]  # the output matrix's module (``name``: its weight, or its bias)
     down = model.get_submodule(module)
     norm = model.get_submodule(site.norm.rpartition(".")[0]) if site.kind == "matrix+scale" else None
