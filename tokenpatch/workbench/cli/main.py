@@ -269,6 +269,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint", default=None, help="model file (default: the shipped checkpoint)")
     r.add_argument("--tasks", type=count(1), default=256, help="fresh tasks for the equivalence section")
     r.add_argument("--seed", type=int, default=2026, help="seed of the fresh tasks")
+    r.add_argument(
+        "--full",
+        action="store_true",
+        help="train the Markov sweep and the small LM here (default: read the runs shipped with tokenpatch)",
+    )
     common(r)
     return parser
 
@@ -288,7 +293,12 @@ def _reproduce(args) -> int:
     from tokenpatch.workbench.report.reproduce import reproduce
 
     path = reproduce(
-        Path(args.out), checkpoint=args.checkpoint, n_tasks=args.tasks, seed=args.seed, progress=not args.quiet
+        Path(args.out),
+        checkpoint=args.checkpoint,
+        n_tasks=args.tasks,
+        seed=args.seed,
+        progress=not args.quiet,
+        full=args.full,
     )
     print(f"report: {path}")
     return 0

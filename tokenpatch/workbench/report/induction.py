@@ -25,6 +25,7 @@ from tokenpatch.tasks.repeats import BOS, LMData
 from tokenpatch.workbench.report.induction_page import markdown, write
 from tokenpatch.workbench.report.section import Section
 from tokenpatch.workbench.train.lm import LMTrain, train_lm
+from tokenpatch.workbench.train.shipped import place_shipped
 from tokenpatch.workbench.zoo import pretrained
 
 __all__ = ["run_model", "run_lm", "patch_study", "bos_and_pool", "induction_section"]
@@ -253,21 +254,32 @@ def run_lm(
 
 
 def induction_section(
-    out: Path, data=None, cfg=None, shape: dict | None = None, options: dict | None = None, progress: bool | None = None
+    out: Path,
+    data=None,
+    cfg=None,
+    shape: dict | None = None,
+    options: dict | None = None,
+    progress: bool | None = None,
+    shipped: bool = True,
 ):
     """The report ``Section``: train the small LM of ``tokenpatch.models.lm`` (default: its default recipe;
     ``data``, ``cfg``, ``shape`` as ``train_lm``'s) at ``out/small-lm.safetensors``, so a second
-    call reads it back, and run ``run_lm`` on it (``options``: more of its arguments)."""
+    call reads it back, and run ``run_lm`` on it (``options``: more of its arguments). ``shipped``: with
+    the default recipe, start from the LM shipped with tokenpatch (``train.shipped``, trained by that
+    recipe: read back, not trained again); ``False`` trains it."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     path = out / "small-lm.safetensors"
+    placed = shipped and data is None and cfg is None and not shape and place_shipped("small-lm", path)
     train_lm(path, data or LMData(), cfg or LMTrain(), **(shape or {}), progress=progress)
     result = run_lm(path, progress=progress, **(options or {}))
     result["seconds"] = time.perf_counter() - t0  # training included
     write(result, out)
+    how = "shipped with tokenpatch (`reproduce --full` trains it here)" if placed else "trained here"
+    result["shipped"] = bool(placed)
     body = (
-        f"The small LM of `tokenpatch.models.lm` ({result['describe']}; default recipe), trained here, then "
+        f"The small LM of `tokenpatch.models.lm` ({result['describe']}; default recipe), {how}, then "
         "`tokenpatch induction report --model small-lm.safetensors`. Real models: "
         "`tokenpatch induction report --model smollm2-135m` (docs/induction.md).\n\n"
         + markdown(result, f"induction-{result['model']}.png").split("\n", 2)[2]

@@ -31,6 +31,7 @@ from tokenpatch.tasks.markov import STREAMS, MarkovTask
 from tokenpatch.workbench.report.markov_figures import curves_figure, phase_figure, tau_figure
 from tokenpatch.workbench.report.section import Section
 from tokenpatch.workbench.train.markov import MarkovTrain, load_run
+from tokenpatch.workbench.train.shipped import place_shipped
 from tokenpatch.workbench.train.sweep import k_star, sweep_chains, sweep_lengths, transition_step
 
 __all__ = ["FULL", "REDUCED", "markov_section", "probe_run"]
@@ -103,13 +104,22 @@ def markov_section(
     workers: int = 2,
     progress: bool | None = None,
     runs_dir: Path | None = None,
+    shipped: bool = True,
 ):
     """Run the sweeps of ``preset`` (runs kept under ``runs_dir``, default ``out/markov-runs``,
-    so a second call reads them back) and return the report ``Section``."""
+    so a second call reads them back) and return the report ``Section``. ``shipped``: with the
+    ``REDUCED`` preset and the default task and model, start from the runs shipped with tokenpatch
+    (``train.shipped``: read back, not trained again); ``False`` trains them."""
     t0 = time.perf_counter()
     out = Path(out)
     runs_dir = Path(runs_dir or out / "markov-runs")
     cfg = MarkovTrain(steps=preset["steps"])
+    placed = []
+    if shipped and preset == REDUCED and task == MarkovTask() and shape == MarkovModel():
+        for k in preset["chains"]:
+            run = f"K{k:05d}-s{preset['seeds'][0]}"
+            if place_shipped(f"markov-{run}", runs_dir / "chains" / run / "model.safetensors"):
+                placed.append(k)
     summary = sweep_chains(runs_dir / "chains", preset["chains"], preset["seeds"], task, shape, cfg, workers, progress)
     stars = k_star(summary)
     lengths = None
@@ -154,6 +164,7 @@ def markov_section(
         "train": cfg.to_dict(),
         "preset": {k: list(v) if isinstance(v, tuple) else v for k, v in preset.items()},
         "k_star": stars,
+        "shipped_runs": placed,
         "probes": probes,
         "seconds": time.perf_counter() - t0,
         "final": [
@@ -225,6 +236,14 @@ def _markdown(data: dict, figs: list[str], hist: dict, refs: dict, show: dict) -
         f"{m['n_layers']}-layer transformer, d_model {m['d_model']}, {m['n_heads']} head(s), learned positions; "
         f"AdamW lr {c['lr']}, batch {c['batch_size']}, {c['steps']} steps. Labels: least `KL(predictor || model)` "
         "on 256 sequences from the training chains (U uniform, G1/G2 1-/2-gen, M1/M2 1-/2-mem; `A/B`: within 0.01 nats).",
+        *(
+            [
+                f"The runs K = {', '.join(map(str, data['shipped_runs']))} were trained by this recipe and shipped "
+                "with tokenpatch (read back here; `tokenpatch reproduce --full` trains them)."
+            ]
+            if data.get("shipped_runs")
+            else []
+        ),
         "",
         f"![training curves]({figs[0]})",
         "",

@@ -185,7 +185,7 @@ SECTIONS = (
 CHECKPOINT_SECTIONS = ("equivalence", "model")
 
 
-def _default_builders(model, n_tasks: int, seed: int) -> dict:
+def _default_builders(model, n_tasks: int, seed: int, full: bool = False) -> dict:
     return {
         "equivalence": lambda out, progress: equivalence_section(
             model, out, n_tasks=n_tasks, seed=seed, progress=progress
@@ -197,8 +197,9 @@ def _default_builders(model, n_tasks: int, seed: int) -> dict:
         "thought": thought_section,
         "real_models": real_models_section,  # a one-line note without the models
         "prompt_compression": compression_section,  # likewise
-        "markov": markov_section,  # the reduced sweep (markov.REDUCED)
-        "induction": induction_section,  # the small LM, trained here
+        # the reduced sweep (markov.REDUCED) and the small LM: shipped trained, or trained here (full)
+        "markov": functools.partial(markov_section, shipped=False) if full else markov_section,
+        "induction": functools.partial(induction_section, shipped=False) if full else induction_section,
     }
 
 
@@ -209,6 +210,7 @@ def reproduce(
     seed: int = 2026,
     progress: bool | None = None,
     sections=None,
+    full: bool = False,
 ) -> Path:
     """Run the report's sections on the shipped (or given) checkpoint; write ``report.md``,
     the PNG figures and ``results.json`` (the numbers of every figure and table) to ``out``.
@@ -216,7 +218,8 @@ def reproduce(
     ``sections``: which sections run, in report order (``SECTIONS``): ``None`` for all of them (only
     ``equivalence`` and ``model`` with a ``checkpoint``); a list of keys; or a dict ``key ->
     function(out, progress=...)`` whose functions replace the default of their key (``None`` keeps it),
-    e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run.
+    e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run. ``full``: train
+    the Markov sweep and the small LM here instead of reading the runs shipped with tokenpatch.
 
     Each section is kept in ``out/sections/KEY.json`` as it finishes, with what it ran with (the
     tokenpatch and torch versions, the checkpoint's weights for ``equivalence`` and ``model``, ``n_tasks``
@@ -236,7 +239,7 @@ def reproduce(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     model = load_model(checkpoint) if set(chosen) & set(CHECKPOINT_SECTIONS) else None
-    builders = _default_builders(model, n_tasks, seed)
+    builders = _default_builders(model, n_tasks, seed, full)
     common = {"tokenpatch": __version__, "code": code_digest(), "torch": torch.__version__}
     if model is not None:
         common.update(checkpoint=str(checkpoint) if checkpoint else "shipped", weights=fingerprint(model))
@@ -245,6 +248,8 @@ def reproduce(
         inputs = {**common, "section": key, "builder": _describe(chosen[key]) if chosen[key] else "default"}
         if key == "equivalence":
             inputs.update(n_tasks=n_tasks, seed=seed)
+        if key in ("markov", "induction") and chosen[key] is None:
+            inputs.update(full=full)  # shipped runs or trained here
         path = out / "sections" / f"{key}.json"
         saved = read_part(path, inputs) if inputs["builder"] is not None else None
         if saved is not None and not all((out / f).exists() for f in saved["section"]["figures"]):
