@@ -303,19 +303,20 @@ def compression_section(
     name: str = "smollm2-135m",
     task: str = "present_past",
     test: int = 40,
+    dev: int = 15,
     progress: bool | None = None,
     **options,
 ):
-    """The reduced run of ``tokenpatch reproduce``: one task, one model, ``test`` queries (``options``:
-    more of ``compare``'s)."""
+    """The reduced run of ``tokenpatch reproduce``: one task, one model, ``test`` queries, ``dev`` dev pairs
+    for the baselines' choices (the full table uses 30; ``options``: more of ``compare``'s)."""
     try:
         pretrained.check_requirements(name)
     except UnsupportedModelError as exc:
         return Section(KEY, TITLE, f"Skipped: {exc}", [], {"skipped": True, "reason": str(exc)})
-    run = run_model(name, [task], test=test, prompting="default", progress=progress, **options)
+    run = run_model(name, [task], test=test, prompting="default", progress=progress, dev=dev, **options)
     png = figure(run, Path(out) / "compression.png")
     body = (
-        f"A reduced run: one task, {test} test queries (the full table: `tokenpatch compress --model {name} "
+        f"A reduced run: one task, {test} test queries, {dev} dev pairs (the full table: `tokenpatch compress --model {name} "
         f"--task all`, docs/prompt-compression.md).\n\n" + markdown(run) + f"\n\n![compression]({png.name})"
     )
     return Section(KEY, TITLE, body, [png.name], {"skipped": False, **run})
