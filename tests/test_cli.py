@@ -64,6 +64,7 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, monkeypatch, pretrai
     for fig in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
+    assert "| section | seconds |" in report and set(data["section_seconds"]) == set(data["sections"])
     assert set(data["sections"]) == {
         "equivalence",
         "model",

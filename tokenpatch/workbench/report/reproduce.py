@@ -265,17 +265,19 @@ def reproduce(
             out / "sections",
             ", ".join(read_back),
         )
-    sections, earlier = [], 0.0
+    sections, earlier, took = [], 0.0, []  # took: each section's seconds (read back: its first run's)
     for build, inputs, path, saved in plan.values():
         if saved is not None:
             sections.append(Section(**saved["section"]))
             earlier += saved["seconds"]
+            took.append(saved["seconds"])
             continue
         t1 = time.perf_counter()
         s = build(out, progress=progress)
         sections.append(s)
+        took.append(time.perf_counter() - t1)
         record = {"key": s.key, "title": s.title, "body": s.body, "figures": s.figures, "data": s.data}
-        write_part(path, inputs, {"section": record, "seconds": time.perf_counter() - t1})
+        write_part(path, inputs, {"section": record, "seconds": took[-1]})
     seconds = time.perf_counter() - t0 + earlier
     threads = torch.get_num_threads()
     source = "the shipped checkpoint" if checkpoint is None else f"`{checkpoint}`"
@@ -292,6 +294,9 @@ def reproduce(
         f"Python {platform.python_version()}, {threads} thread{'' if threads == 1 else 's'}, {seconds:.1f} s.{resumed}",
         "",
     ]
+    header += (
+        ["| section | seconds |", "|---|---:|"] + [f"| {s.key} | {t:.1f} |" for s, t in zip(sections, took)] + [""]
+    )
     body = header + [f"## {i}. {s.title}\n\n{s.body}\n" for i, s in enumerate(sections, 1)]
     (out / "report.md").write_text("\n".join(body))
     data = {
@@ -299,6 +304,7 @@ def reproduce(
         "torch": torch.__version__,
         "checkpoint": str(checkpoint) if checkpoint else "shipped",
         "seconds": seconds,
+        "section_seconds": {s.key: t for s, t in zip(sections, took)},
         "sections": {s.key: {"title": s.title, "figures": s.figures, **s.data} for s in sections},
     }
     (out / "results.json").write_text(json.dumps(data, indent=1))
