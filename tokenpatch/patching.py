@@ -97,11 +97,21 @@ def _stored(delta: LowRank, layout: str) -> LowRank:
 
 
 def layer_patch(
-    model, sites: Sites, ctx, anchor, layer: int, labels, out_c: Tensor | None = None, gate_c: Tensor | None = None
+    model,
+    sites: Sites,
+    ctx,
+    anchor,
+    layer: int,
+    labels,
+    out_c: Tensor | None = None,
+    gate_c: Tensor | None = None,
+    down_c: Tensor | None = None,
 ) -> dict[str, Delta]:
     """The layer's deltas from with-context ``ctx = (m, s, hidden)`` and ``anchor = (m, s)``,
     each ``[batch, query, ...]``; ``labels[q]`` names query ``q`` in errors (its position).
-    ``out_c``: the with-context layer output, needed by a ``"matrix+scale"`` output site;
+    ``out_c``: the with-context layer output, needed by a ``"matrix+scale"`` output site, and
+    ``down_c``: its output matrix's output ``W hidden`` as the pass computed it (recorded; without it,
+    computed again: a matrix-vector product per query as large as the matrix);
     ``gate_c``: the with-context gate logit of a ``"gated"`` one."""
     (m_c, s_c, hidden_c), (m_0, s_0) = ctx, anchor
     deltas: dict[str, Delta] = {}
@@ -131,9 +141,9 @@ def layer_patch(
                 norm = model.get_submodule(norm_name.rpartition(".")[0])
                 offset = scale_norm(norm, norm_name)[1]
                 scale = offset + offload.value(model, norm_name).detach()
-                down, dscale = solve.output_patch_scaled(
-                    out_c, m_c, m_0, solve.apply_weight(w, hidden_c, layout), hidden_c, scale, norm_eps(norm)
-                )
+                if down_c is None:
+                    down_c = solve.apply_weight(w, hidden_c, layout)
+                down, dscale = solve.output_patch_scaled(out_c, m_c, m_0, down_c, hidden_c, scale, norm_eps(norm))
                 deltas[name] = _stored(down, layout)
                 deltas[norm_name] = dscale
             else:  # "matrix", or "experts": the stacked output matrices as one (arch.experts)
@@ -289,6 +299,7 @@ def traced_deltas(
                 labels,
                 out_c=r["out"],
                 gate_c=r.get("gate"),
+                down_c=r.get("p"),
             )
         )
     return deltas

@@ -109,27 +109,29 @@ def minimal_patch(r: Tensor, anchor: Tensor) -> LowRank:
         raise InputError(f"r {tuple(r.shape)} and anchor {tuple(anchor.shape)} must share leading dims")
     dtype = work_dtype(r, anchor)
     r, anchor = r.to(dtype), anchor.to(dtype)
-    scale = anchor.abs().amax(-1, keepdim=True)  # [*lead, 1]  c = max_i |anchor_i|
-    _check_finite(r=r, anchor=scale)
-    zero = scale[..., 0] == 0  # [*lead]  exactly the zero vectors
-    impossible = zero & (r != 0).any(-1) if zero.any() else zero
-    if impossible.any():
-        index = [tuple(i) for i in impossible.nonzero().tolist()]
-        raise ZeroAnchorError(
-            f"the anchor vector is zero at leading index {index[:5]}{' ...' if len(index) > 5 else ''} "
-            "while a nonzero change is needed: no weight patch can act on a zero input",
-            index,
-        )
-    c = torch.where(zero[..., None], torch.ones_like(scale), scale)  # [*lead, 1]
+    c = anchor.abs().amax(-1, keepdim=True)  # [*lead, 1]  c = max_i |anchor_i|
+    _check_finite(r=r, anchor=c)
+    zero = c == 0  # [*lead, 1]  exactly the zero vectors
+    if zero.any():  # rare: checked apart, so that the common case makes no extra pass over r
+        impossible = zero[..., 0] & (r != 0).any(-1)
+        if impossible.any():
+            index = [tuple(i) for i in impossible.nonzero().tolist()]
+            raise ZeroAnchorError(
+                f"the anchor vector is zero at leading index {index[:5]}{' ...' if len(index) > 5 else ''} "
+                "while a nonzero change is needed: no weight patch can act on a zero input",
+                index,
+            )
+        c = torch.where(zero, torch.ones_like(c), c)
     a = anchor / c  # [*lead, cols]  max |a_i| = 1 (0 where the anchor is 0)
-    sq = (a * a).sum(-1, keepdim=True)  # [*lead, 1]  in [1, cols], or 0
-    v = a / torch.where(zero[..., None], torch.ones_like(sq), sq) / c  # [*lead, cols]  anchor / |anchor|^2
-    if not torch.isfinite(v).all():
-        small = float(scale[~torch.isfinite(v).all(-1)].min())
+    sq = torch.linalg.vecdot(a, a).unsqueeze(-1)  # [*lead, 1]  |a|^2 in [1, cols], or 0
+    inv = 1 / (torch.where(zero, torch.ones_like(sq), sq) * c)  # [*lead, 1]  1 / (|a|^2 c) = c / |anchor|^2
+    if not torch.isfinite(inv).all():
+        small = float(c[~torch.isfinite(inv)].min())
         raise InputError(
             f"an anchor vector has max |entry| {small:.1e}: 1/|anchor| overflows {dtype}; "
             "compute in float64 (model.double())"
         )
+    v = a * inv  # [*lead, cols]  anchor / |anchor|^2
     return LowRank(r.unsqueeze(-2), v.unsqueeze(-2))
 
 

@@ -272,7 +272,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--full",
         action="store_true",
-        help="train the Markov sweep and the small LM here (default: read the runs shipped with tokenpatch)",
+        help="train the Markov sweep and the small LM here (default: read the runs shipped with tokenpatch), compare "
+        "in-context learning with fine-tuning on 32 tasks (default 16) and fit the thought patches of 8 prompts up "
+        "to m = 4096 (default: 4 prompts, m up to 1024)",
     )
     common(r)
     return parser

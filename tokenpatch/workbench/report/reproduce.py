@@ -29,12 +29,14 @@ from tokenpatch.verify import TOLERANCES, verify
 from tokenpatch.workbench.report import plots
 from tokenpatch.workbench.report.compress import compression_section
 from tokenpatch.workbench.report.dynamics import dynamics_section
+from tokenpatch.workbench.report.finetune import REDUCED as FINETUNE_REDUCED
 from tokenpatch.workbench.report.finetune import finetune_section
 from tokenpatch.workbench.report.induction import induction_section
 from tokenpatch.workbench.report.markov import markov_section
 from tokenpatch.workbench.report.online import online_section
 from tokenpatch.workbench.report.real_models import real_models_section
 from tokenpatch.workbench.report.section import Section, code_digest, read_part, write_part
+from tokenpatch.workbench.report.thought import REDUCED as THOUGHT_REDUCED
 from tokenpatch.workbench.report.thought import thought_section
 
 __all__ = ["Section", "equivalence_section", "model_section", "reproduce"]
@@ -185,6 +187,9 @@ SECTIONS = (
 CHECKPOINT_SECTIONS = ("equivalence", "model")
 
 
+FULL_SECTIONS = ("finetune", "thought", "markov", "induction")  # the sections --full changes
+
+
 def _default_builders(model, n_tasks: int, seed: int, full: bool = False) -> dict:
     return {
         "equivalence": lambda out, progress: equivalence_section(
@@ -192,9 +197,10 @@ def _default_builders(model, n_tasks: int, seed: int, full: bool = False) -> dic
         ),
         "model": lambda out, progress: model_section(model, out),
         "dynamics": dynamics_section,
-        "finetune": finetune_section,
+        "finetune": finetune_section if full else functools.partial(finetune_section, **FINETUNE_REDUCED),
         "online": online_section,
-        "thought": thought_section,
+        # four prompts and m up to 1024 (THOUGHT_REDUCED), or eight and m up to 4096 (full)
+        "thought": thought_section if full else functools.partial(thought_section, **THOUGHT_REDUCED),
         "real_models": real_models_section,  # a one-line note without the models
         "prompt_compression": compression_section,  # likewise
         # the reduced sweep (markov.REDUCED) and the small LM: shipped trained, or trained here (full)
@@ -219,7 +225,9 @@ def reproduce(
     ``equivalence`` and ``model`` with a ``checkpoint``); a list of keys; or a dict ``key ->
     function(out, progress=...)`` whose functions replace the default of their key (``None`` keeps it),
     e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run. ``full``: train
-    the Markov sweep and the small LM here instead of reading the runs shipped with tokenpatch.
+    the Markov sweep and the small LM here instead of reading the runs shipped with tokenpatch, compare
+    in-context learning with fine-tuning on 32 tasks (the default: 16) and fit the thought patches of
+    eight prompts up to m = 4096 calibration queries (the default: four, up to 1024).
 
     Each section is kept in ``out/sections/KEY.json`` as it finishes, with what it ran with (the
     tokenpatch and torch versions, the checkpoint's weights for ``equivalence`` and ``model``, ``n_tasks``
@@ -248,8 +256,8 @@ def reproduce(
         inputs = {**common, "section": key, "builder": _describe(chosen[key]) if chosen[key] else "default"}
         if key == "equivalence":
             inputs.update(n_tasks=n_tasks, seed=seed)
-        if key in ("markov", "induction") and chosen[key] is None:
-            inputs.update(full=full)  # shipped runs or trained here
+        if key in FULL_SECTIONS and chosen[key] is None:
+            inputs.update(full=full)  # the reduced run or the full one
         path = out / "sections" / f"{key}.json"
         saved = read_part(path, inputs) if inputs["builder"] is not None else None
         if saved is not None and not all((out / f).exists() for f in saved["section"]["figures"]):

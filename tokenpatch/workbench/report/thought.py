@@ -12,6 +12,7 @@ import torch
 
 from tokenpatch.dynamics.diagnostics import cosine
 from tokenpatch.dynamics.finetuning import finetune
+from tokenpatch.errors import InputError
 from tokenpatch.models.icl import load_model
 from tokenpatch.patching import token_patch
 from tokenpatch.progress import progress_bar
@@ -24,7 +25,8 @@ from tokenpatch.workbench.report.section import Section
 
 __all__ = ["thought_section"]
 
-SIZES = (16, 32, 64, 128, 256, 512, 1024)  # calibration queries m (past both thresholds at 1024)
+SIZES = (16, 32, 64, 128, 256, 512, 1024, 4096)  # calibration queries m (past both thresholds at 1024)
+REDUCED = {"n_prompts": 4, "sizes": SIZES[:-1]}  # reproduce's default run (--full: the defaults)
 RIDGES = (0.0, 1e-6, 1e-4, 1e-2, 1.0)
 ABLATION_M = 1024
 DISTILL_STEPS = 100
@@ -54,9 +56,19 @@ def _quartiles(values: list[float]) -> list[float]:
     ).tolist()
 
 
-def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int = 21, progress: bool | None = None):
-    """Generalisation against the number of calibration queries and the ridge, the forms of the
-    fit side by side, and the closed form against gradient distillation and fine-tuning."""
+def thought_section(
+    out: Path,
+    n_prompts: int = 8,
+    n_test: int = 1000,
+    seed: int = 21,
+    sizes: tuple[int, ...] = SIZES,
+    progress: bool | None = None,
+):
+    """Generalisation against the number of calibration queries ``sizes`` (with 64, 256 and 1024) and
+    the ridge, the forms of the fit side by side, and the closed form against gradient distillation
+    and fine-tuning, on ``n_prompts`` prompts."""
+    if not {64, 256, ABLATION_M} <= set(sizes):
+        raise InputError(f"sizes must include 64, 256 and {ABLATION_M} (the text reads them), got {list(sizes)}")
     model = load_model(dtype="float64")
     task = task_of(model)
     g = torch.Generator().manual_seed(seed)
@@ -68,8 +80,8 @@ def thought_section(out: Path, n_prompts: int = 8, n_test: int = 1000, seed: int
     residual = lambda ev, key="thought_patch": ev["mse_to_context"][key] / ev["mse_to_context"]["no_prompt"]  # noqa: E731
     refs = [evaluate_thought_patch(model, p, t, {})["with_prompt"] for p, t in zip(prompts, tests)]  # once per test set
 
-    curve = {"m": list(SIZES), "train": [], "test": []}  # per m: quartiles over prompts of the relative error
-    for m in progress_bar(SIZES, progress, desc="thought: calibration size"):
+    curve = {"m": list(sizes), "train": [], "test": []}  # per m: quartiles over prompts of the relative error
+    for m in progress_bar(sizes, progress, desc="thought: calibration size"):
         train, test = [], []
         for p, t, ref in zip(prompts, tests, refs):
             cal = query_tokens((m, 1), task.dim, g)
@@ -279,7 +291,7 @@ def _write(out: Path, data: dict) -> tuple[str, str, list[str]]:
         wide=True,
     )
     align = data["gradient_baseline"]["finetune_alignment_fc_in"]
-    test_1024 = c["test"][c["m"].index(1024)][1] if 1024 in c["m"] else float("nan")
+    past = ", ".join(f"m = {m}: {c['test'][c['m'].index(m)][1]:.2e}" for m in c["m"] if m >= ABLATION_M)
     body = [
         f"For {data['n_prompts']} prompts (each a task's 16 examples) of the shipped model, `tp.thought_patch` fits "
         "one static patch from m calibration queries read after the prompt; the patched model then runs "
@@ -292,7 +304,7 @@ def _write(out: Path, data: dict) -> tuple[str, str, list[str]]:
         f"With m <= d_in = {data['d_in']} the input side interpolates and with m <= d_hidden + 1 = "
         f"{data['d_hidden'] + 1} the output side does: the training error is at rounding level there and the test "
         f"error peaks at the thresholds (median test error at m = 64: {c['test'][c['m'].index(64)][1]:.3g}, at m = "
-        f"256: {c['test'][c['m'].index(256)][1]:.3g}); past them it falls (m = 1024: {test_1024:.2e}). A ridge tames "
+        f"256: {c['test'][c['m'].index(256)][1]:.3g}); past them it falls ({past}). A ridge tames "
         f"the peak (right panel, m = {r['m']}).",
         "",
         f"The forms of the fit at m = {data['ablation_m']} (held-out queries; task MSE against the true `w.x`):",
