@@ -128,7 +128,7 @@ def layer_patch(
         if sites.output is not None:
             kind, name = sites.output.kind, sites.output.name
             if kind == "bias":
-                deltas[name] = solve.output_shift(m_c, m_0) / sites.output.scale
+                deltas[name] = solve.output_shift(m_c, m_0, sites.output.scale)
             elif kind == "gated":  # a matrix whose output is scaled by sigmoid(gate) (a shared expert)
                 acts_on = "the MLP hidden state with context"
                 gate = torch.sigmoid(gate_c.to(solve.work_dtype(m_c, gate_c)))  # [B, Q, 1]
@@ -148,7 +148,7 @@ def layer_patch(
                 deltas[norm_name] = dscale
             else:  # "matrix", or "experts": the stacked output matrices as one (arch.experts)
                 acts_on = "the MLP hidden state with context"
-                shift = solve.output_shift(m_c, m_0) / sites.output.scale
+                shift = solve.output_shift(m_c, m_0, sites.output.scale)
                 layout = "out_in" if kind == "experts" else _math_weight(model, name)[1]
                 deltas[name] = _stored(solve.minimal_patch(shift, hidden_c), layout)
     except ZeroAnchorError as exc:

@@ -102,17 +102,33 @@ def minimal_patch(r: Tensor, anchor: Tensor) -> LowRank:
     ``r [*lead, rows]``, ``anchor [*lead, cols]`` -> ``LowRank(u [*lead, 1, rows], v [*lead, 1, cols])``
     with ``u = r`` and ``v = anchor / |anchor|^2``. Rows where ``r = 0`` give a zero patch (even for a
     zero anchor); a zero anchor with ``r != 0`` raises ``ZeroAnchorError`` listing the offending
-    leading indices. ``|anchor|^2`` is computed scaled by ``c = max_i |anchor_i|`` so that a tiny but
+    leading indices. ``|anchor|^2`` is summed directly where that is accurate to rounding (finite, far
+    above the subnormal range: one pass); else scaled by ``c = max_i |anchor_i|`` so that a tiny but
     nonzero anchor never underflows: ``v = (a / |a|^2) / c`` with ``a = anchor / c``.
     """
     if r.shape[:-1] != anchor.shape[:-1]:
         raise InputError(f"r {tuple(r.shape)} and anchor {tuple(anchor.shape)} must share leading dims")
     dtype = work_dtype(r, anchor)
     r, anchor = r.to(dtype), anchor.to(dtype)
+    _check_finite(r=r)
+    sq = torch.linalg.vecdot(anchor, anchor).unsqueeze(-1)  # [*lead, 1]  |anchor|^2
+    # |anchor|^2 as summed is accurate to rounding when it is finite and far above the subnormal range
+    # (each square lost below it is under finfo.tiny * eps): then v = anchor / |anchor|^2 directly
+    info = torch.finfo(dtype)
+    if bool(((sq >= anchor.shape[-1] * info.tiny / info.eps) & (sq <= info.max)).all()):
+        return LowRank(r.unsqueeze(-2), (anchor * (1 / sq)).unsqueeze(-2))
+    return LowRank(r.unsqueeze(-2), _scaled_inverse(r, anchor).unsqueeze(-2))
+
+
+def _scaled_inverse(r: Tensor, anchor: Tensor) -> Tensor:
+    """``anchor / |anchor|^2`` ``[*lead, cols]`` with ``|anchor|^2`` summed scaled by ``c = max_i |anchor_i|``
+    (no underflow or overflow of the squares); zero where the anchor is zero, which ``r`` must be
+    there too (else ``ZeroAnchorError``); ``InputError`` for an anchor not finite or too small for
+    ``1 / |anchor|`` to exist in its dtype."""
     c = anchor.abs().amax(-1, keepdim=True)  # [*lead, 1]  c = max_i |anchor_i|
-    _check_finite(r=r, anchor=c)
+    _check_finite(anchor=c)
     zero = c == 0  # [*lead, 1]  exactly the zero vectors
-    if zero.any():  # rare: checked apart, so that the common case makes no extra pass over r
+    if zero.any():
         impossible = zero[..., 0] & (r != 0).any(-1)
         if impossible.any():
             index = [tuple(i) for i in impossible.nonzero().tolist()]
@@ -128,11 +144,10 @@ def minimal_patch(r: Tensor, anchor: Tensor) -> LowRank:
     if not torch.isfinite(inv).all():
         small = float(c[~torch.isfinite(inv)].min())
         raise InputError(
-            f"an anchor vector has max |entry| {small:.1e}: 1/|anchor| overflows {dtype}; "
+            f"an anchor vector has max |entry| {small:.1e}: 1/|anchor| overflows {anchor.dtype}; "
             "compute in float64 (model.double())"
         )
-    v = a * inv  # [*lead, cols]  anchor / |anchor|^2
-    return LowRank(r.unsqueeze(-2), v.unsqueeze(-2))
+    return a * inv  # anchor / |anchor|^2
 
 
 def apply_weight(weight: Tensor, x: Tensor, layout: str = "out_in") -> Tensor:
@@ -171,10 +186,13 @@ def input_patch(weight: Tensor, s_ctx: Tensor, s_anchor: Tensor, layout: str = "
     return minimal_patch(r, s_anchor)
 
 
-def output_shift(m_ctx: Tensor, m_anchor: Tensor) -> Tensor:
-    """Output-bias term of a residual block: ``db = m_C - m_0`` ``[*lead, d]``."""
+def output_shift(m_ctx: Tensor, m_anchor: Tensor, scale: float = 1.0) -> Tensor:
+    """Output-bias term of a residual block: ``db = (m_C - m_0) / scale`` ``[*lead, d]`` (``scale``: a
+    constant the block multiplies the MLP output by, Granite's ``residual_multiplier``)."""
     dtype = work_dtype(m_ctx, m_anchor)
     db = m_ctx.to(dtype) - m_anchor.to(dtype)
+    if scale != 1.0:
+        db = db / scale
     _check_finite(output_shift=db)
     return db
 
@@ -216,13 +234,23 @@ def output_patch_scaled(
     dtype = work_dtype(out_ctx, m_anchor, down_ctx, hidden_ctx, scale)
     t = out_ctx.to(dtype) - m_anchor.to(dtype)  # [*lead, d]  what the norm must output
     f, scale = down_ctx.to(dtype), scale.to(dtype)  # [*lead, d], [d]
-    live = scale != 0
+    live = scale != 0  # [d]
+    off = (~live).nonzero()[:, 0]  # the zero-scale channels (few: handled apart, without full-width passes)
+    m_new = t / torch.where(live, scale, 1)  # [*lead, d]
+    if off.numel():
+        f_off = f[..., off]
+        m_new[..., off] = torch.where(f_off != 0, f_off, t[..., off])
     same = (m_ctx == m_anchor).all(-1, keepdim=True)  # [*lead, 1]  nothing to change
-    m_new = torch.where(live, t / torch.where(live, scale, 1), torch.where(f != 0, f, t))  # [*lead, d]
-    m_new = torch.where(same, f, m_new)
-    rms = (m_new.square().mean(-1, keepdim=True) + eps).sqrt()  # [*lead, 1]
-    dead = torch.where(m_new != 0, t * rms / torch.where(m_new != 0, m_new, 1), scale)  # zero-scale channels
-    new_scale = torch.where(same, scale, torch.where(live, scale * rms, dead))  # [*lead, d]
+    if same.any():
+        m_new = torch.where(same, f, m_new)
+    rms = (torch.linalg.vecdot(m_new, m_new).unsqueeze(-1) / m_new.shape[-1] + eps).sqrt()  # [*lead, 1]
+    new_scale = scale * rms  # [*lead, d]
+    if off.numel():  # a zero-scale channel gets its own scale t_j rms / m'_j (0 where m'_j = 0: unchanged)
+        m_off = m_new[..., off]
+        ok = m_off != 0
+        new_scale[..., off] = torch.where(ok, t[..., off] * rms / torch.where(ok, m_off, 1), scale[off])
+    if same.any():
+        new_scale = torch.where(same, scale, new_scale)
     _check_finite(scale_patch=new_scale)
     return minimal_patch(m_new - f, hidden_ctx), new_scale - scale
 

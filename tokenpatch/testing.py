@@ -74,10 +74,13 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "Qwen3MoeConfig",
         dict(_KV, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]),
     ),
-    "olmoe": ("OlmoeConfig", dict(_KV, num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
+    "olmoe": ("OlmoeConfig", dict(_KV, num_experts=4, num_experts_per_tok=2, pad_token_id=0, clip_qkv=0.1)),
     "phimoe": ("PhimoeConfig", dict(_KV, num_local_experts=4, num_experts_per_tok=2)),
     "phi3": ("Phi3Config", dict(_KV, pad_token_id=0)),  # fused qkv and gate_up
-    "olmo": ("OlmoConfig", dict(_KV, pad_token_id=0)),  # norms without parameters
+    "olmo": (
+        "OlmoConfig",
+        dict(_KV, pad_token_id=0, clip_qkv=0.1),
+    ),  # norms without parameters, values clipped in place
     "stablelm": ("StableLmConfig", dict(_KV, qk_layernorm=True)),
     "starcoder2": ("Starcoder2Config", _KV),  # biases, a plain MLP
     "granite": (  # multipliers on the embedding, each sublayer, attention, logits

@@ -93,7 +93,11 @@ class Family:
     ``attn_out``: the module whose output is the attention's contribution to the residual stream,
     if not ``attn`` (a norm after it: Gemma 2/3, OLMo 2). ``position_table``: the learned position
     embedding under the base model (GPT-2's ``wpe``), whose size bounds the position ids; ``None``
-    for rotary positions.
+    for rotary positions. ``value``: the attention's own value projection, where the attention
+    output of a token alone is ``o_proj`` of its values (each key-value head repeated for the query
+    heads sharing it): the no-context pass of each query alone is then computed from the values
+    the with-context pass recorded (``HFAdapter.anchors``); ``None`` (fused projections, attentions
+    that do more than mix values): it runs the layers.
     """
 
     name: str
@@ -115,6 +119,7 @@ class Family:
     when: Callable[[Any], bool] = field(default=lambda config: True)
     out_scale: Callable[[Any], float] | None = None
     experts: bool = False
+    value: str | None = None
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
@@ -128,9 +133,7 @@ _LLAMA = Family(
         "qwen2",
         "qwen3",
         "gemma",
-        "bitnet",
         "cwm",
-        "diffllama",
         "ernie4_5",
         "exaone",
         "helium",
@@ -148,6 +151,7 @@ _LLAMA = Family(
     _GATED,
     "mlp.down_proj",
     lone_zero=_QK,
+    value="self_attn.v_proj",
 )
 _FALCON = Family(  # sequential (parallel_attn=False); its query, key and value are one fused matrix
     "falcon",
@@ -175,6 +179,9 @@ _MIXTRAL = replace(
 _PARALLEL = dict(mlp_norm="input_layernorm", parallel=lambda config: True)  # attention and MLP read one norm
 FAMILIES: list[Family] = [
     _LLAMA,
+    # Llama's block whose attention does more than mix values (BitNet: a norm before o_proj; DiffLlama:
+    # differential attention): a token alone runs the layers
+    replace(_LLAMA, name="llama_attention", model_types=("bitnet", "diffllama"), value=None),
     # Gemma 2/3: a norm after the attention and after the MLP (patched in its scale), another before it
     replace(
         _LLAMA,
@@ -210,7 +217,9 @@ FAMILIES: list[Family] = [
     # a fused gate_up_proj (Phi-3; the input change covers it), norms without parameters (OLMo),
     # LayerNorm with biases (StableLM), biases and a plain MLP (StarCoder 2); and Granite, whose
     # residual_multiplier scales each sublayer's output: the output shift is divided by it.
-    replace(_LLAMA, name="phi3", model_types=("phi3", "glm"), inputs=("mlp.gate_up_proj.weight",), lone_zero=()),
+    replace(
+        _LLAMA, name="phi3", model_types=("phi3", "glm"), inputs=("mlp.gate_up_proj.weight",), lone_zero=(), value=None
+    ),
     replace(
         _LLAMA,
         name="olmo",
@@ -254,6 +263,7 @@ FAMILIES: list[Family] = [
         parallel=lambda config: True,
         lone_zero=("attn.q_proj", "attn.k_proj"),
         o_proj="attn.out_proj",
+        value="attn.v_proj",
     ),
     replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2"), **_PARALLEL),
     replace(
@@ -300,6 +310,7 @@ FAMILIES: list[Family] = [
         down_gate="mlp.shared_expert_gate",
         dense="llama",
         lone_zero=_QK,
+        value="self_attn.v_proj",
     ),
     _MIXTRAL,
     replace(_MIXTRAL, name="phimoe", model_types=("phimoe",), inputs=("mlp.router.weight", "mlp.experts.gate_up_proj")),

@@ -123,7 +123,7 @@ class HFAdapter(HFInputs):
 
         shape: list[int] = []  # [batch, pos] of the sequences running (set by each layer's first hook)
 
-        def grab(i, key, take_input):
+        def grab(i, key, take_input, every=every):
             def hook(module, args, *rest):
                 kwargs = rest[0] if take_input and rest and isinstance(rest[0], dict) else {}
                 t = (args[0] if args else kwargs["hidden_states"]) if take_input else output_tensor(rest[-1])
@@ -167,8 +167,13 @@ class HFAdapter(HFInputs):
                 pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
             else:  # the norm's input, or the MLP's where it reads the residual stream itself (s = m)
                 pairs.append((_before_patches(site.get("mlp_norm", site["mlp"])), grab(i, "m", True)))
+            if "value" in site:  # every position, no copy: an in-place change of the values (OLMo's clip_qkv) shows
+                pairs.append((site["value"].register_forward_hook, grab(i, "v", False, every=True)))
         with registered_hooks(pairs):
             yield rec
+        for r in rec:
+            if "v" in r and not every:
+                r["v"] = r["v"][:, query.to(r["v"].device)]
         for r, same in zip(rec, s_is_m):
             if parallel and "a" in r:  # a layer the forward reached (a caller may end it early)
                 r["m"] = r["h"] + r.pop("a")
@@ -195,6 +200,12 @@ class HFAdapter(HFInputs):
         (``kept=None``), or the kept tokens as one sequence (a chunk removed). The input of layer
         ``i > 0`` at a query is the with-context state ``rec[i]["h"]`` (the patched layers below
         reproduce it); other kept tokens run unpatched, as ``functional_call`` runs them."""
+        if (
+            kept is None
+            and all("v" in r for r in rec)
+            and all(hasattr(self._sites_of(model, i)["attn"], "head_dim") for i in range(len(rec)))
+        ):
+            return self._alone_from_values(model, rec)
         parallel = self.family(model).parallel(model.config)
         batch, n_q = len(inputs["input_ids"]), len(query)
         out: list[dict[str, Tensor]] = [{} for _ in rec]
@@ -250,6 +261,34 @@ class HFAdapter(HFInputs):
             for i, o in enumerate(out):
                 o["m"] = (rec[i]["h"] if i > 0 else o.pop("h")) + o.pop("a")
         return [(o["m"], o.get("s", o["m"])) for o in out]  # no norm before the MLP: s = m
+
+    def _alone_from_values(self, model: nn.Module, rec: list[dict[str, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """The no-context pass of each query alone, from the values ``v`` the with-context pass recorded.
+
+        A token alone attends to itself only (one attention weight, 1), so its attention output is
+        ``a_0 = W_o [v; ...; v]``, each key-value head repeated for the query heads sharing it; the
+        layer then applies what follows the attention (``Family.attn_out``, ``out_scale``) and adds
+        ``m_0 = h + a_0``, the layer input ``h`` being the with-context one (the patched layers below
+        reproduce it). ``s_0``: the MLP's norm of ``m_0``; ``m_0`` where the MLP reads the residual
+        stream; a parallel block's MLP reads the layer input's norm, the same in both passes.
+        Per layer ``(m_0, s_0)`` ``[B, Q, .]``: the layers' other work (the query and key projections,
+        the attention itself, the MLP) is never run for them."""
+        parallel = self.family(model).parallel(model.config)
+        anchors = []
+        for i, r in enumerate(rec):
+            fam, site = self._layer_family(model, i), self._sites_of(model, i)
+            o_proj, v = site["layer"].get_submodule(fam.o_proj), r["v"]  # v [B, Q, kv_heads * head_dim]
+            groups = o_proj.in_features // v.shape[-1]  # query heads per key-value head
+            heads = v.unflatten(-1, (-1, site["attn"].head_dim)).repeat_interleave(groups, -2).flatten(-2)
+            a = o_proj(heads)  # [B, Q, d]
+            if fam.attn_out is not None:
+                a = site["layer"].get_submodule(fam.attn_out)(a)
+            if fam.out_scale is not None:
+                a = a * fam.out_scale(model.config)
+            m = r["h"] + a
+            s = r["s"] if parallel else (site["mlp_norm"](m) if "mlp_norm" in site else m)
+            anchors.append((m, s))
+        return anchors
 
     @staticmethod
     def _forward_kwargs(inputs: dict) -> dict:

@@ -81,6 +81,8 @@ class HFModules(Adapter):
             out["mlp_norm"] = layer.get_submodule(fam.mlp_norm)
         if fam.down_gate is not None:
             out["down_gate"] = layer.get_submodule(fam.down_gate)
+        if fam.value is not None:
+            out["value"] = layer.get_submodule(fam.value)
         return out
 
     def check_model(self, model: nn.Module) -> None:
