@@ -271,15 +271,48 @@ def assemble(model: nn.Module, adapter, deltas: dict[str, Delta], plan: Plan, ba
 
 
 def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Patch:
-    """``token_patch`` for adapters whose passes are the model's own forward (``adapter.traced``):
-    the with-context pass records every layer's states at the queries, the no-context pass every
-    layer's anchors; then the patches, layer by layer."""
+    """``token_patch`` for adapters whose passes are the model's own forward (``adapter.traced``).
+
+    Each query alone, where the adapter gets its anchors from the with-context states
+    (``adapter.alone_anchor``): one pass, each layer's patch made as the layer finishes and its
+    states dropped. Otherwise the with-context pass records every layer's states at the queries, the
+    no-context pass every layer's anchors; then the patches, layer by layer."""
     q = list(plan.query)
+    alone = adapter.alone_anchor(model) if plan.mode == "alone" else None
+    if alone is not None:
+        deltas: dict[str, Delta] = {}
+        dtypes = []
+        bar = iter(progress_bar(range(adapter.n_layers(model)), progress, desc="token_patch", unit="layer"))
+
+        def on_layer(i: int, states: dict) -> None:
+            deltas.update(recorded_patch(model, adapter, i, states, alone(i, states), plan.query))
+            dtypes.append(states["out"].dtype)
+            next(bar, None)
+
+        adapter.trace(model, inputs, q, on_layer)
+        for _ in bar:  # closes the bar
+            pass
+        return assemble(model, adapter, deltas, plan, batch, dtypes[0])
     rec = adapter.trace(model, inputs, q)  # per layer h, m, s, hidden, out  [B, Q, .]
     kept = list(plan.kept) if plan.mode == "chunk" else None
     anchors = adapter.anchors(model, inputs, q, rec, kept)  # per layer (m_0, s_0)  [B, Q, .]
     deltas = traced_deltas(model, adapter, rec, anchors, plan.query, progress)
     return assemble(model, adapter, deltas, plan, batch, rec[0]["out"].dtype)
+
+
+def recorded_patch(model: nn.Module, adapter, i: int, states: dict, anchor, labels) -> dict[str, Delta]:
+    """Layer ``i``'s deltas from its recorded with-context ``states`` and its ``anchor`` (``[B, Q, .]``)."""
+    return layer_patch(
+        model,
+        adapter.sites(model, i),
+        (states["m"], states["s"], states["hidden"]),
+        anchor,
+        i,
+        labels,
+        out_c=states["out"],
+        gate_c=states.get("gate"),
+        down_c=states.get("p"),
+    )
 
 
 def traced_deltas(
@@ -288,20 +321,7 @@ def traced_deltas(
     """Every layer's deltas from recorded with-context states ``rec`` and ``anchors`` (``[B, Q, .]``)."""
     deltas: dict[str, Delta] = {}
     for i in progress_bar(range(len(rec)), progress, desc="token_patch", unit="layer"):
-        r = rec[i]
-        deltas.update(
-            layer_patch(
-                model,
-                adapter.sites(model, i),
-                (r["m"], r["s"], r["hidden"]),
-                anchors[i],
-                i,
-                labels,
-                out_c=r["out"],
-                gate_c=r.get("gate"),
-                down_c=r.get("p"),
-            )
-        )
+        deltas.update(recorded_patch(model, adapter, i, rec[i], anchors[i], labels))
     return deltas
 
 

@@ -301,19 +301,30 @@ class Adapter:
 
     # ------------------------------------------------------------------------- traced passes
     @contextlib.contextmanager
-    def recording(self, model: nn.Module, query: Tensor, every: bool = False) -> Iterator[list[dict[str, Tensor]]]:
+    def recording(
+        self, model: nn.Module, query: Tensor, every: bool = False, on_layer: Callable | None = None
+    ) -> Iterator[list[dict[str, Tensor]]]:
         """Hooks that record, during any forward of ``model`` inside the block, per layer the states at
         positions ``query [Q]`` of the sequences run, each ``[B, Q, .]``: ``h`` (layer input), ``m``
         (the residual value the MLP output is added to), ``s`` (MLP input), ``hidden`` (input of the
         MLP output matrix), ``out`` (layer output), and where the output site needs them ``p`` (the MLP
         output before a norm after it) and ``gate`` (a gate logit). ``every``: the query is every
-        position in order. The list (one dict per layer) is filled on exit."""
+        position in order. The list (one dict per layer) is filled on exit; with ``on_layer(i,
+        states)``, each layer's states are given to it as the layer finishes, then dropped."""
         self._missing("recording")
         yield []
 
-    def trace(self, model: nn.Module, inputs: Any, query: list[int]) -> list[dict[str, Tensor]]:
-        """The with-context pass: per layer the ``recording`` states at the query positions ``[B, Q, .]``."""
+    def trace(
+        self, model: nn.Module, inputs: Any, query: list[int], on_layer: Callable | None = None
+    ) -> list[dict[str, Tensor]]:
+        """The with-context pass: per layer the ``recording`` states at the query positions ``[B, Q, .]``;
+        with ``on_layer(i, states)``, each layer's states given to it as the layer finishes, then dropped."""
         self._missing("trace")
+
+    def alone_anchor(self, model: nn.Module) -> Callable | None:
+        """Where each query alone needs no pass of its own: ``(i, states) -> (m_0, s_0)``, its anchor at
+        layer ``i`` from that layer's with-context states; else ``None`` (``anchors`` runs the pass)."""
+        return None
 
     def anchors(
         self,

@@ -26,7 +26,8 @@ part of ``HFAdapter`` that names modules); ``arch.hf_inputs`` adds the inputs an
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,12 +42,13 @@ from tokenpatch.errors import InputError
 __all__ = ["HFAdapter", "output_tensor", "registered_hooks"]
 
 
-def check_finite(rec: list[dict[str, Tensor]], padded: bool) -> None:
-    """Raise if the recorded states hold NaN or inf, naming the first layer (a non-finite value
-    anywhere reaches the last layer's output through the residual stream: one check suffices)."""
+def check_finite(rec: list[dict[str, Tensor]], padded: bool, first: int = 0) -> None:
+    """Raise if the recorded states of layers ``first, first + 1, ...`` hold NaN or inf, naming the
+    first such layer (a non-finite value anywhere reaches the last layer's output through the
+    residual stream: one check suffices)."""
     if bool(torch.isfinite(rec[-1]["out"]).all()):
         return
-    for i, r in enumerate(rec):
+    for i, r in enumerate(rec, first):
         if not all(bool(torch.isfinite(t).all()) for t in r.values()):
             hint = (
                 " (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
@@ -112,19 +114,26 @@ class HFAdapter(HFInputs):
 
     # ------------------------------------------------------------------------- the two passes
     @contextlib.contextmanager
-    def recording(self, model: nn.Module, query: Tensor, every: bool = False) -> Iterator[list[dict[str, Tensor]]]:
+    def recording(
+        self, model: nn.Module, query: Tensor, every: bool = False, on_layer: Callable | None = None
+    ) -> Iterator[list[dict[str, Tensor]]]:
         """Hooks that record, during any forward of ``model`` inside the block, per layer ``h, m, s,
         hidden, out`` (and ``p``, the MLP output before a norm after it; ``gate``, a shared expert's
-        gate logit) at positions ``query`` of the sequence run ``[B, Q, .]`` (``every``: the query is
-        every position in order, kept without a copy); the list is filled on exit (``m`` of a
-        parallel block is ``h`` plus the attention output)."""
+        gate logit; ``v``, the values, where ``Family.value`` names them) at positions ``query`` of the
+        sequence run ``[B, Q, .]`` (``every``: the query is every position in order, kept without a
+        copy); the list is filled on exit (``m`` of a parallel block is ``h`` plus the attention
+        output). ``on_layer(i, states)``: called as each layer finishes, with its states, which are
+        then dropped (its entry in the list stays empty)."""
         parallel = self.family(model).parallel(model.config)
         rec: list[dict[str, Tensor]] = [{} for _ in range(self.n_layers(model))]
 
         shape: list[int] = []  # [batch, pos] of the sequences running (set by each layer's first hook)
+        paused: list[bool] = []  # non-empty while on_layer runs (it calls the layer's modules on other inputs)
 
         def grab(i, key, take_input, every=every):
             def hook(module, args, *rest):
+                if paused:
+                    return
                 kwargs = rest[0] if take_input and rest and isinstance(rest[0], dict) else {}
                 t = (args[0] if args else kwargs["hidden_states"]) if take_input else output_tensor(rest[-1])
                 if key == "h":
@@ -145,6 +154,27 @@ class HFAdapter(HFInputs):
 
             return hook
 
+        def complete(i):  # the states of layer i from what its hooks recorded
+            r = rec[i]
+            if "v" in r and not every:
+                r["v"] = r["v"][:, query.to(r["v"].device)]
+            if parallel and "a" in r:  # a layer the forward reached (a caller may end it early)
+                r["m"] = r["h"] + r.pop("a")
+            if s_is_m[i] and "m" in r:
+                r["s"] = r["m"]
+
+        def finished(i):
+            def hook(module, args, out):
+                complete(i)
+                paused.append(True)
+                try:
+                    on_layer(i, rec[i])
+                finally:
+                    paused.clear()
+                rec[i] = {}
+
+            return hook
+
         pairs, s_is_m = [], []  # s_is_m: layers whose MLP reads the residual stream itself
         for i in range(len(rec)):
             site = self._sites_of(model, i)
@@ -153,6 +183,8 @@ class HFAdapter(HFInputs):
                 (lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True), grab(i, "h", True))
             )
             pairs.append((site["layer"].register_forward_hook, grab(i, "out", False)))
+            if on_layer is not None:  # after the "out" hook: hooks run in the order registered
+                pairs.append((site["layer"].register_forward_hook, finished(i)))
             if "mlp_norm" in site:
                 pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
             if self._layer_family(model, i).experts:  # the chosen experts' weighted hidden states z
@@ -171,22 +203,34 @@ class HFAdapter(HFInputs):
                 pairs.append((site["value"].register_forward_hook, grab(i, "v", False, every=True)))
         with registered_hooks(pairs):
             yield rec
-        for r in rec:
-            if "v" in r and not every:
-                r["v"] = r["v"][:, query.to(r["v"].device)]
-        for r, same in zip(rec, s_is_m):
-            if parallel and "a" in r:  # a layer the forward reached (a caller may end it early)
-                r["m"] = r["h"] + r.pop("a")
-            if same and "m" in r:
-                r["s"] = r["m"]
+        for i in range(len(rec)):
+            complete(i)
 
-    def trace(self, model: nn.Module, inputs: dict, query: list[int]) -> list[dict[str, Tensor]]:
-        """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``."""
-        every = query == list(range(self.seq_len(inputs)))
-        with self.recording(model, torch.tensor(query, device=inputs["input_ids"].device), every) as rec:
+    def trace(
+        self, model: nn.Module, inputs: dict, query: list[int], on_layer: Callable | None = None
+    ) -> list[dict[str, Tensor]]:
+        """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``;
+        with ``on_layer``, given to it layer by layer instead (``recording``), each checked finite first."""
+        every, padded = query == list(range(self.seq_len(inputs))), inputs["attention_mask"] is not None
+
+        def checked(i, states):
+            check_finite([states], padded, first=i)
+            on_layer(i, states)
+
+        at = torch.tensor(query, device=inputs["input_ids"].device)
+        with self.recording(model, at, every, None if on_layer is None else checked) as rec:
             model.base_model(**self._forward_kwargs(inputs))
-        check_finite(rec, inputs["attention_mask"] is not None)
+        if on_layer is None:
+            check_finite(rec, padded)
         return rec
+
+    def alone_anchor(self, model: nn.Module) -> Callable | None:
+        """``(i, states) -> (m_0, s_0)`` of each query alone at layer ``i`` from its with-context states
+        (``_alone_from_values``) where every layer's family names its values; else ``None``."""
+        sites = [self._sites_of(model, i) for i in range(self.n_layers(model))]
+        if all("value" in site and hasattr(site["attn"], "head_dim") for site in sites):
+            return functools.partial(self._alone_from_values, model)
+        return None
 
     def anchors(
         self,
@@ -200,12 +244,9 @@ class HFAdapter(HFInputs):
         (``kept=None``), or the kept tokens as one sequence (a chunk removed). The input of layer
         ``i > 0`` at a query is the with-context state ``rec[i]["h"]`` (the patched layers below
         reproduce it); other kept tokens run unpatched, as ``functional_call`` runs them."""
-        if (
-            kept is None
-            and all("v" in r for r in rec)
-            and all(hasattr(self._sites_of(model, i)["attn"], "head_dim") for i in range(len(rec)))
-        ):
-            return self._alone_from_values(model, rec)
+        alone = self.alone_anchor(model) if kept is None else None
+        if alone is not None:
+            return [alone(i, r) for i, r in enumerate(rec)]
         parallel = self.family(model).parallel(model.config)
         batch, n_q = len(inputs["input_ids"]), len(query)
         out: list[dict[str, Tensor]] = [{} for _ in rec]
@@ -262,8 +303,8 @@ class HFAdapter(HFInputs):
                 o["m"] = (rec[i]["h"] if i > 0 else o.pop("h")) + o.pop("a")
         return [(o["m"], o.get("s", o["m"])) for o in out]  # no norm before the MLP: s = m
 
-    def _alone_from_values(self, model: nn.Module, rec: list[dict[str, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-        """The no-context pass of each query alone, from the values ``v`` the with-context pass recorded.
+    def _alone_from_values(self, model: nn.Module, i: int, r: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Each query alone at layer ``i``, from the values ``v`` the with-context pass recorded there.
 
         A token alone attends to itself only (one attention weight, 1), so its attention output is
         ``a_0 = W_o [v; ...; v]``, each key-value head repeated for the query heads sharing it; the
@@ -271,24 +312,21 @@ class HFAdapter(HFInputs):
         ``m_0 = h + a_0``, the layer input ``h`` being the with-context one (the patched layers below
         reproduce it). ``s_0``: the MLP's norm of ``m_0``; ``m_0`` where the MLP reads the residual
         stream; a parallel block's MLP reads the layer input's norm, the same in both passes.
-        Per layer ``(m_0, s_0)`` ``[B, Q, .]``: the layers' other work (the query and key projections,
-        the attention itself, the MLP) is never run for them."""
-        parallel = self.family(model).parallel(model.config)
-        anchors = []
-        for i, r in enumerate(rec):
-            fam, site = self._layer_family(model, i), self._sites_of(model, i)
-            o_proj, v = site["layer"].get_submodule(fam.o_proj), r["v"]  # v [B, Q, kv_heads * head_dim]
-            groups = o_proj.in_features // v.shape[-1]  # query heads per key-value head
-            heads = v.unflatten(-1, (-1, site["attn"].head_dim)).repeat_interleave(groups, -2).flatten(-2)
-            a = o_proj(heads)  # [B, Q, d]
-            if fam.attn_out is not None:
-                a = site["layer"].get_submodule(fam.attn_out)(a)
-            if fam.out_scale is not None:
-                a = a * fam.out_scale(model.config)
-            m = r["h"] + a
-            s = r["s"] if parallel else (site["mlp_norm"](m) if "mlp_norm" in site else m)
-            anchors.append((m, s))
-        return anchors
+        ``(m_0, s_0)`` ``[B, Q, .]``: the layer's other work (the query and key projections, the
+        attention itself, the MLP) is never run for them."""
+        fam, site = self._layer_family(model, i), self._sites_of(model, i)
+        o_proj, v = site["layer"].get_submodule(fam.o_proj), r["v"]  # v [B, Q, kv_heads * head_dim]
+        groups = o_proj.in_features // v.shape[-1]  # query heads per key-value head
+        heads = v.unflatten(-1, (-1, site["attn"].head_dim)).repeat_interleave(groups, -2).flatten(-2)
+        a = o_proj(heads)  # [B, Q, d]
+        if fam.attn_out is not None:
+            a = site["layer"].get_submodule(fam.attn_out)(a)
+        if fam.out_scale is not None:
+            a = a * fam.out_scale(model.config)
+        m = r["h"] + a
+        if self.family(model).parallel(model.config):
+            return m, r["s"]
+        return m, (site["mlp_norm"](m) if "mlp_norm" in site else m)
 
     @staticmethod
     def _forward_kwargs(inputs: dict) -> dict:
