@@ -26,7 +26,6 @@ part of ``HFAdapter`` that names modules); ``arch.hf_inputs`` adds the inputs an
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,7 +45,8 @@ def check_finite(rec: list[dict[str, Tensor]], padded: bool, first: int = 0) -> 
     """Raise if the recorded states of layers ``first, first + 1, ...`` hold NaN or inf, naming the
     first such layer (a non-finite value anywhere reaches the last layer's output through the
     residual stream: one check suffices)."""
-    if bool(torch.isfinite(rec[-1]["out"]).all()):
+    out = rec[-1]["out"]
+    if bool(torch.isfinite(out.sum())) or bool(torch.isfinite(out).all()):  # one cheap reduction first
         return
     for i, r in enumerate(rec, first):
         if not all(bool(torch.isfinite(t).all()) for t in r.values()):
@@ -224,14 +224,6 @@ class HFAdapter(HFInputs):
             check_finite(rec, padded)
         return rec
 
-    def alone_anchor(self, model: nn.Module) -> Callable | None:
-        """``(i, states) -> (m_0, s_0)`` of each query alone at layer ``i`` from its with-context states
-        (``_alone_from_values``) where every layer's family names its values; else ``None``."""
-        sites = [self._sites_of(model, i) for i in range(self.n_layers(model))]
-        if all("value" in site and hasattr(site["attn"], "head_dim") for site in sites):
-            return functools.partial(self._alone_from_values, model)
-        return None
-
     def anchors(
         self,
         model: nn.Module,
@@ -302,31 +294,6 @@ class HFAdapter(HFInputs):
             for i, o in enumerate(out):
                 o["m"] = (rec[i]["h"] if i > 0 else o.pop("h")) + o.pop("a")
         return [(o["m"], o.get("s", o["m"])) for o in out]  # no norm before the MLP: s = m
-
-    def _alone_from_values(self, model: nn.Module, i: int, r: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """Each query alone at layer ``i``, from the values ``v`` the with-context pass recorded there.
-
-        A token alone attends to itself only (one attention weight, 1), so its attention output is
-        ``a_0 = W_o [v; ...; v]``, each key-value head repeated for the query heads sharing it; the
-        layer then applies what follows the attention (``Family.attn_out``, ``out_scale``) and adds
-        ``m_0 = h + a_0``, the layer input ``h`` being the with-context one (the patched layers below
-        reproduce it). ``s_0``: the MLP's norm of ``m_0``; ``m_0`` where the MLP reads the residual
-        stream; a parallel block's MLP reads the layer input's norm, the same in both passes.
-        ``(m_0, s_0)`` ``[B, Q, .]``: the layer's other work (the query and key projections, the
-        attention itself, the MLP) is never run for them."""
-        fam, site = self._layer_family(model, i), self._sites_of(model, i)
-        o_proj, v = site["layer"].get_submodule(fam.o_proj), r["v"]  # v [B, Q, kv_heads * head_dim]
-        groups = o_proj.in_features // v.shape[-1]  # query heads per key-value head
-        heads = v.unflatten(-1, (-1, site["attn"].head_dim)).repeat_interleave(groups, -2).flatten(-2)
-        a = o_proj(heads)  # [B, Q, d]
-        if fam.attn_out is not None:
-            a = site["layer"].get_submodule(fam.attn_out)(a)
-        if fam.out_scale is not None:
-            a = a * fam.out_scale(model.config)
-        m = r["h"] + a
-        if self.family(model).parallel(model.config):
-            return m, r["s"]
-        return m, (site["mlp_norm"](m) if "mlp_norm" in site else m)
 
     @staticmethod
     def _forward_kwargs(inputs: dict) -> dict:

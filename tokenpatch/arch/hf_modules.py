@@ -2,11 +2,13 @@
 (``Sites``), its heads and attention outputs, as the ``Family`` records of ``arch.families`` say.
 
 ``HFModules`` is the module map half of ``HFAdapter`` (``arch.hf`` adds the two passes): the
-methods of ``Adapter`` that name modules and parameters, not the ones that run the model.
+methods of ``Adapter`` that name modules and parameters, not the ones that run the model, and
+``alone_anchor``: a token alone's anchor from its recorded values, through the modules after them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -197,3 +199,36 @@ class HFModules(Adapter):
             "hidden_size": c.hidden_size,
             "name_or_path": getattr(c, "name_or_path", "") or getattr(c, "_name_or_path", ""),
         }
+
+    def alone_anchor(self, model: nn.Module) -> Callable | None:
+        """``(i, states) -> (m_0, s_0)`` of each query alone at layer ``i`` from its with-context states
+        (``_alone_from_values``) where every layer's family names its values; else ``None``."""
+        sites = [self._sites_of(model, i) for i in range(self.n_layers(model))]
+        if all("value" in site and hasattr(site["attn"], "head_dim") for site in sites):
+            return functools.partial(self._alone_from_values, model)
+        return None
+
+    def _alone_from_values(self, model: nn.Module, i: int, r: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Each query alone at layer ``i``, from the values ``v`` the with-context pass recorded there.
+
+        A token alone attends to itself only (one attention weight, 1), so its attention output is
+        ``a_0 = W_o [v; ...; v]``, each key-value head repeated for the query heads sharing it; the
+        layer then applies what follows the attention (``Family.attn_out``, ``out_scale``) and adds
+        ``m_0 = h + a_0``, the layer input ``h`` being the with-context one (the patched layers below
+        reproduce it). ``s_0``: the MLP's norm of ``m_0``; ``m_0`` where the MLP reads the residual
+        stream; a parallel block's MLP reads the layer input's norm, the same in both passes.
+        ``(m_0, s_0)`` ``[B, Q, .]``: the layer's other work (the query and key projections, the
+        attention itself, the MLP) is never run for them."""
+        fam, site = self._layer_family(model, i), self._sites_of(model, i)
+        o_proj, v = site["layer"].get_submodule(fam.o_proj), r["v"]  # v [B, Q, kv_heads * head_dim]
+        groups = o_proj.in_features // v.shape[-1]  # query heads per key-value head
+        heads = v.unflatten(-1, (-1, site["attn"].head_dim)).repeat_interleave(groups, -2).flatten(-2)
+        a = o_proj(heads)  # [B, Q, d]  as the forward computes it (no context: the same to the bit)
+        if fam.attn_out is not None:
+            a = site["layer"].get_submodule(fam.attn_out)(a)
+        if fam.out_scale is not None:
+            a = a * fam.out_scale(model.config)
+        m = r["h"] + a
+        if self.family(model).parallel(model.config):
+            return m, r["s"]
+        return m, (site["mlp_norm"](m) if "mlp_norm" in site else m)
