@@ -1,8 +1,9 @@
 """Cost of token patches and of ``tp.generate`` on real Hugging Face models, against one forward pass.
 
 Claim (``docs/hugging-face.md``): a token patch of a transformers model costs one with-context
-pass (recording each layer's states) plus one batch of one-token no-context passes, so patches
-of every layer for all positions cost about one forward pass. Target: ``tp.token_patch(model,
+pass of its base model, each layer's patch made as the layer finishes from its recorded states (a
+token alone's attention output is ``o_proj`` of its own values: no no-context pass), so patches
+of every layer for all positions cost about one forward pass of the base model. Target: ``tp.token_patch(model,
 ids, query="all")`` on a 512-token prompt <= 1.15x one with-context pass of the model's body
 ``model.base_model(ids)`` (without the LM head, which token_patch never runs).
 ``tp.generate`` costs one incremental with-context step plus two one-token passes per token,
