@@ -366,3 +366,26 @@ def test_session_fixtures(smollm2, gemma3):
     for (model, tokenizer), cls, n_layers in ((smollm2, "LlamaForCausalLM", 30), (gemma3, "Gemma3ForCausalLM", 18)):
         assert type(model).__name__ == cls and len(model.model.layers) == n_layers and not model.training
         assert tokenizer("Hello").input_ids
+
+
+def test_gguf_read_once_parses_each_file_once_and_restores_the_reader(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from tokenpatch.workbench.zoo.convert import gguf_read_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.GGUFReader
+    with gguf_read_once():
+        first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is again  # one parse per file, given as a Path or a str
+        assert int(first.fields["llama.block_count"].parts[-1][0]) == 1
+    assert gguf.GGUFReader is original
+    with pytest.raises(RuntimeError), gguf_read_once():
+        raise RuntimeError("a failed conversion")
+    assert gguf.GGUFReader is original  # put back on errors too
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)

