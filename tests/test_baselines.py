@@ -15,6 +15,7 @@ pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 
 from conftest import build, hooks_left  # noqa: E402
 from conftest import float64_gemma_norms as _float64_gemma_norms  # noqa: E402
 
+from tokenpatch.arch import adapter_for  # noqa: E402
 from tokenpatch.baselines import (
     Steering,
     attention_shift,
@@ -137,19 +138,22 @@ def test_head_contributions_sum_to_the_attention_output(name):
     assert float((total - want).abs().max()) <= 1e-12
 
 
-def test_head_effects_with_the_cache_equal_full_forwards():
-    """The AIE runs only the last token on a KV cache; a full forward per head gives the same."""
-    model = build("llama")
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])
+def test_head_effects_with_the_cache_equal_full_forwards(name):
+    """The AIE runs only the last token on a KV cache, the layers below the head's replayed; a full
+    forward per head gives the same."""
+    model = build(name)
     prompted, _, _ = batches(seed=3)
     answers = torch.tensor([5, 7, 9, 11, 13, 17])
     means = mean_heads(model, prompted)
     effects = head_effects(model, prompted, answers, means)
     p = lambda: logits(model, prompted)[:, -1].softmax(-1).gather(1, answers[:, None])[:, 0]  # noqa: E731
     base = p()
-    for layer, h in [(0, 0), (1, 2), (2, 3)]:
+    for layer, h in [(0, 0), (1, 2), (2, 3), (len(means) - 1, 1)]:
         with heads_set(model, {(layer, h): means[layer, h]}):
             assert float(effects[layer, h]) == pytest.approx(float((p() - base).mean()), abs=1e-12)
     assert float(effects.abs().max()) > 0
+    assert type(adapter_for(model).layers(model)[0]).__name__.endswith(("Layer", "Block"))  # every layer put back
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
