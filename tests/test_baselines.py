@@ -138,8 +138,8 @@ def test_head_contributions_sum_to_the_attention_output(name):
     assert float((total - want).abs().max()) <= 1e-12
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox"])
-def test_head_effects_with_the_cache_equal_full_forwards(name):
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox", "gemma3"])
+def test_head_effects_with_the_cache_equal_full_forwards(name, float64_gemma_norms):
     """The AIE runs only the last token on a KV cache, the layers below the head's replayed; a full
     forward per head gives the same."""
     model = build(name)

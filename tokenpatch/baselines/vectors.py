@@ -166,7 +166,7 @@ def head_effects(
     with registered_hooks((layer.register_forward_hook, keep(i)) for i, layer in enumerate(layers)):
         base = p_answer()
     n_layers, heads = means.shape[:2]
-    effects = torch.zeros(n_layers, heads)
+    effects = torch.zeros(n_layers, heads, dtype=torch.float64)  # the probabilities are float64
     for layer in progress_bar(range(n_layers), progress, desc="head effects", unit="layer"):
         for h in range(heads):
             with heads_set(model, {(layer, h): means[layer, h]}), _replayed(layers, returned[:layer]):
