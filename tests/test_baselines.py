@@ -336,6 +336,22 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
         compare(model, CharTokenizer(), task, test=0)
 
 
+def test_nan_from_eager_attention_on_padding_is_refused_not_ranked():
+    """Gemma 2's eager attention turns a left-padded row into NaN: the head search and the comparison
+    say so in one line instead of ranking NaN effects or scoring NaN logits."""
+    from tokenpatch.testing import tiny_hf_model
+
+    model = tiny_hf_model("gemma2")
+    assert model.config._attn_implementation == "eager"
+    prompted, _, _ = batches(seed=3)  # rows of different lengths: left padding
+    with pytest.raises(tp.InputError, match="head_effects: .*non-finite.*use 'sdpa'"):
+        head_effects(model, prompted, torch.tensor([5, 7, 9, 11, 13, 17]), torch.zeros(3, 4, 16, dtype=torch.float64))
+    words = [chr(97 + i % 26) * (1 + i % 3) + chr(97 + i // 26) for i in range(40)]  # 2 to 4 letters: padding
+    task = WordPairs("rev", "word -> reversed", tuple((w, (w[::-1],)) for w in words))
+    with pytest.raises(tp.InputError, match="compare: .*non-finite.*use 'sdpa'"):
+        compare(model, CharTokenizer(), task, shots=2, test=4, calibration=4, dev=6, methods=("zero_shot", "icl"))
+
+
 @pytest.mark.filterwarnings("ignore::tokenpatch.ThoughtWarning")
 def test_the_through_the_norm_row_is_fitted_only_where_a_norm_follows_the_mlp(float64_gemma_norms):
     """``norm_steps``: Gemma 3 gets the row (its step count chosen on dev; its fit records the steps),

@@ -50,6 +50,10 @@ from tokenpatch.baselines.steering import (
 from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
 
+# Why a left-padded batch can come out NaN: transformers' eager attention (Gemma 2's, for one) turns a
+# padding row whose keys are all masked into NaN, which then reaches every later position of that row.
+EAGER_NAN = " (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
+
 
 def pad_left(rows: Iterable[list[int]], pad_id: int) -> dict[str, Tensor]:
     """Token id lists as one left-padded batch with its attention mask and position ids."""
@@ -165,6 +169,8 @@ def head_effects(
 
     with registered_hooks((layer.register_forward_hook, keep(i)) for i, layer in enumerate(layers)):
         base = p_answer()
+    if not bool(torch.isfinite(base).all()):
+        raise InputError(f"head_effects: the model's forward gives non-finite probabilities on the prompts{EAGER_NAN}")
     n_layers, heads = means.shape[:2]
     effects = torch.zeros(n_layers, heads, dtype=torch.float64)  # the probabilities are float64
     for layer in progress_bar(range(n_layers), progress, desc="head effects", unit="layer"):

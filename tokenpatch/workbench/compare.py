@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenpatch.baselines.vectors import EAGER_NAN
 from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
 from tokenpatch.stats import wilson
 from tokenpatch.tasks.wordpairs import Format, WordPairs, is_correct
 from tokenpatch.workbench.extract import extract, timed
-from tokenpatch.workbench.methods import Encoded, Method, greedy, on_device, single_token_answers
+from tokenpatch.workbench.methods import Encoded, Method, answer_logits, greedy, on_device, single_token_answers
 
 # key (snake_case, as in the results) -> the name shown; the parametric rows are
 # "thought_patch_sampled_N" (N self-written continuations) and "prompt_baking_Kx" (K times the fit's time)
@@ -160,6 +161,8 @@ def compare(
         )
     splits = task.split(seed, demos=max(shots, 10), calibration=calibration, dev=dev, test=test)
     enc = Encoded(tokenizer, splits, shots, fmt, lead)
+    if not bool(torch.isfinite(answer_logits(model, enc.batch("dev", True), Method("ICL", prompted=True))).all()):
+        raise InputError(f"compare: the model's forward with the prompt gives non-finite log-probabilities{EAGER_NAN}")
     built = extract(
         model,
         enc,
