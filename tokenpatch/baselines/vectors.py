@@ -163,7 +163,7 @@ def head_effects(
 
     def keep(i: int):
         def hook(module, args, out):
-            returned[i] = out
+            returned[i] = _copied(out)  # a copy: a layer above may change its input in place
 
         return hook
 
@@ -189,9 +189,14 @@ class _Replay(nn.Module):
         self.out = out
 
     def forward(self, *args, **kwargs):
-        if isinstance(self.out, Tensor):
-            return self.out.clone()
-        return type(self.out)(x.clone() if isinstance(x, Tensor) else x for x in self.out)
+        return _copied(self.out)
+
+
+def _copied(out):
+    """A layer's output (a tensor, or a tuple holding tensors) with its tensors copied."""
+    if isinstance(out, Tensor):
+        return out.clone()
+    return type(out)(x.clone() if isinstance(x, Tensor) else x for x in out)
 
 
 @contextlib.contextmanager
