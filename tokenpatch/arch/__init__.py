@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from tokenpatch.arch.base import WEIGHT_LAYOUTS, Adapter, OutputSite, Sites, weight_layout
+from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.families import FAMILIES
 from tokenpatch.arch.hf import HFAdapter
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.icl import ICLAdapter
+from tokenpatch.arch.sites import WEIGHT_LAYOUTS, OutputSite, Sites, weight_layout
 from tokenpatch.errors import UnsupportedModelError
 
 __all__ = [

@@ -37,117 +37,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from torch import Tensor, nn
 
 from tokenpatch import files
+from tokenpatch.arch.sites import OUTPUT_KINDS, WEIGHT_LAYOUTS, OutputSite, Sites, weight_layout
 from tokenpatch.errors import UnsupportedModelError
 
 __all__ = ["OutputSite", "OUTPUT_KINDS", "Sites", "Adapter", "WEIGHT_LAYOUTS", "weight_layout"]
-
-OUTPUT_KINDS = ("bias", "matrix", "matrix+scale", "gated", "experts")
-
-
-@dataclass(frozen=True)
-class OutputSite:
-    """How a layer's patch absorbs the output side, ``m_C - m_0`` (``Sites.output``).
-
-    * ``"bias"``: add ``m_C - m_0`` to the MLP output bias ``name``;
-    * ``"matrix"``: the rank-1 ``(m_C - m_0) h_C^T / |h_C|^2`` on the output weight ``name``;
-    * ``"matrix+scale"``: a rank-1 patch of the output matrix ``name`` plus a dense delta of the scale
-      ``norm`` of the post-MLP norm (Gemma 2/3, ``solve.output_patch_scaled``);
-    * ``"gated"``: a rank-1 patch of the output matrix ``name`` whose output is scaled by a sigmoid gate
-      (a shared expert), the shift divided by the gate;
-    * ``"experts"``: the stacked output matrices ``name`` ``[E, out, in]`` of a mixture of experts, read
-      as the one matrix ``[D_1 ... D_E]`` on the chosen experts' weighted hidden states
-      (``arch.experts``): the rank-1 ``(m_C - m_0) z_C^T / |z_C|^2``, split over the chosen experts.
-
-    ``scale``: a constant the block multiplies the MLP output by before the residual add (Granite's
-    ``residual_multiplier``); the shift each kind absorbs is ``(m_C - m_0) / scale``.
-
-    ``names``: the parameters it writes. Indexing (``site[0]``, ``site[1:]``) reads it as the tuple
-    ``(kind, name)`` or ``(kind, name, norm)`` of earlier versions; read the fields instead.
-    """
-
-    kind: Literal["bias", "matrix", "matrix+scale", "gated", "experts"]
-    name: str
-    norm: str | None = None
-    scale: float = 1.0
-
-    def __post_init__(self):
-        if self.kind not in OUTPUT_KINDS:
-            raise UnsupportedModelError(f"OutputSite kind {self.kind!r} is not one of {OUTPUT_KINDS}")
-        if (self.norm is not None) != (self.kind == "matrix+scale"):
-            raise UnsupportedModelError(
-                f"OutputSite({self.kind!r}, {self.name!r}): a norm is given exactly with kind 'matrix+scale'"
-            )
-        if self.kind == "matrix+scale" and self.scale != 1.0:
-            raise UnsupportedModelError(f"OutputSite({self.kind!r}, {self.name!r}): a norm after the MLP with a scale")
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The parameter names the output side writes: ``(name,)`` or ``(name, norm)``."""
-        return (self.name,) if self.norm is None else (self.name, self.norm)
-
-    def __getitem__(self, index):
-        return (self.kind, *self.names)[index]
-
-    def __len__(self) -> int:
-        return 1 + len(self.names)
-
-
-@dataclass(frozen=True)
-class Sites:
-    """Parameter names a layer's patch writes to.
-
-    ``inputs``: weight matrices that read the MLP input ``s`` (each gets ``W (s_C - s_0) s_0^T/|s_0|^2``).
-    ``output``: an ``OutputSite`` (a tuple ``(kind, name[, norm])`` is converted), or ``None`` -- no
-    residual term. A parallel (NeoX) block has no input sites: its MLP input is the same in both passes.
-
-    ``input_site``: a module whose input is ``s`` (the MLP). Then the input side is one delta
-    ``"<input_site>:input"``, the change of that input ``s -> s + (s_C - s_0) (s_0 . s) / |s_0|^2``,
-    which equals the rank-1 patch ``W (s_C - s_0) s_0^T / |s_0|^2`` of every matrix in ``inputs``
-    (``W (I + D) = W + W D``) without forming ``W (s_C - s_0)``: it costs O(d) per query, and it
-    covers matrices that are not ``nn.Linear`` modules (a router, experts stored as one 3-D tensor).
-    """
-
-    inputs: tuple[str, ...]
-    output: OutputSite | None
-    input_site: str | None = None
-
-    def __post_init__(self):
-        if isinstance(self.output, tuple):
-            object.__setattr__(self, "output", OutputSite(*self.output))
-        elif self.output is not None and not isinstance(self.output, OutputSite):
-            raise UnsupportedModelError(f"Sites.output must be an OutputSite or None, got {type(self.output).__name__}")
-
-
-# How a module applies its ``weight`` to an input: "out_in" means ``y = x @ W.T`` (W stored
-# [out, in], torch's nn.Linear); "in_out" means ``y = x @ W`` (W stored [in, out], GPT-2's Conv1D).
-# Keyed by class name so optional libraries need not be imported.
-WEIGHT_LAYOUTS: dict[str, str] = {
-    "Linear": "out_in",
-    "Conv1D": "in_out",
-    # mixture-of-experts routers: a weight [experts, d] applied with F.linear
-    "Qwen2MoeTopKRouter": "out_in",
-    "MixtralTopKRouter": "out_in",
-    "Qwen3MoeTopKRouter": "out_in",
-    "OlmoeTopKRouter": "out_in",
-}
-
-
-def weight_layout(module: nn.Module, name: str = "") -> str:
-    """``"out_in"`` or ``"in_out"`` for ``module``'s weight, from its type (never its shape)."""
-    for cls in type(module).__mro__:
-        if cls.__name__ in WEIGHT_LAYOUTS:
-            return WEIGHT_LAYOUTS[cls.__name__]
-    raise UnsupportedModelError(
-        f"cannot patch {name or 'module'} of type {type(module).__name__}: its weight layout is unknown "
-        f"(known: {sorted(WEIGHT_LAYOUTS)}); add it to tokenpatch.arch.WEIGHT_LAYOUTS"
-    )
-
 
 # Who calls each declared method (named in the error of an adapter that lacks it).
 NEEDED_BY = {

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.arch.base import Adapter, OutputSite, Sites
+from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.experts import OUTPUT_MATRIX, stacked_experts
 from tokenpatch.arch.families import FAMILIES, Family
 from tokenpatch.arch.float64 import linear64, norm64
+from tokenpatch.arch.sites import OutputSite, Sites
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.per_model import PerModel
 

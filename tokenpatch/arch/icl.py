@@ -12,9 +12,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.arch.base import Adapter, OutputSite, Sites
+from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.float64 import linear64, norm64
 from tokenpatch.arch.hooks import registered_hooks
+from tokenpatch.arch.sites import OutputSite, Sites
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.models.icl import Block, ICLTransformer, check_inputs
 from tokenpatch.solve import block_values
