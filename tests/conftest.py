@@ -61,7 +61,7 @@ def non_snake_keys(obj) -> list[str]:
 
 # Real pretrained models (tokenpatch.workbench.zoo.pretrained), each loaded once per session by the tests that ask for it
 # (tests marked ``slow``). They are cached in $TOKENPATCH_CACHE when that is set (set it to reuse the float32
-# copies across runs: about 20 s + 45 s saved), else in a folder of this session's pytest tmp dir.
+# copies across runs: about 15 s + 35 s saved), else in a folder of this session's pytest tmp dir.
 # The fixtures' models are shared by every test of the session: never change their weights in place
 # (patch a copy, or restore what you changed); they are in eval mode and float32.
 

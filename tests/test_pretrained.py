@@ -4,7 +4,7 @@ The fast tests need no model weights: names, dtypes, the cache folder, the cache
 atomic rebuild (on fake folders) and the pip commands of missing packages; the whole
 ``load_pretrained`` path with a tiny random Llama standing in for the GGUF conversion, and the
 cache's checks, are in test_cache_verified.py. The tests marked ``slow`` convert and load the two
-real models (about 20 s and 45 s on 2 cores, peak 3.3 GB).
+real models (about 15 s and 35 s on 2 cores, peak 3.3 GB).
 """
 
 from __future__ import annotations
