@@ -38,7 +38,11 @@ from tokenpatch.arch.hf_inputs import HFInputs
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.errors import InputError
 
-__all__ = ["HFAdapter", "output_tensor", "registered_hooks"]
+__all__ = ["HFAdapter", "EAGER_NAN", "output_tensor", "registered_hooks"]
+
+# Why a left-padded batch can come out NaN: transformers' eager attention (Gemma 2's, for one) turns a
+# padding row whose keys are all masked into NaN, which then reaches every later position of that row.
+EAGER_NAN = " (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
 
 
 def check_finite(rec: list[dict[str, Tensor]], padded: bool, first: int = 0) -> None:
@@ -50,11 +54,7 @@ def check_finite(rec: list[dict[str, Tensor]], padded: bool, first: int = 0) -> 
         return
     for i, r in enumerate(rec, first):
         if not all(bool(torch.isfinite(t).all()) for t in r.values()):
-            hint = (
-                " (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
-                if padded
-                else ""
-            )
+            hint = EAGER_NAN if padded else ""
             raise InputError(f"the model's own forward gives non-finite states at the queries at layer {i}{hint}")
 
 

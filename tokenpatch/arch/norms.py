@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from tokenpatch.arch.sites import by_class
 from tokenpatch.errors import UnsupportedModelError
 
 __all__ = ["SCALE_NORMS", "scale_norm", "norm_eps"]
@@ -38,9 +39,9 @@ SCALE_NORMS: dict[str, tuple[Callable[[nn.Module, Tensor], Tensor], float]] = {
 
 
 def scale_norm(module: nn.Module, name: str = "") -> tuple[Callable[[nn.Module, Tensor], Tensor], float]:
-    for cls in type(module).__mro__:
-        if cls.__name__ in SCALE_NORMS:
-            return SCALE_NORMS[cls.__name__]
+    found = by_class(SCALE_NORMS, module)
+    if found is not None:
+        return found
     raise UnsupportedModelError(
         f"cannot patch the scale of {name or 'module'} ({type(module).__name__}): not a "
         f"known norm (known: {sorted(SCALE_NORMS)}); add it to tokenpatch.arch.norms.SCALE_NORMS"

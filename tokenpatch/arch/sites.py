@@ -6,13 +6,13 @@ returns a ``Sites`` per layer; ``tokenpatch.arch.base`` re-exports these names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
 from tokenpatch.errors import UnsupportedModelError
 
-__all__ = ["OutputSite", "OUTPUT_KINDS", "Sites", "WEIGHT_LAYOUTS", "weight_layout"]
+__all__ = ["OutputSite", "OUTPUT_KINDS", "Sites", "WEIGHT_LAYOUTS", "by_class", "weight_layout"]
 
 OUTPUT_KINDS = ("bias", "matrix", "matrix+scale", "gated", "experts")
 
@@ -105,11 +105,17 @@ WEIGHT_LAYOUTS: dict[str, str] = {
 }
 
 
+def by_class(table: dict[str, Any], module: nn.Module) -> Any:
+    """The entry of ``table`` (keyed by class name, so optional libraries need not be imported) for
+    ``module``'s class or the nearest base class listed; ``None`` if none is."""
+    return next((table[cls.__name__] for cls in type(module).__mro__ if cls.__name__ in table), None)
+
+
 def weight_layout(module: nn.Module, name: str = "") -> str:
     """``"out_in"`` or ``"in_out"`` for ``module``'s weight, from its type (never its shape)."""
-    for cls in type(module).__mro__:
-        if cls.__name__ in WEIGHT_LAYOUTS:
-            return WEIGHT_LAYOUTS[cls.__name__]
+    layout = by_class(WEIGHT_LAYOUTS, module)
+    if layout is not None:
+        return layout
     raise UnsupportedModelError(
         f"cannot patch {name or 'module'} of type {type(module).__name__}: its weight layout is unknown "
         f"(known: {sorted(WEIGHT_LAYOUTS)}); add it to tokenpatch.arch.WEIGHT_LAYOUTS"

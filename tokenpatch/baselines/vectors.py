@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for
+from tokenpatch.arch.hf import EAGER_NAN
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.arch.norms import norm_eps, scale_norm
 from tokenpatch.baselines.steering import (
@@ -49,10 +50,6 @@ from tokenpatch.baselines.steering import (
 )
 from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
-
-# Why a left-padded batch can come out NaN: transformers' eager attention (Gemma 2's, for one) turns a
-# padding row whose keys are all masked into NaN, which then reaches every later position of that row.
-EAGER_NAN = " (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
 
 
 def pad_left(rows: Iterable[list[int]], pad_id: int) -> dict[str, Tensor]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenpatch.baselines.vectors import EAGER_NAN
+from tokenpatch.arch.hf import EAGER_NAN
 from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
 from tokenpatch.stats import wilson
