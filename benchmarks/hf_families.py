@@ -68,7 +68,8 @@ def main() -> None:
         model = tiny_hf_model(name)
         adapter = adapter_for(model)
         sites = adapter.sites(model, 0)
-        inputs = ", ".join(n.rpartition(".")[0].split(".", 3)[-1] for n in sites.inputs) or "none (parallel)"
+        layer = next(n for n, m in model.named_modules() if m is adapter.layers(model)[0]) + "."
+        inputs = ", ".join(n.removeprefix(layer).rpartition(".")[0] for n in sites.inputs) or "none (parallel)"
         output = sites.output.kind + ("" if sites.output.scale == 1 else f" / {sites.output.scale:g}")
         with float64_norms():
             err = errors(name)

@@ -40,7 +40,7 @@ from tokenpatch.workbench.methods import Method, greedy
 
 float64_gemma_norms = _float64_gemma_norms  # test_hf's fixture, shared
 
-FAMILIES = ["llama", "gemma3", "gpt2", "gpt_neox"]
+FAMILIES = ["llama", "gemma3", "gpt2", "gpt_neox", "opt"]  # opt: its MLP runs on [batch * positions, d]
 BOS = 1
 
 
@@ -103,6 +103,32 @@ def test_zero_vector_changes_no_logit_and_the_model_is_restored(name, position):
     assert all(torch.equal(a, b) for a, b in zip(params, fingerprint(model)))  # no weight was ever written
 
 
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("position", ["last", "all"])
+def test_mlp_steering_adds_the_vector_to_the_mlp_output(name, position):
+    """The "mlp" site is the MLP's own contribution; OPT runs its MLP on the flattened tokens
+    ``[B * T, d]``, read as ``[B, T, d]`` (the sequences' shape, also during generation)."""
+    model = build(name)
+    _, plain, _ = batches()
+    v = torch.randn(model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    out = site_modules(model, "mlp")[1]
+
+    def by_hand(module, args, o):  # the vector added to the MLP output at the steered positions
+        t = o.view(*plain["input_ids"].shape, -1).clone()
+        t[:, -1 if position == "last" else slice(None)] += v
+        return t.view(o.shape)
+
+    with steer(model, Steering("mlp", {1: v}, "add", position)):
+        got, states = logits(model, plain), _states(model, plain, "mlp", last=False)
+    handle = out.register_forward_hook(by_hand)
+    try:
+        want = logits(model, plain)
+    finally:
+        handle.remove()
+    assert torch.equal(got, want) and not torch.equal(got, logits(model, plain))
+    assert states[1].shape == (*plain["input_ids"].shape, model.config.hidden_size)
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_replacing_a_state_with_itself_and_a_head_with_its_own_output_change_nothing(name):
     model = build(name)
@@ -138,7 +164,7 @@ def test_head_contributions_sum_to_the_attention_output(name):
     assert float((total - want).abs().max()) <= 1e-12
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt_neox", "gemma3", "opt"])
 def test_head_effects_with_the_cache_equal_full_forwards(name, float64_gemma_norms):
     """The AIE runs only the last token on a KV cache, the layers below the head's replayed; a full
     forward per head gives the same."""

@@ -26,7 +26,19 @@ DENSE = [name for name in CONFIGS if name not in MOE]  # stacked experts: no LoR
 EXTRAS = {
     **dict.fromkeys(["gemma2", "gemma3", "olmo2", "olmo3", "exaone4"], ["modules_to_save"]),
     **dict.fromkeys(
-        ["gpt2", "gpt_neox", "gpt_neox_sequential", "starcoder2", "phi", "gptj", "falcon", "gpt_bigcode"], ["lora_bias"]
+        [
+            "gpt2",
+            "gpt_neox",
+            "gpt_neox_sequential",
+            "starcoder2",
+            "phi",
+            "gptj",
+            "falcon",
+            "gpt_bigcode",
+            "opt",
+            "opt_post",
+        ],
+        ["lora_bias"],
     ),
 }
 

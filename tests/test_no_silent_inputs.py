@@ -169,10 +169,11 @@ def test_thought_patch_refuses_a_model_in_training_mode():
         tp.thought_patch(build("llama").train(), ids(1, 5)[0], ids(8, 3), progress=False)
 
 
-def test_positions_past_the_learned_position_table_are_refused():
-    model = build("gpt2")  # n_positions=64
-    with pytest.raises(tp.InputError, match=r"position id 69 is past the model's learned position table"):
-        tp.token_patch(model, ids(1, 70))
+@pytest.mark.parametrize("name", ["gpt2", "opt"])  # 64 positions; OPT's table has 2 more rows (ids offset by 2)
+def test_positions_past_the_learned_position_table_are_refused(name):
+    model = build(name)
+    with pytest.raises(tp.InputError, match=r"position id 64 is past the model's learned position table"):
+        tp.token_patch(model, ids(1, 65))
     with pytest.raises(tp.InputError, match=r"position id 80 is past"):
         tp.token_patch(model, {"input_ids": ids(1, 4), "position_ids": torch.tensor([[0, 1, 2, 80]])})
     assert tp.verify(model, tp.token_patch(model, ids(1, 64)), ids(1, 64)).max_abs <= 1e-10  # the last one fits

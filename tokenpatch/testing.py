@@ -35,6 +35,9 @@ def perturbed(module: nn.Module, seed: int = 0, scale: float = 0.3) -> nn.Module
 # rounding, and what ``benchmarks/hf_families.py`` measures for ``docs/hugging-face.md``.
 _SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101)
 _KV = dict(_SMALL, num_key_value_heads=2)
+_OPT = dict(
+    hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101, max_position_embeddings=64
+)
 TINY_HF: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", _KV),
     "qwen2": ("Qwen2Config", _KV),  # biases on q, k, v
@@ -114,6 +117,9 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "olmo3": ("Olmo3Config", dict(_KV, pad_token_id=0)),  # norms after the sublayers, as OLMo 2
     "exaone4": ("Exaone4Config", dict(_KV, pad_token_id=0)),
     "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
+    # learned positions offset by 2, the MLP two loose matrices run on [batch * positions, d]
+    "opt": ("OPTConfig", _OPT),
+    "opt_post": ("OPTConfig", dict(_OPT, do_layer_norm_before=False)),  # OPT-350m: norms after the adds
 }
 EAGER_ONLY = ("gemma2",)  # transformers has no sdpa path for Gemma 2
 MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "phimoe")  # run with transformers' eager experts

@@ -6,7 +6,8 @@ read and where the output side goes; that is the ``Family`` record. The five for
 (``docs/hugging-face.md``, "Block designs", with every ``model_type`` and its measured error):
 
 * sequential, a norm before the MLP (``llama`` and its kin, ``gpt2``, ``phi3``, ``olmo``,
-  ``starcoder2``, sequential ``gpt_neox`` and ``falcon``): the input change on the MLP's input; the
+  ``starcoder2``, ``opt``, sequential ``gpt_neox`` and ``falcon``; ``opt_post``, OPT-350m, norms after
+  each add instead, which the same two terms pass through, ``Family.add_norm``/``sum_norm``): the input change on the MLP's input; the
   output shift ``m_C - m_0`` in the output bias, else a rank-1 patch of the output matrix;
 * a residual multiplier (``granite``): the block adds ``r * MLP(s)``, so the shift is divided by
   ``r`` (``OutputSite.scale``);
@@ -85,6 +86,12 @@ class Family:
     residual add (Gemma 2/3, OLMo 2/3, EXAONE 4), patched in its scale. ``down_gate``: a module whose sigmoid
     scales ``down``'s output (a shared expert's gate). ``out_scale``: a constant the block multiplies
     each sublayer's output by before the residual add (Granite's ``residual_multiplier``).
+    ``sum_norm``: a norm of the residual stream after the MLP's add (OPT-350m: the layer's output is
+    ``N(m + MLP(s))``); a token patch needs nothing of it (the output shift makes the sum it
+    normalises the with-context one), a thought patch fits the sum before it.
+    ``mlp_out``: the module whose output is the MLP's contribution, if not ``mlp`` (OPT's MLP is no
+    module: ``fc1`` reads ``s``, ``fc2`` gives the output). ``add_norm``: a norm of the residual
+    stream right after the attention's add (OPT-350m's post-norm block: ``m = N(h + a)``).
     ``parallel``: whether a model of this family (its config) has a parallel block. ``dense``: the
     family of the layers that lack ``down`` (the plain MLP layers of a mixture-of-experts model).
     ``lone_zero``: projections whose outputs a token alone does not need (its own query and key:
@@ -120,6 +127,9 @@ class Family:
     out_scale: Callable[[Any], float] | None = None
     experts: bool = False
     value: str | None = None
+    mlp_out: str | None = None
+    add_norm: str | None = None
+    sum_norm: str | None = None
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
@@ -175,6 +185,22 @@ _MIXTRAL = replace(
     down="mlp.experts",
     experts=True,
     dense="llama",
+)
+_OPT = Family(  # no MLP module (fc1, fc2 run on [batch * positions, d]); learned positions offset by 2
+    "opt",
+    ("opt",),
+    "decoder.layers",
+    "final_layer_norm",
+    "self_attn",
+    ("fc1.weight",),
+    "fc2",
+    mlp="fc1",
+    mlp_out="fc2",
+    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    o_proj="self_attn.out_proj",
+    position_table="decoder.embed_positions",
+    value="self_attn.v_proj",
+    when=lambda config: config.do_layer_norm_before,
 )
 _PARALLEL = dict(mlp_norm="input_layernorm", parallel=lambda config: True)  # attention and MLP read one norm
 FAMILIES: list[Family] = [
@@ -289,6 +315,16 @@ FAMILIES: list[Family] = [
         when=lambda c: c.parallel_attn and (not c.new_decoder_architecture or c.num_ln_in_parallel_attn == 1),
     ),
     _FALCON,
+    # OPT, and OPT-350m's norms after each add (m = N(h + a) = s; the layer outputs N'(m + MLP(m)))
+    _OPT,
+    replace(
+        _OPT,
+        name="opt_post",
+        mlp_norm=None,
+        add_norm="self_attn_layer_norm",
+        sum_norm="final_layer_norm",
+        when=lambda config: not config.do_layer_norm_before,
+    ),
     # Mixture of experts with a shared expert: the router and every expert read the MLP input (one
     # input change patches them all, so the same experts are chosen with the same weights); the
     # output shift goes into the shared expert's down_proj, divided by its sigmoid gate. Layers with

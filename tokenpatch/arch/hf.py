@@ -119,7 +119,8 @@ class HFAdapter(HFInputs):
     ) -> Iterator[list[dict[str, Tensor]]]:
         """Hooks that record, during any forward of ``model`` inside the block, per layer ``h, m, s,
         hidden, out`` (and ``p``, the MLP output before a norm after it; ``gate``, a shared expert's
-        gate logit; ``v``, the values, where ``Family.value`` names them) at positions ``query`` of the
+        gate logit; ``v``, the values, where ``Family.value`` names them; ``sum``, the input of a norm after
+        the MLP's add, ``Family.sum_norm``) at positions ``query`` of the
         sequence run ``[B, Q, .]`` (``every``: the query is every position in order, kept without a
         copy); the list is filled on exit (``m`` of a parallel block is ``h`` plus the attention
         output). ``on_layer(i, states)``: called as each layer finishes, with its states, which are
@@ -199,6 +200,9 @@ class HFAdapter(HFInputs):
                 pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
             else:  # the norm's input, or the MLP's where it reads the residual stream itself (s = m)
                 pairs.append((_before_patches(site.get("mlp_norm", site["mlp"])), grab(i, "m", True)))
+            if self._layer_family(model, i).sum_norm is not None:  # the sum a norm after the MLP's add reads
+                norm = site["layer"].get_submodule(self._layer_family(model, i).sum_norm)
+                pairs.append((norm.register_forward_pre_hook, grab(i, "sum", True)))
             if "value" in site:  # every position, no copy: an in-place change of the values (OLMo's clip_qkv) shows
                 pairs.append((site["value"].register_forward_hook, grab(i, "v", False, every=True)))
         with registered_hooks(pairs):
@@ -245,6 +249,8 @@ class HFAdapter(HFInputs):
         at = None if kept is None else torch.tensor([kept.index(q) for q in query])  # queries in the kept sequence
 
         def pick(t: Tensor) -> Tensor:  # [B*Q, 1, .] or [B, K, .] -> [B, Q, .]
+            if t.ndim == 2:  # a module run on the flattened tokens (OPT's MLP, inside an MoE block)
+                t = t.view(batch, -1, t.shape[-1])
             return t.reshape(batch, n_q, *t.shape[2:]) if at is None else t[:, at.to(t.device)]
 
         def swap(i):

@@ -56,7 +56,10 @@ class HFInputs(HFModules):
 
     def position_limit(self, model: nn.Module) -> int | None:
         table = self.family(model).position_table
-        return model.base_model.get_submodule(table).num_embeddings if table else None
+        if table is None:
+            return None
+        table = model.base_model.get_submodule(table)  # OPT's ids are offset by 2 into its table
+        return table.num_embeddings - getattr(table, "offset", 0)
 
     # ------------------------------------------------------------------------- inputs
     def check_inputs(self, model: nn.Module, inputs: Any) -> dict:

@@ -101,7 +101,7 @@ class HFModules(Adapter):
         owner: dict[int, int] = {}
         for i, layer in enumerate(self.layers(model)):
             fam = self._layer_family(model, i)
-            names = (fam.mlp, fam.mlp_norm, fam.attn, fam.down, fam.out_norm, fam.down_gate)
+            names = (fam.mlp, fam.mlp_norm, fam.attn, fam.down, fam.out_norm, fam.down_gate, fam.add_norm)
             for name, module in [("the layer", layer), *((n, layer.get_submodule(n)) for n in names if n)]:
                 j = owner.setdefault(id(module), i)
                 if j != i:
@@ -135,7 +135,8 @@ class HFModules(Adapter):
             output = OutputSite("bias", f"{p}{fam.down}.bias", scale=scale)
         else:
             output = OutputSite("matrix", f"{p}{fam.down}.weight", scale=scale)
-        return Sites(inputs=inputs, output=output, input_site=None if parallel else f"{p}{fam.mlp}")
+        sum_norm = None if fam.sum_norm is None else f"{p}{fam.sum_norm}"
+        return Sites(inputs, output, None if parallel else f"{p}{fam.mlp}", sum_norm)
 
     # ------------------------------------------------------------------------- heads and attention
     def n_heads(self, model: nn.Module) -> int:
@@ -152,7 +153,7 @@ class HFModules(Adapter):
 
     def mlp_outputs(self, model: nn.Module) -> list[nn.Module]:
         return [
-            layer.get_submodule(fam.out_norm or fam.mlp)
+            layer.get_submodule(fam.out_norm or fam.mlp_out or fam.mlp)
             for fam, layer in ((self._layer_family(model, i), layer) for i, layer in enumerate(self.layers(model)))
         ]
 
@@ -171,8 +172,9 @@ class HFModules(Adapter):
         o_proj = linear64(layer.get_submodule(fam.o_proj))
         post = norm64(layer.get_submodule(fam.attn_out), fam.attn_out) if fam.attn_out else (lambda a: a)
         mlp_norm = norm64(layer.get_submodule(fam.mlp_norm), fam.mlp_norm) if fam.mlp_norm else (lambda a: a)
+        added = norm64(layer.get_submodule(fam.add_norm), fam.add_norm) if fam.add_norm else (lambda a: a)
         scale = 1.0 if fam.out_scale is None else fam.out_scale(model.config)  # Granite's residual multiplier
-        return lambda z: mlp_norm(h + scale * post(o_proj(z)))
+        return lambda z: mlp_norm(added(h + scale * post(o_proj(z))))
 
     def attention_patterns(self, model: nn.Module, inputs: Any) -> list[Tensor]:
         """One forward with ``output_attentions=True`` under eager attention (fused kernels return no
@@ -215,7 +217,7 @@ class HFModules(Adapter):
         A token alone attends to itself only (one attention weight, 1), so its attention output is
         ``a_0 = W_o [v; ...; v]``, each key-value head repeated for the query heads sharing it; the
         layer then applies what follows the attention (``Family.attn_out``, ``out_scale``) and adds
-        ``m_0 = h + a_0``, the layer input ``h`` being the with-context one (the patched layers below
+        ``m_0 = h + a_0`` (through ``Family.add_norm`` where the block has one), the layer input ``h`` being the with-context one (the patched layers below
         reproduce it). ``s_0``: the MLP's norm of ``m_0``; ``m_0`` where the MLP reads the residual
         stream; a parallel block's MLP reads the layer input's norm, the same in both passes.
         ``(m_0, s_0)`` ``[B, Q, .]``: the layer's other work (the query and key projections, the
@@ -230,6 +232,8 @@ class HFModules(Adapter):
         if fam.out_scale is not None:
             a = a * fam.out_scale(model.config)
         m = r["h"] + a
+        if fam.add_norm is not None:  # a norm after the add (OPT-350m): m = N(h + a)
+            m = site["layer"].get_submodule(fam.add_norm)(m)
         if self.family(model).parallel(model.config):
             return m, r["s"]
         return m, (site["mlp_norm"](m) if "mlp_norm" in site else m)

@@ -78,11 +78,16 @@ class Sites:
     which equals the rank-1 patch ``W (s_C - s_0) s_0^T / |s_0|^2`` of every matrix in ``inputs``
     (``W (I + D) = W + W D``) without forming ``W (s_C - s_0)``: it costs O(d) per query, and it
     covers matrices that are not ``nn.Linear`` modules (a router, experts stored as one 3-D tensor).
+
+    ``sum_norm``: a norm (module name) the layer applies to the residual stream after the MLP's add
+    (OPT-350m): its output is ``N(m + MLP(s))``, not the sum itself. A token patch is exact without
+    it (the output side makes the sum the with-context one); a thought patch fits that sum.
     """
 
     inputs: tuple[str, ...]
     output: OutputSite | None
     input_site: str | None = None
+    sum_norm: str | None = None
 
     def __post_init__(self):
         if isinstance(self.output, tuple):

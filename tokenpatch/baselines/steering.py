@@ -44,6 +44,14 @@ def site_modules(model: nn.Module, site: str) -> list[nn.Module]:
     return list(getattr(adapter, method)(model))
 
 
+def stream_of(t: Tensor, batch: Tensor | tuple[int, int]) -> Tensor:
+    """A site's output as ``[B, T, d]``: a module run on the flattened tokens ``[B * T, d]`` (OPT's MLP)
+    is viewed with the ``[B, T]`` of the sequences run (``batch``: their token ids, or that shape)."""
+    if t.ndim != 2:
+        return t
+    return t.view(*(batch.shape[:2] if isinstance(batch, Tensor) else batch), t.shape[-1])
+
+
 def o_proj_modules(model: nn.Module) -> list[nn.Module]:
     """Per decoder layer, the attention's output matrix (its input: the heads' outputs side by side;
     ``Adapter.output_projections``)."""
@@ -112,9 +120,15 @@ def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = No
     if bad:
         raise InputError(f"steering layers {bad} are not in [0, {len(modules)})")
 
+    shape: list[int] = []  # [B, T] of the sequences each forward runs (a flattened site's output needs it)
+
+    def note(module, args, kwargs):
+        shape[:] = (args[0] if args else kwargs["hidden_states"]).shape[:2]
+
     def hook_for(vector: Tensor):
         def hook(module, args, out):
-            t = output_tensor(out)
+            flat = output_tensor(out)
+            t = stream_of(flat, tuple(shape))
             if vector.shape[-1] != t.shape[-1]:
                 raise InputError(f"a steering vector has {vector.shape[-1]} features, the stream {t.shape[-1]}")
             v = vector.to(t.device, t.dtype)
@@ -132,11 +146,15 @@ def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = No
             else:
                 new = t.clone()
                 new[:, -1] = t[:, -1] + v if steering.mode == "add" else v
+            new = new.view(flat.shape)
             return new if isinstance(out, Tensor) else (new, *out[1:])
 
         return hook
 
-    with registered_hooks((modules[i].register_forward_hook, hook_for(v)) for i, v in steering.vectors.items()):
+    first = adapter_for(model).layers(model)[0]  # its input [B, T, d] gives the shape
+    pairs = [(lambda h: first.register_forward_pre_hook(h, with_kwargs=True), note)]
+    pairs += [(modules[i].register_forward_hook, hook_for(v)) for i, v in steering.vectors.items()]
+    with registered_hooks(pairs):
         yield model
 
 

@@ -47,6 +47,7 @@ from tokenpatch.baselines.steering import (
     o_proj_modules,
     recording_heads,
     site_modules,
+    stream_of,
 )
 from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
@@ -81,7 +82,7 @@ def _states(model: nn.Module, batch: dict[str, Tensor], site: str, last: bool) -
 
     def hook_for(i):
         def hook(module, args, out):
-            t = output_tensor(out).detach()
+            t = stream_of(output_tensor(out).detach(), batch["input_ids"])
             rec[i] = t[:, -1] if last else t
 
         return hook

@@ -55,6 +55,7 @@ from tokenpatch.thought.fit import (
 from tokenpatch.thought.lm_output import STREAM_KEYS, fit_norm, fit_output, next_streams
 from tokenpatch.thought.lstsq import accumulate, factor, residual, solve
 
+_TARGET_KEYS = ("s", "out", "sum")  # what the fits read of the with-prompt pass (sum: Sites.sum_norm)
 TARGET_CACHE_BYTES = 2**28  # the prompt's keys and values copied per target batch, at most (about)
 
 
@@ -152,8 +153,8 @@ def fit_lm(
             kv.batch_repeat_interleave(rows.shape[0])
             with adapter.recording(model, torch.arange(rows.shape[1], device=device), every=True) as rec:
                 model.base_model(input_ids=rows, cache=kv, use_cache=True)
-            parts.append([{k: r[k] for k in ("s", "out")} for r in rec])  # what the fits read of this pass
-        return [{k: torch.cat([part[i][k] for part in parts]) for k in ("s", "out")} for i in range(n_layers)]
+            parts.append([{k: r[k] for k in _TARGET_KEYS if k in r} for r in rec])  # what the fits read of this pass
+        return [{k: torch.cat([part[i][k] for part in parts]) for k in parts[0][i]} for i in range(n_layers)]
 
     # the targets do not depend on the fit: computed once and kept (m x T_q x layers x 2 d numbers)
     cache = [targets(q) for q in batches]
@@ -226,7 +227,7 @@ def fit_lm(
                 if site.kind == "matrix+scale":
                     fit.update(fit_norm(model, site, pairs, mine, fit["output_ridge"], norm_steps, rank, distributed))
                 if kept is not None:  # the next layer's input from the output side's pass: no third pass
-                    streams, moved = next_streams(model, site, mine, kept), True
+                    streams, moved = next_streams(model, site, mine, kept, sites.sum_norm), True
             fits.append(LayerFit(**{"n": 0, **fit}))
             deltas.update(mine)
         if i < fitted[-1] and not moved:

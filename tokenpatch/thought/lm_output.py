@@ -50,7 +50,8 @@ def fit_output(
             if kind == "matrix+scale":  # a norm after the MLP: aim its input at the direction it must output
                 t = norm_target(norm, g, rc["out"][v] - r0["m"][v], r0["p"][v])  # [N, d]
             else:
-                t = (rc["out"] - r0["out"])[v]  # [N, d]  what the layer still misses
+                key = "sum" if "sum" in rc else "out"  # a norm after the MLP's add: the sum it reads
+                t = (rc[key] - r0[key])[v]  # [N, d]  what the layer still misses
             if kind == "gated":  # the matrix's output is scaled by sigmoid(gate): fit t / gate
                 t = t / torch.sigmoid(r0["gate"][v].to(t.dtype))
             t = t / site.scale  # the block multiplies the MLP output by it (Granite)
@@ -60,10 +61,12 @@ def fit_output(
     return solve_output(pairs(), i, model, matrix, name if affine else None, output, deltas, ridge, distributed, solver)
 
 
-STREAM_KEYS = ("m", "hidden", "gate")  # what next_streams reads of the output side's pass
+STREAM_KEYS = ("m", "hidden", "gate", "sum")  # what next_streams reads of the output side's pass
 
 
-def next_streams(model: nn.Module, site: OutputSite, mine: dict[str, Delta], kept: list) -> list[Tensor]:
+def next_streams(
+    model: nn.Module, site: OutputSite, mine: dict[str, Delta], kept: list, sum_norm: str | None = None
+) -> list[Tensor]:
     """Per batch, the layer's output under all of ``mine`` from the output side's pass, run under
     its input change only: the output deltas act after the MLP's hidden features ``h'`` (recorded),
     so only the output matrix (and the post-MLP norm) run again.
@@ -71,7 +74,8 @@ def next_streams(model: nn.Module, site: OutputSite, mine: dict[str, Delta], kep
     ``out = out_pass + g (W' h' - W h')`` (``g``: the shared expert's ``sigmoid(gate)``, else 1, times
     ``OutputSite.scale``), or
     with a norm after the MLP (Gemma 2/3) ``out = m + norm'(W' h')``, primes marking the patched
-    module. The fit already assumes this form (``out = m + MLP output``)."""
+    module. The fit already assumes this form (``out = m + MLP output``). ``sum_norm`` (a norm after the
+    MLP's add, ``Sites.sum_norm``): ``out = N(sum_pass + g (W' h' - W h'))``."""
     if site.kind == "experts":  # the stacked output matrices read as one on the recorded z (arch.experts)
         change = [mine[site.name].index((0, 0)).matvec(rec["hidden"].to(mine[site.name].dtype)) for rec, _ in kept]
         return [out + (c * site.scale).to(out.dtype) for (_, out), c in zip(kept, change)]
@@ -91,7 +95,7 @@ def next_streams(model: nn.Module, site: OutputSite, mine: dict[str, Delta], kep
         change = (new - down(h)) * site.scale
         if site.kind == "gated":
             change = change * torch.sigmoid(rec["gate"].to(change.dtype))
-        streams.append(out + change)
+        streams.append(out + change if sum_norm is None else model.get_submodule(sum_norm)(rec["sum"] + change))
     return streams
 
 
