@@ -12,7 +12,7 @@ from conftest import non_snake_keys
 import tokenpatch as tp
 
 pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
-from conftest import build, hooks_left  # noqa: E402
+from conftest import build, hooks_left, ids  # noqa: E402
 from conftest import float64_gemma_norms as _float64_gemma_norms  # noqa: E402
 
 from tokenpatch.arch import adapter_for  # noqa: E402
@@ -40,7 +40,7 @@ from tokenpatch.workbench.methods import Method, greedy
 
 float64_gemma_norms = _float64_gemma_norms  # test_hf's fixture, shared
 
-FAMILIES = ["llama", "gemma3", "gpt2", "gpt_neox", "opt"]  # opt: its MLP runs on [batch * positions, d]
+FAMILIES = ["llama", "gemma3", "gpt2", "gpt_neox", "opt"]  # opt: its MLP runs on [B * T, d]
 BOS = 1
 
 
@@ -103,30 +103,49 @@ def test_zero_vector_changes_no_logit_and_the_model_is_restored(name, position):
     assert all(torch.equal(a, b) for a, b in zip(params, fingerprint(model)))  # no weight was ever written
 
 
-@pytest.mark.parametrize("name", ["llama", "opt"])
+# per design, layer 1's module whose output carries the site's contribution, read off the model code:
+# OPT's MLP output is fc2's (run on [B * T, d]); Bloom's attention and MLP modules add the residual
+# themselves, which adding a vector to their output leaves the same
+STEERED = {
+    "llama": {"attention": "self_attn", "mlp": "mlp"},
+    "opt": {"attention": "self_attn", "mlp": "fc2"},
+    "bloom": {"attention": "self_attention", "mlp": "mlp"},
+}
+
+
+@pytest.mark.parametrize("name", list(STEERED))
 @pytest.mark.parametrize("position", ["last", "all"])
-def test_mlp_steering_adds_the_vector_to_the_mlp_output(name, position):
-    """The "mlp" site is the MLP's own contribution; OPT runs its MLP on the flattened tokens
-    ``[B * T, d]``, read as ``[B, T, d]`` (the sequences' shape, also during generation)."""
+@pytest.mark.parametrize("site", ["attention", "mlp"])
+def test_steering_adds_the_vector_to_the_sublayer_output(name, position, site):
+    """The "attention" and "mlp" sites add the vector to what the sublayer adds to the stream, also
+    where the MLP runs on the flattened tokens (OPT) or the modules add the residual (Bloom)."""
     model = build(name)
-    _, plain, _ = batches()
+    plain = {"input_ids": ids(2, 7)}  # no padding: Bloom's eager attention gives NaN on it
     v = torch.randn(model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    out = site_modules(model, "mlp")[1]
+    module = adapter_for(model).layers(model)[1].get_submodule(STEERED[name][site])
 
-    def by_hand(module, args, o):  # the vector added to the MLP output at the steered positions
-        t = o.view(*plain["input_ids"].shape, -1).clone()
+    def by_hand(module, args, o):
+        t = o[0] if isinstance(o, tuple) else o
+        t = t.view(*plain["input_ids"].shape, -1).clone()
         t[:, -1 if position == "last" else slice(None)] += v
-        return t.view(o.shape)
+        t = t.view((o[0] if isinstance(o, tuple) else o).shape)
+        return (t, *o[1:]) if isinstance(o, tuple) else t
 
-    with steer(model, Steering("mlp", {1: v}, "add", position)):
-        got, states = logits(model, plain), _states(model, plain, "mlp", last=False)
-    handle = out.register_forward_hook(by_hand)
+    with steer(model, Steering(site, {1: v}, "add", position)):
+        got, states = logits(model, plain), _states(model, plain, site, last=False)
+    handle = module.register_forward_hook(by_hand)
     try:
         want = logits(model, plain)
     finally:
         handle.remove()
-    assert torch.equal(got, want) and not torch.equal(got, logits(model, plain))
+    # Bloom: (a + v) + residual against (a + residual) + v, the same sum rounded in another order
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert float((got - logits(model, plain)).abs().max()) > 1e-3
     assert states[1].shape == (*plain["input_ids"].shape, model.config.hidden_size)
+    if (site, position) != ("mlp", "all"):
+        return  # once per design: the contributions add up to the stream (layer 1's output = its input + both)
+    stream, attention, mlp = (_states(model, plain, s, last=False) for s in ("residual", "attention", "mlp"))
+    torch.testing.assert_close(stream[1], stream[0] + attention[1] + mlp[1], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -100,7 +100,7 @@ def float64_norms(monkeypatch):
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", llama)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "opt", "opt_post"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2", "opt", "opt_post", "bloom"])
 def test_parts_sum_to_the_token_patch_of_hugging_face_models(name, float64_norms):
     pytest.importorskip("transformers", reason="the Hugging Face extra is not installed")
     from test_hf import build, ids

@@ -18,6 +18,7 @@ import torch
 import tokenpatch as tp
 from tokenpatch.arch import adapter_for
 from tokenpatch.arch.hf_modules import HFModules
+from tokenpatch.testing import EAGER_ONLY
 from tokenpatch.thought import hf as thought_hf
 from tokenpatch.thought import lm_output as thought_lm_output
 
@@ -83,7 +84,7 @@ def test_chunk_removed_and_keep_bos(name, float64_gemma_norms):
         torch.testing.assert_close(got, model(x).logits[:, -1], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "gemma2"])  # Gemma 2 runs eager: NaN with padding
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in EAGER_ONLY])  # eager attention: NaN with padding
 def test_padded_batch_gives_each_prompts_patches(name, float64_gemma_norms):
     model = build(name)
     a, b = ids(1, 12, seed=2), ids(1, 7, seed=3)
@@ -198,7 +199,7 @@ def test_eager_attention_with_padding_names_the_cause():
         tp.token_patch(model, batch)
 
 
-@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "gemma2"])  # Gemma 2 runs eager: NaN with padding
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in EAGER_ONLY])  # eager attention: NaN with padding
 def test_trajectory_is_the_token_patch_of_every_prefix(name, float64_gemma_norms):
     model, x = build(name), ids(2, 8)
     traj = tp.trajectory(model, x, query=-2)

@@ -37,6 +37,7 @@ EXTRAS = {
             "gpt_bigcode",
             "opt",
             "opt_post",
+            "bloom",
         ],
         ["lora_bias"],
     ),

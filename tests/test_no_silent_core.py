@@ -255,6 +255,18 @@ def test_rotary_positions_checked_only_where_they_matter():
     assert _err(tp.functional_call(model, middle, **kept).logits[:, -1], ref) < 1e-12
 
 
+def test_positions_from_the_mask_need_no_position_ids():
+    """Bloom's ALiBi reads the positions off the attention mask (it takes no position ids): the kept
+    tokens of a removed chunk run closer together in the patch's own no-context pass, the same way
+    without position ids, so nothing is refused and the queries get their with-context logits."""
+    model = build("bloom")
+    x = ids(2, 12)
+    middle = tp.token_patch(model, x, remove=slice(3, 8))
+    kept = tp.strip_context(model, x, remove=slice(3, 8))
+    got = tp.functional_call(model, middle, input_ids=kept["input_ids"]).logits[:, -1]
+    assert _err(got, model(x).logits[:, -1]) < 1e-12
+
+
 # ----------------------------------------------------------------------------- item 9: the fingerprint cache
 
 

@@ -120,8 +120,10 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     # learned positions offset by 2, the MLP two loose matrices run on [batch * positions, d]
     "opt": ("OPTConfig", _OPT),
     "opt_post": ("OPTConfig", dict(_OPT, do_layer_norm_before=False)),  # OPT-350m: norms after the adds
+    # the residual added inside the attention and MLP modules; ALiBi; eager attention only
+    "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=3, n_head=4, vocab_size=101)),
 }
-EAGER_ONLY = ("gemma2",)  # transformers has no sdpa path for Gemma 2
+EAGER_ONLY = ("gemma2", "bloom")  # transformers has no sdpa path for Gemma 2 and Bloom
 MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "phimoe")  # run with transformers' eager experts
 
 

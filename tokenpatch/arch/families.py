@@ -6,9 +6,9 @@ read and where the output side goes; that is the ``Family`` record. The five for
 (``docs/hugging-face.md``, "Block designs", with every ``model_type`` and its measured error):
 
 * sequential, a norm before the MLP (``llama`` and its kin, ``gpt2``, ``phi3``, ``olmo``,
-  ``starcoder2``, ``opt``, sequential ``gpt_neox`` and ``falcon``; ``opt_post``, OPT-350m, norms after
-  each add instead, which the same two terms pass through, ``Family.add_norm``/``sum_norm``): the input change on the MLP's input; the
-  output shift ``m_C - m_0`` in the output bias, else a rank-1 patch of the output matrix;
+  ``starcoder2``, ``opt``, ``bloom``, sequential ``gpt_neox`` and ``falcon``; ``opt_post``, OPT-350m,
+  norms after each add instead, which the same two terms pass through): the input change on the MLP's
+  input; the output shift ``m_C - m_0`` in the output bias, else a rank-1 patch of the output matrix;
 * a residual multiplier (``granite``): the block adds ``r * MLP(s)``, so the shift is divided by
   ``r`` (``OutputSite.scale``);
 * a norm after the MLP (``gemma2``: Gemma 2/3, scale ``1 + w``; ``olmo2``: OLMo 2/3 and EXAONE 4,
@@ -30,44 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["Family", "FAMILIES", "CONFIG_IGNORED"]
-
-# Hugging Face config fields that do not change a causal LM's forward, left out of a patch's config
-# record (every other field counts, ``Adapter.config_ignored``): names and versions, the dtype (the
-# weight fingerprint survives ``.double()``), the cache and output flags, the attention and experts
-# implementations, the initialisation, labels and special token ids (read by tokenizers and
-# generation, not the forward), and GPT-2's sequence-summary head (a double-heads model's, not the LM's).
-CONFIG_IGNORED = (
-    "_name_or_path",
-    "name_or_path",
-    "transformers_version",
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "use_cache",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-    "attn_implementation",
-    "_attn_implementation",
-    "experts_implementation",
-    "_experts_implementation",
-    "initializer_range",
-    "id2label",
-    "label2id",
-    "problem_type",
-    "tokenizer_class",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "sep_token_id",
-    "decoder_start_token_id",
-    "summary_type",
-    "summary_use_proj",
-    "summary_activation",
-    "summary_proj_to_labels",
-    "summary_first_dropout",
-)
+__all__ = ["Family", "FAMILIES"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +52,8 @@ class Family:
     ``sum_norm``: a norm of the residual stream after the MLP's add (OPT-350m: the layer's output is
     ``N(m + MLP(s))``); a token patch needs nothing of it (the output shift makes the sum it
     normalises the with-context one), a thought patch fits the sum before it.
+    ``residual_inside``: the attention and MLP modules add the residual themselves (Bloom): a
+    sublayer's contribution is the output of ``o_proj`` and of ``down``.
     ``mlp_out``: the module whose output is the MLP's contribution, if not ``mlp`` (OPT's MLP is no
     module: ``fc1`` reads ``s``, ``fc2`` gives the output). ``add_norm``: a norm of the residual
     stream right after the attention's add (OPT-350m's post-norm block: ``m = N(h + a)``).
@@ -128,6 +93,7 @@ class Family:
     experts: bool = False
     value: str | None = None
     mlp_out: str | None = None
+    residual_inside: bool = False
     add_norm: str | None = None
     sum_norm: str | None = None
 
@@ -201,6 +167,21 @@ _OPT = Family(  # no MLP module (fc1, fc2 run on [batch * positions, d]); learne
     position_table="decoder.embed_positions",
     value="self_attn.v_proj",
     when=lambda config: config.do_layer_norm_before,
+)
+# Bloom: the attention and the MLP modules add the residual themselves (their contributions are
+# o_proj's and down's outputs); ALiBi positions; fused query, key and value. Configs whose residual is
+# the norm's output, or whose MLP bypasses its modules (pretraining_tp > 1, slow_but_exact), are refused.
+_BLOOM = Family(
+    "bloom",
+    ("bloom",),
+    "h",
+    "post_attention_layernorm",
+    "self_attention",
+    ("mlp.dense_h_to_4h.weight",),
+    "mlp.dense_4h_to_h",
+    o_proj="self_attention.dense",
+    residual_inside=True,
+    when=lambda c: not c.apply_residual_connection_post_layernorm and not (c.pretraining_tp > 1 and c.slow_but_exact),
 )
 _PARALLEL = dict(mlp_norm="input_layernorm", parallel=lambda config: True)  # attention and MLP read one norm
 FAMILIES: list[Family] = [
@@ -316,6 +297,7 @@ FAMILIES: list[Family] = [
     ),
     _FALCON,
     # OPT, and OPT-350m's norms after each add (m = N(h + a) = s; the layer outputs N'(m + MLP(m)))
+    _BLOOM,
     _OPT,
     replace(
         _OPT,

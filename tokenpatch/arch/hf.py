@@ -33,16 +33,19 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch.experts import scattered_hiddens
-from tokenpatch.arch.families import CONFIG_IGNORED, Family
-from tokenpatch.arch.hf_inputs import HFInputs
+from tokenpatch.arch.families import Family
+from tokenpatch.arch.hf_inputs import CONFIG_IGNORED, HFInputs
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.errors import InputError
 
 __all__ = ["HFAdapter", "EAGER_NAN", "output_tensor", "registered_hooks"]
 
-# Why a left-padded batch can come out NaN: transformers' eager attention (Gemma 2's, for one) turns a
+# Why a left-padded batch can come out NaN: transformers' eager attention (Gemma 2's, Bloom's) turns a
 # padding row whose keys are all masked into NaN, which then reaches every later position of that row.
-EAGER_NAN = " (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa')"
+EAGER_NAN = (
+    " (with padding, attn_implementation='eager' gives NaN in transformers' own forward: use 'sdpa', or, "
+    "where the model has no sdpa attention (Gemma 2, Bloom), rows without padding)"
+)
 
 
 def check_finite(rec: list[dict[str, Tensor]], padded: bool, first: int = 0) -> None:

@@ -1,6 +1,7 @@
 """The inputs of a Hugging Face causal LM as tokenpatch reads them: token ids, attention mask and
 position ids checked and completed (``check_inputs``), the no-context inputs (``strip``), and the
-position checks a patch's forward needs (``check_positions``, ``position_limit``).
+position checks a patch's forward needs (``check_positions``, ``position_limit``), and the config
+fields that do not change the forward (``CONFIG_IGNORED``, left out of a patch's config record).
 
 ``HFInputs`` is the middle of ``HFAdapter``: it adds these to the module map (``arch.hf_modules``);
 ``arch.hf`` adds the two passes.
@@ -19,7 +20,44 @@ from tokenpatch.arch.hf_modules import HFModules
 from tokenpatch.errors import InputError
 from tokenpatch.plans import refuse_padded_queries
 
-__all__ = ["HFInputs"]
+__all__ = ["HFInputs", "CONFIG_IGNORED"]
+
+# Hugging Face config fields that do not change a causal LM's forward, left out of a patch's config
+# record (every other field counts, ``Adapter.config_ignored``): names and versions, the dtype (the
+# weight fingerprint survives ``.double()``), the cache and output flags, the attention and experts
+# implementations, the initialisation, labels and special token ids (read by tokenizers and
+# generation, not the forward), and GPT-2's sequence-summary head (a double-heads model's, not the LM's).
+CONFIG_IGNORED = (
+    "_name_or_path",
+    "name_or_path",
+    "transformers_version",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "attn_implementation",
+    "_attn_implementation",
+    "experts_implementation",
+    "_experts_implementation",
+    "initializer_range",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+)
 
 
 class HFInputs(HFModules):
@@ -36,6 +74,8 @@ class HFInputs(HFModules):
         any position). Given position ids are the caller's: with padding they are not the plan's
         positions, so they are not compared. A patch without a plan or static has no positions."""
         plan = patch.plan
+        if "position_ids" not in inspect.signature(model.forward).parameters:
+            return  # positions from the attention mask alone (Bloom's ALiBi): the patch's own pass ran so too
         if len(args) > 1:  # arguments by position: in the order of this model's own forward
             kwargs = {**inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments, **kwargs}
         # a cache's length starts the count: positions the adapter cannot see

@@ -149,11 +149,12 @@ class HFModules(Adapter):
 
     def attention_outputs(self, model: nn.Module) -> list[nn.Module]:
         fam = self.family(model)
-        return [layer.get_submodule(fam.attn_out or fam.attn) for layer in self.layers(model)]
+        name = fam.attn_out or (fam.o_proj if fam.residual_inside else fam.attn)
+        return [layer.get_submodule(name) for layer in self.layers(model)]
 
     def mlp_outputs(self, model: nn.Module) -> list[nn.Module]:
         return [
-            layer.get_submodule(fam.out_norm or fam.mlp_out or fam.mlp)
+            layer.get_submodule(fam.out_norm or fam.mlp_out or (fam.down if fam.residual_inside else fam.mlp))
             for fam, layer in ((self._layer_family(model, i), layer) for i, layer in enumerate(self.layers(model)))
         ]
 
