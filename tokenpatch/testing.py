@@ -122,8 +122,46 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "opt_post": ("OPTConfig", dict(_OPT, do_layer_norm_before=False)),  # OPT-350m: norms after the adds
     # the residual added inside the attention and MLP modules; ALiBi; eager attention only
     "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=3, n_head=4, vocab_size=101)),
+    "arcee": ("ArceeConfig", dict(_KV, pad_token_id=0)),  # ReLU^2, up and down
+    "nemotron": ("NemotronConfig", dict(_KV, head_dim=16, pad_token_id=0)),  # LayerNorm1P (1 + w)
+    "jais2": ("Jais2Config", dict(_KV, head_dim=16, pad_token_id=0)),
+    "apertus": ("ApertusConfig", dict(_KV, pad_token_id=0)),  # xIELU, norms named for the sublayers
+    "nanochat": ("NanoChatConfig", dict(_KV, pad_token_id=0)),
+    "vaultgemma": ("VaultGemmaConfig", dict(_KV, head_dim=16, pad_token_id=0)),
+    "minicpm3": (  # latent attention, scaled sublayers
+        "MiniCPM3Config",
+        dict(
+            _SMALL,
+            q_lora_rank=32,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            kv_lora_rank=16,
+            v_head_dim=16,
+            scale_depth=1.4,
+            pad_token_id=0,
+        ),
+    ),
+    "persimmon": ("PersimmonConfig", dict(_SMALL, pad_token_id=0)),
+    "gpt_neo": (  # one global and two local attention layers
+        "GPTNeoConfig",
+        dict(
+            hidden_size=64,
+            num_layers=3,
+            num_heads=4,
+            vocab_size=101,
+            max_position_embeddings=64,
+            attention_types=[[["global", "local"], 1], [["local"], 1]],
+            window_size=4,
+        ),
+    ),
+    "codegen": ("CodeGenConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64, rotary_dim=8)),
+    "mpt": ("MptConfig", dict(d_model=64, n_heads=4, n_layers=3, vocab_size=101, expansion_ratio=2)),
+    "biogpt": (
+        "BioGptConfig",
+        dict(_SMALL, max_position_embeddings=64, pad_token_id=0),
+    ),  # OPT's loose fc1/fc2, positions offset by 2
 }
-EAGER_ONLY = ("gemma2", "bloom")  # transformers has no sdpa path for Gemma 2 and Bloom
+EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
 MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "phimoe")  # run with transformers' eager experts
 
 

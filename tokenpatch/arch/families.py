@@ -5,17 +5,18 @@ covers every parameter reading it, so it needs to know only where ``m``, ``s`` a
 read and where the output side goes; that is the ``Family`` record. The five forms
 (``docs/hugging-face.md``, "Block designs", with every ``model_type`` and its measured error):
 
-* sequential, a norm before the MLP (``llama`` and its kin, ``gpt2``, ``phi3``, ``olmo``,
-  ``starcoder2``, ``opt``, ``bloom``, sequential ``gpt_neox`` and ``falcon``; ``opt_post``, OPT-350m,
-  norms after each add instead, which the same two terms pass through): the input change on the MLP's
-  input; the output shift ``m_C - m_0`` in the output bias, else a rank-1 patch of the output matrix;
-* a residual multiplier (``granite``): the block adds ``r * MLP(s)``, so the shift is divided by
+* sequential, a norm before the MLP (``llama`` and its kin, ``gpt2``, ``gpt_neo``, ``phi3``, ``olmo``,
+  ``starcoder2``, ``opt``, ``biogpt``, ``bloom``, ``mpt``, sequential ``gpt_neox`` and ``falcon``;
+  ``opt_post``, OPT-350m, norms after each add instead, which the same two terms pass through): the
+  input change on the MLP's input; the output shift ``m_C - m_0`` in the output bias, else a rank-1
+  patch of the output matrix;
+* a residual multiplier (``granite``, ``minicpm3``): the block adds ``r * MLP(s)``, so the shift is divided by
   ``r`` (``OutputSite.scale``);
 * a norm after the MLP (``gemma2``: Gemma 2/3, scale ``1 + w``; ``olmo2``: OLMo 2/3 and EXAONE 4,
   scale ``w``, and no norm before the MLP, ``s = m``): a rank-1 output-matrix patch and a dense patch
   of the norm's scale (``solve.output_patch_scaled``, zero-scale channels included);
-* parallel (``gpt_neox`` by default, ``phi``, ``gptj``, ``cohere``, ``stablelm_parallel``, Falcon's
-  ``falcon_parallel`` and ``falcon_ln_mlp``): the MLP reads a norm of the layer input, the same in both
+* parallel (``gpt_neox`` by default, ``phi``, ``gptj``, ``codegen``, ``cohere``, ``stablelm_parallel``,
+  Falcon's ``falcon_parallel`` and ``falcon_ln_mlp``): the MLP reads a norm of the layer input, the same in both
   passes, so there is no input change; the whole attention difference is the output shift;
 * mixture of experts (``qwen2_moe``, with a shared expert; ``mixtral``, ``qwen3_moe``, ``olmoe``,
   ``phimoe``, without): the router and every expert read the input change (the same experts are
@@ -26,76 +27,12 @@ read and where the output side goes; that is the ``Family`` record. The five for
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+import math
+from dataclasses import replace
+
+from tokenpatch.arch.family import Family
 
 __all__ = ["Family", "FAMILIES"]
-
-
-@dataclass(frozen=True)
-class Family:
-    """Where a block design keeps what the patch needs, as names relative to a decoder layer.
-
-    ``layers``: the decoder layers' ``ModuleList`` under the base model (a dotted path). ``when``:
-    which configs of the ``model_types`` have this design (the first record whose ``when`` holds is
-    the model's: Falcon and StableLM have several). ``mlp_norm``: the norm whose output is the
-    MLP input ``s``; in a sequential block its input is ``m``; ``None``: the MLP reads the residual
-    stream itself (norms after the sublayers: OLMo 2/3, EXAONE 4), ``s = m``. ``attn``: the attention
-    module; a parallel block's ``m`` is the layer input plus its output. ``inputs``: the parameters
-    reading ``s`` (changed together through the input change of ``mlp``). ``mlp``: the module whose
-    input is ``s`` and whose output is the MLP's contribution. ``down``: the
-    MLP output matrix (its input is ``hidden``). ``out_norm``: a norm between the MLP and the
-    residual add (Gemma 2/3, OLMo 2/3, EXAONE 4), patched in its scale. ``down_gate``: a module whose sigmoid
-    scales ``down``'s output (a shared expert's gate). ``out_scale``: a constant the block multiplies
-    each sublayer's output by before the residual add (Granite's ``residual_multiplier``).
-    ``sum_norm``: a norm of the residual stream after the MLP's add (OPT-350m: the layer's output is
-    ``N(m + MLP(s))``); a token patch needs nothing of it (the output shift makes the sum it
-    normalises the with-context one), a thought patch fits the sum before it.
-    ``residual_inside``: the attention and MLP modules add the residual themselves (Bloom): a
-    sublayer's contribution is the output of ``o_proj`` and of ``down``.
-    ``mlp_out``: the module whose output is the MLP's contribution, if not ``mlp`` (OPT's MLP is no
-    module: ``fc1`` reads ``s``, ``fc2`` gives the output). ``add_norm``: a norm of the residual
-    stream right after the attention's add (OPT-350m's post-norm block: ``m = N(h + a)``).
-    ``parallel``: whether a model of this family (its config) has a parallel block. ``dense``: the
-    family of the layers that lack ``down`` (the plain MLP layers of a mixture-of-experts model).
-    ``lone_zero``: projections whose outputs a token alone does not need (its own query and key:
-    one attention weight, 1), skipped in the no-context pass. ``o_proj``: the attention's output
-    matrix, whose input is the heads' outputs side by side (per-head baselines read and patch it).
-    ``attn_out``: the module whose output is the attention's contribution to the residual stream,
-    if not ``attn`` (a norm after it: Gemma 2/3, OLMo 2). ``position_table``: the learned position
-    embedding under the base model (GPT-2's ``wpe``), whose size bounds the position ids; ``None``
-    for rotary positions. ``value``: the attention's own value projection, where the attention
-    output of a token alone is ``o_proj`` of its values (each key-value head repeated for the query
-    heads sharing it): the no-context pass of each query alone is then computed from the values
-    the with-context pass recorded (``HFAdapter.anchors``); ``None`` (fused projections, attentions
-    that do more than mix values): it runs the layers.
-    """
-
-    name: str
-    model_types: tuple[str, ...]
-    layers: str
-    mlp_norm: str | None
-    attn: str
-    inputs: tuple[str, ...]
-    down: str
-    out_norm: str | None = None
-    parallel: Callable[[Any], bool] = field(default=lambda config: False)
-    mlp: str = "mlp"
-    down_gate: str | None = None
-    dense: str | None = None
-    lone_zero: tuple[str, ...] = ()
-    o_proj: str = "self_attn.o_proj"
-    attn_out: str | None = None
-    position_table: str | None = None
-    when: Callable[[Any], bool] = field(default=lambda config: True)
-    out_scale: Callable[[Any], float] | None = None
-    experts: bool = False
-    value: str | None = None
-    mlp_out: str | None = None
-    residual_inside: bool = False
-    add_norm: str | None = None
-    sum_norm: str | None = None
 
 
 _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
@@ -297,8 +234,87 @@ FAMILIES: list[Family] = [
     ),
     _FALCON,
     # OPT, and OPT-350m's norms after each add (m = N(h + a) = s; the layer outputs N'(m + MLP(m)))
+    # Llama's block with a two-matrix MLP: ReLU^2 (Arcee, Nemotron, Jais 2), xIELU (Apertus, its norms
+    # named for their sublayers), NanoChat's fc1/fc2; VaultGemma (Gemma's names, no norms after); MiniCPM 3
+    # (latent attention: the layers run a token alone; each sublayer scaled by scale_depth / sqrt(L))
+    replace(_LLAMA, name="up_down", model_types=("arcee", "nemotron", "jais2"), inputs=("mlp.up_proj.weight",)),
+    replace(
+        _LLAMA,
+        name="apertus",
+        model_types=("apertus",),
+        mlp_norm="feedforward_layernorm",
+        inputs=("mlp.up_proj.weight",),
+    ),
+    replace(_LLAMA, name="nanochat", model_types=("nanochat",), inputs=("mlp.fc1.weight",), down="mlp.fc2"),
+    replace(_LLAMA, name="vaultgemma", model_types=("vaultgemma",), mlp_norm="pre_feedforward_layernorm"),
+    replace(
+        _LLAMA,
+        name="minicpm3",
+        model_types=("minicpm3",),
+        lone_zero=(),
+        value=None,
+        out_scale=lambda c: c.scale_depth / math.sqrt(c.num_hidden_layers),
+    ),
+    # Persimmon: NeoX's names in Llama's block (fused query, key and value; q/k norms)
+    replace(
+        _LLAMA,
+        name="persimmon",
+        model_types=("persimmon",),
+        inputs=("mlp.dense_h_to_4h.weight",),
+        down="mlp.dense_4h_to_h",
+        o_proj="self_attn.dense",
+        lone_zero=(),
+        value=None,
+    ),
+    # GPT-Neo: GPT-2's block and positions with linear layers (global and local attention layers)
+    Family(
+        "gpt_neo",
+        ("gpt_neo",),
+        "h",
+        "ln_2",
+        "attn",
+        ("mlp.c_fc.weight",),
+        "mlp.c_proj",
+        lone_zero=("attn.attention.q_proj", "attn.attention.k_proj"),
+        o_proj="attn.attention.out_proj",
+        position_table="wpe",
+        value="attn.attention.v_proj",
+    ),
+    # CodeGen: GPT-J's parallel block with a fused query, key and value
+    Family(
+        "codegen",
+        ("codegen",),
+        "h",
+        "ln_1",
+        "attn",
+        ("mlp.fc_in.weight",),
+        "mlp.fc_out",
+        parallel=lambda config: True,
+        o_proj="attn.out_proj",
+    ),
+    # MPT: the MLP module adds the residual itself (its contribution: down_proj's output); ALiBi
+    Family(
+        "mpt",
+        ("mpt",),
+        "blocks",
+        "norm_2",
+        "attn",
+        ("ffn.up_proj.weight",),
+        "ffn.down_proj",
+        mlp="ffn",
+        mlp_out="ffn.down_proj",
+        o_proj="attn.out_proj",
+    ),
     _BLOOM,
     _OPT,
+    replace(
+        _OPT,
+        name="biogpt",
+        model_types=("biogpt",),
+        layers="layers",
+        position_table="embed_positions",
+        when=lambda c: True,
+    ),
     replace(
         _OPT,
         name="opt_post",

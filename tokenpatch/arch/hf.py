@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch.experts import scattered_hiddens
-from tokenpatch.arch.families import Family
+from tokenpatch.arch.family import Family
 from tokenpatch.arch.hf_inputs import CONFIG_IGNORED, HFInputs
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.errors import InputError

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.experts import OUTPUT_MATRIX, stacked_experts
-from tokenpatch.arch.families import FAMILIES, Family
+from tokenpatch.arch.families import FAMILIES
+from tokenpatch.arch.family import Family
 from tokenpatch.arch.float64 import linear64, norm64
 from tokenpatch.arch.sites import OutputSite, Sites
 from tokenpatch.errors import InputError, UnsupportedModelError
