@@ -55,7 +55,12 @@ def test_gemma_scale_patch_is_zero_where_nothing_changes(float64_gemma_norms):
     model, x = build("gemma3"), ids(1, 1)
     patch = tp.token_patch(model, x)
     for name, delta in patch.dense().items():
-        assert float(delta.abs().max()) <= 1e-12, name
+        assert float(delta.abs().max()) == 0, name
+    # the first real token of a left-padded row has no context either; the other row's query has some
+    batch = {"input_ids": torch.tensor([[5, 6, 7], [0, 0, 7]]), "attention_mask": torch.tensor([[1, 1, 1], [0, 0, 1]])}
+    padded = tp.token_patch(model, batch).dense()
+    assert all(float(d[1].abs().max()) == 0 for d in padded.values())
+    assert all(float(d[0].abs().max()) > 0 for k, d in padded.items() if "post_feedforward" in k)
 
 
 def test_gemma_zero_scale_channels(float64_gemma_norms):

@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft")
 DENSE = [name for name in CONFIGS if name not in MOE]  # stacked experts: no LoRA format (tested below)
 # a norm scale patched after the MLP is written whole; an output bias as peft's lora_bias
 EXTRAS = {
-    **dict.fromkeys(["gemma2", "gemma3", "olmo2", "olmo3", "exaone4"], ["modules_to_save"]),
+    **dict.fromkeys(["gemma2", "gemma3", "olmo2", "olmo3", "exaone4", "glm4"], ["modules_to_save"]),
     **dict.fromkeys(
         [
             "gpt2",

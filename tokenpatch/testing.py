@@ -156,6 +156,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     ),
     "codegen": ("CodeGenConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64, rotary_dim=8)),
     "mpt": ("MptConfig", dict(d_model=64, n_heads=4, n_layers=3, vocab_size=101, expansion_ratio=2)),
+    "glm4": ("Glm4Config", dict(_KV, head_dim=16, pad_token_id=0)),  # Gemma 2's norms, a fused gate_up_proj
     "biogpt": (
         "BioGptConfig",
         dict(_SMALL, max_position_embeddings=64, pad_token_id=0),
@@ -198,7 +199,7 @@ def _rms_float64(offset: float):
 
 @contextlib.contextmanager
 def float64_norms() -> Iterator[None]:
-    """Inside the block, the RMSNorms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2/3, EXAONE 4),
+    """Inside the block, the RMSNorms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2/3, EXAONE 4, GLM-4),
     which compute in float32 whatever the model dtype, compute in the input's dtype; restored on exit.
     With them a float64 model's patch is exact to ~1e-15 (without, to that float32 rounding)."""
     modules = {
@@ -207,6 +208,7 @@ def float64_norms() -> Iterator[None]:
         "olmo2": ("Olmo2RMSNorm", 0.0),
         "olmo3": ("Olmo3RMSNorm", 0.0),
         "exaone4": ("Exaone4RMSNorm", 0.0),
+        "glm4": ("Glm4RMSNorm", 0.0),
     }
     saved = []
     try:

@@ -12,8 +12,8 @@ read and where the output side goes; that is the ``Family`` record. The five for
   patch of the output matrix;
 * a residual multiplier (``granite``, ``minicpm3``): the block adds ``r * MLP(s)``, so the shift is divided by
   ``r`` (``OutputSite.scale``);
-* a norm after the MLP (``gemma2``: Gemma 2/3, scale ``1 + w``; ``olmo2``: OLMo 2/3 and EXAONE 4,
-  scale ``w``, and no norm before the MLP, ``s = m``): a rank-1 output-matrix patch and a dense patch
+* a norm after the MLP (``gemma2``: Gemma 2/3, scale ``1 + w``; ``glm4``, scale ``w``; ``olmo2``: OLMo
+  2/3 and EXAONE 4, scale ``w``, and no norm before the MLP, ``s = m``): a rank-1 output-matrix patch and a dense patch
   of the norm's scale (``solve.output_patch_scaled``, zero-scale channels included);
 * parallel (``gpt_neox`` by default, ``phi``, ``gptj``, ``codegen``, ``cohere``, ``stablelm_parallel``,
   Falcon's ``falcon_parallel`` and ``falcon_ln_mlp``): the MLP reads a norm of the layer input, the same in both
@@ -183,6 +183,15 @@ FAMILIES: list[Family] = [
         mlp_norm=None,
         out_norm="post_feedforward_layernorm",
         attn_out="post_attention_layernorm",
+    ),
+    # GLM-4: Gemma 2's four norms (scale w) around Phi-3's fused gate_up_proj
+    replace(
+        _LLAMA,
+        name="glm4",
+        model_types=("glm4",),
+        inputs=("mlp.gate_up_proj.weight",),
+        out_norm="post_mlp_layernorm",
+        attn_out="post_self_attn_layernorm",
     ),
     # Parallel blocks: attention and MLP both read the norm of the layer input (Phi, GPT-J, Cohere,
     # StableLM with use_parallel_residual, Falcon), so the MLP input is the same in both passes and

@@ -216,19 +216,25 @@ class HFAdapter(HFInputs):
     def trace(
         self, model: nn.Module, inputs: dict, query: list[int], on_layer: Callable | None = None
     ) -> list[dict[str, Tensor]]:
-        """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``;
+        """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``
+        and ``first`` ``[B, Q]``, whether a query has no token before it (the first real one of its row);
         with ``on_layer``, given to it layer by layer instead (``recording``), each checked finite first."""
         every, padded = query == list(range(self.seq_len(inputs))), inputs["attention_mask"] is not None
+        at = torch.tensor(query, device=inputs["input_ids"].device)
+        mask = inputs["attention_mask"]
+        # [B, Q]  queries with nothing before them: the first real token of their row
+        first = (at == 0).expand(self.batch_size(inputs), -1) if mask is None else mask.cumsum(1)[:, at] == 1
 
         def checked(i, states):
             check_finite([states], padded, first=i)
-            on_layer(i, states)
+            on_layer(i, {**states, "first": first})
 
-        at = torch.tensor(query, device=inputs["input_ids"].device)
         with self.recording(model, at, every, None if on_layer is None else checked) as rec:
             model.base_model(**self._forward_kwargs(inputs))
         if on_layer is None:
             check_finite(rec, padded)
+            for r in rec:
+                r["first"] = first
         return rec
 
     def anchors(

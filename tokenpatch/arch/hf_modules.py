@@ -219,16 +219,19 @@ class HFModules(Adapter):
         A token alone attends to itself only (one attention weight, 1), so its attention output is
         ``a_0 = W_o [v; ...; v]``, each key-value head repeated for the query heads sharing it; the
         layer then applies what follows the attention (``Family.attn_out``, ``out_scale``) and adds
-        ``m_0 = h + a_0`` (through ``Family.add_norm`` where the block has one), the layer input ``h`` being the with-context one (the patched layers below
-        reproduce it). ``s_0``: the MLP's norm of ``m_0``; ``m_0`` where the MLP reads the residual
-        stream; a parallel block's MLP reads the layer input's norm, the same in both passes.
-        ``(m_0, s_0)`` ``[B, Q, .]``: the layer's other work (the query and key projections, the
-        attention itself, the MLP) is never run for them."""
+        ``m_0 = h + a_0`` (through ``Family.add_norm`` where the block has one), the layer input ``h``
+        being the with-context one (the patched layers below reproduce it). ``s_0``: the MLP's norm of
+        ``m_0``; ``m_0`` where the MLP reads the residual stream; a parallel block's MLP reads the layer
+        input's norm, the same in both passes. ``(m_0, s_0)`` ``[B, Q, .]``: the layer's other work
+        (the query and key projections, the attention itself, the MLP) is never run for them.
+
+        The repeat is folded into ``W_o`` (``[W_1 .. W_G] [v; ..; v] = (W_1 + .. + W_G) v`` per key-value
+        head: a product ``G`` times smaller). A query with nothing before it (``r["first"]``, from
+        ``trace``) has the same ``(m, s)`` with and without the context: it keeps its recorded ones,
+        the same to the bit (a post-MLP norm's patch is then exactly zero, ``solve.output_patch_scaled``)."""
         fam, site = self._layer_family(model, i), self._sites_of(model, i)
         o_proj, v = site["layer"].get_submodule(fam.o_proj), r["v"]  # v [B, Q, kv_heads * head_dim]
-        groups = o_proj.in_features // v.shape[-1]  # query heads per key-value head
-        heads = v.unflatten(-1, (-1, site["attn"].head_dim)).repeat_interleave(groups, -2).flatten(-2)
-        a = o_proj(heads)  # [B, Q, d]  as the forward computes it (no context: the same to the bit)
+        a = _lone_attention(o_proj, v, site["attn"].head_dim)  # [B, Q, d]
         if fam.attn_out is not None:
             a = site["layer"].get_submodule(fam.attn_out)(a)
         if fam.out_scale is not None:
@@ -236,6 +239,32 @@ class HFModules(Adapter):
         m = r["h"] + a
         if fam.add_norm is not None:  # a norm after the add (OPT-350m): m = N(h + a)
             m = site["layer"].get_submodule(fam.add_norm)(m)
+        first = r.get("first")  # [B, Q]  queries with no context: their recorded rows, written in place
+        rows = first.to(m.device).nonzero(as_tuple=True) if first is not None and bool(first.any()) else None
+        if rows is not None:  # m: a new tensor (the sum above)
+            m[rows] = r["m"][rows]
         if self.family(model).parallel(model.config):
             return m, r["s"]
-        return m, (site["mlp_norm"](m) if "mlp_norm" in site else m)
+        if "mlp_norm" not in site:
+            return m, m
+        s = site["mlp_norm"](m)
+        if rows is not None:
+            s[rows] = r["s"][rows]
+        return m, s
+
+
+def _lone_attention(o_proj: nn.Module, v: Tensor, head_dim: int) -> Tensor:
+    """``W_o [v; ...; v] (+ b)``: the attention output of tokens alone from their values ``v`` ``[..., K * hd]``,
+    each of the ``K`` key-value heads repeated for the ``G`` query heads sharing it. A plain
+    ``nn.Linear`` on ``v``'s device: ``G`` column blocks per key-value head summed first (``[d, K * hd]``),
+    then one product. A module with hooks (a head ablation, a recording, accelerate's) or of another
+    type (an adapter) runs as itself on the repeated heads, so whatever it does to its input applies."""
+    groups = o_proj.in_features // v.shape[-1]  # query heads per key-value head
+    w = getattr(o_proj, "weight", None)
+    plain = type(o_proj) is nn.Linear and not (o_proj._forward_pre_hooks or o_proj._forward_hooks)
+    if plain and getattr(o_proj, "_hf_hook", None) is None and w.device == v.device:
+        if groups > 1:  # [d, K * G * hd] -> [d, K * hd]
+            w = w.unflatten(-1, (-1, groups, head_dim)).sum(-2).flatten(-2)
+        return nn.functional.linear(v, w, o_proj.bias)
+    heads = v.unflatten(-1, (-1, head_dim)).repeat_interleave(groups, -2).flatten(-2)
+    return o_proj(heads)

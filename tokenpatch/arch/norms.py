@@ -1,5 +1,5 @@
 """The norms a patch reads or changes: their epsilon, whatever their class calls it, and the RMSNorms
-whose scale a patch may change after the MLP (Gemma 2/3, OLMo 2/3, EXAONE 4), with the normalised input that
+whose scale a patch may change after the MLP (Gemma 2/3, OLMo 2/3, EXAONE 4, GLM-4), with the normalised input that
 scale multiplies."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ SCALE_NORMS: dict[str, tuple[Callable[[nn.Module, Tensor], Tensor], float]] = {
     "Olmo2RMSNorm": (_rms_unit, 0.0),
     "Olmo3RMSNorm": (_rms_unit, 0.0),
     "Exaone4RMSNorm": (_rms_unit, 0.0),
+    "Glm4RMSNorm": (_rms_unit, 0.0),
 }
 
 
