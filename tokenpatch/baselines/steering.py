@@ -146,7 +146,7 @@ def steer(model: nn.Module, steering: Steering | None, where: Tensor | None = No
             else:
                 new = t.clone()
                 new[:, -1] = t[:, -1] + v if steering.mode == "add" else v
-            new = new.view(flat.shape)
+            new = new.reshape(flat.shape)
             return new if isinstance(out, Tensor) else (new, *out[1:])
 
         return hook
