@@ -89,6 +89,30 @@ _MIXTRAL = replace(
     experts=True,
     dense="llama",
 )
+_GPT2 = Family(
+    "gpt2",
+    ("gpt2", "gpt_bigcode"),
+    "h",
+    "ln_2",
+    "attn",
+    ("mlp.c_fc.weight",),
+    "mlp.c_proj",
+    o_proj="attn.c_proj",
+    position_table="wpe",
+)
+_GPTJ = Family(
+    "gptj",
+    ("gptj",),
+    "h",
+    "ln_1",
+    "attn",
+    ("mlp.fc_in.weight",),
+    "mlp.fc_out",
+    parallel=lambda config: True,
+    lone_zero=("attn.q_proj", "attn.k_proj"),
+    o_proj="attn.out_proj",
+    value="attn.v_proj",
+)
 _OPT = Family(  # no MLP module (fc1, fc2 run on [batch * positions, d]); learned positions offset by 2
     "opt",
     ("opt",),
@@ -135,17 +159,7 @@ FAMILIES: list[Family] = [
         out_norm="post_feedforward_layernorm",
         attn_out="post_attention_layernorm",
     ),
-    Family(
-        "gpt2",
-        ("gpt2", "gpt_bigcode"),
-        "h",
-        "ln_2",
-        "attn",
-        ("mlp.c_fc.weight",),
-        "mlp.c_proj",
-        o_proj="attn.c_proj",
-        position_table="wpe",
-    ),
+    _GPT2,
     Family(
         "gpt_neox",
         ("gpt_neox",),
@@ -205,19 +219,7 @@ FAMILIES: list[Family] = [
         o_proj="self_attn.dense",
         **_PARALLEL,
     ),
-    Family(
-        "gptj",
-        ("gptj",),
-        "h",
-        "ln_1",
-        "attn",
-        ("mlp.fc_in.weight",),
-        "mlp.fc_out",
-        parallel=lambda config: True,
-        lone_zero=("attn.q_proj", "attn.k_proj"),
-        o_proj="attn.out_proj",
-        value="attn.v_proj",
-    ),
+    _GPTJ,
     replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2"), **_PARALLEL),
     replace(
         _LLAMA,
@@ -276,31 +278,16 @@ FAMILIES: list[Family] = [
         value=None,
     ),
     # GPT-Neo: GPT-2's block and positions with linear layers (global and local attention layers)
-    Family(
-        "gpt_neo",
-        ("gpt_neo",),
-        "h",
-        "ln_2",
-        "attn",
-        ("mlp.c_fc.weight",),
-        "mlp.c_proj",
+    replace(
+        _GPT2,
+        name="gpt_neo",
+        model_types=("gpt_neo",),
         lone_zero=("attn.attention.q_proj", "attn.attention.k_proj"),
         o_proj="attn.attention.out_proj",
-        position_table="wpe",
         value="attn.attention.v_proj",
     ),
     # CodeGen: GPT-J's parallel block with a fused query, key and value
-    Family(
-        "codegen",
-        ("codegen",),
-        "h",
-        "ln_1",
-        "attn",
-        ("mlp.fc_in.weight",),
-        "mlp.fc_out",
-        parallel=lambda config: True,
-        o_proj="attn.out_proj",
-    ),
+    replace(_GPTJ, name="codegen", model_types=("codegen",), lone_zero=(), o_proj="attn.out_proj", value=None),
     # MPT: the MLP module adds the residual itself (its contribution: down_proj's output); ALiBi
     Family(
         "mpt",
