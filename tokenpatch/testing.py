@@ -119,7 +119,8 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
     # learned positions offset by 2, the MLP two loose matrices run on [batch * positions, d]
     "opt": ("OPTConfig", _OPT),
-    "opt_post": ("OPTConfig", dict(_OPT, do_layer_norm_before=False)),  # OPT-350m: norms after the adds
+    # OPT-350m: norms after the adds, embeddings of another width projected in and out
+    "opt_post": ("OPTConfig", dict(_OPT, do_layer_norm_before=False, word_embed_proj_dim=32)),
     # the residual added inside the attention and MLP modules; ALiBi; eager attention only
     "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=3, n_head=4, vocab_size=101)),
     "arcee": ("ArceeConfig", dict(_KV, pad_token_id=0)),  # ReLU^2, up and down
