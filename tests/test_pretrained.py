@@ -368,9 +368,9 @@ def test_session_fixtures(smollm2, gemma3):
         assert tokenizer("Hello").input_ids
 
 
-def test_gguf_read_once_parses_each_file_once_and_restores_the_reader(tmp_path):
+def test_gguf_parsed_once_parses_each_file_and_name_map_once_and_restores_gguf(tmp_path):
     gguf = pytest.importorskip("gguf")
-    from tokenpatch.workbench.zoo.convert import gguf_read_once
+    from tokenpatch.workbench.zoo.convert import gguf_parsed_once
 
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(path, "llama")
@@ -379,13 +379,17 @@ def test_gguf_read_once_parses_each_file_once_and_restores_the_reader(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    original = gguf.GGUFReader
-    with gguf_read_once():
+    original, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    arch = gguf.MODEL_ARCH.LLAMA
+    with gguf_parsed_once():
         first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
         assert first is again  # one parse per file, given as a Path or a str
         assert int(first.fields["llama.block_count"].parts[-1][0]) == 1
-    assert gguf.GGUFReader is original
-    with pytest.raises(RuntimeError), gguf_read_once():
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)  # one map per arch and size
+        assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 2).get_name("model.layers.1.mlp.down_proj") == "blk.1.ffn_down"
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (original, names)
+    with pytest.raises(RuntimeError), gguf_parsed_once():
         raise RuntimeError("a failed conversion")
-    assert gguf.GGUFReader is original  # put back on errors too
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (original, names)  # put back on errors too
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)

@@ -126,8 +126,8 @@ def head_effects(
     ``means[l, h]`` at the last position, averaged over the prompts.
 
     Only the last position changes, so the prompts are run once up to the last token with a KV
-    cache; each head costs one forward of the last token on a copy of that cache (a copy, not a
-    crop: a sliding-window layer's cache cannot be cut back). A head of layer ``l`` changes nothing
+    cache; each head costs one forward of the last token on that cache, put back after it (``_kept``;
+    not a crop: a sliding-window layer's cache cannot be cut back). A head of layer ``l`` changes nothing
     below it, so layers ``0 .. l-1`` replay what they returned in the run without an edit
     (``_replayed``) and only layers ``l ..`` run: half the layers on average."""
     batch = _on(model, corrupted)
@@ -151,8 +151,7 @@ def head_effects(
     }
 
     def p_answer() -> Tensor:
-        run = copy.deepcopy(cache)  # the forward appends to it
-        with torch.no_grad():
+        with torch.no_grad(), _kept(cache) as run:  # the forward appends to it
             logits = model(**last, cache=run, use_cache=True, logits_to_keep=1).logits[:, -1]
         return logits.double().softmax(-1).gather(1, answers[:, None])[:, 0]  # [B]
 
@@ -176,6 +175,28 @@ def head_effects(
             with heads_set(model, {(layer, h): means[layer, h]}), _replayed(layers, returned[:layer]):
                 effects[layer, h] = (p_answer() - base).mean().cpu()
     return effects
+
+
+APPEND_ONLY = ("DynamicLayer", "DynamicSlidingWindowLayer")  # transformers' cache layers that never write in place
+
+
+@contextlib.contextmanager
+def _kept(cache) -> Iterator:
+    """``cache`` to run a forward on, and as it was afterwards. The layers of transformers' dynamic
+    caches (``APPEND_ONLY``) replace their tensors on ``update`` (``torch.cat``, a slice) and never
+    write into them: putting their attributes back restores them without copying a tensor. Any other
+    cache (a static one writes in place) is copied."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(layer).__name__ not in APPEND_ONLY for layer in layers):
+        yield copy.deepcopy(cache)
+        return
+    saved = [dict(vars(layer)) for layer in layers]
+    try:
+        yield cache
+    finally:
+        for layer, state in zip(layers, saved):
+            vars(layer).clear()
+            vars(layer).update(state)
 
 
 class _Replay(nn.Module):

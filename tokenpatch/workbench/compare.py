@@ -135,6 +135,8 @@ def compare(
     ridge: Any = 0.0,
     layers: Any = None,
     n_heads: int = 10,
+    effect_prompts: int | None = None,
+    timing_rows: int = 32,
     lead: list[int] | None = None,
     sampled: tuple[int, ...] = (),
     bake_times: tuple[float, ...] = (),
@@ -148,10 +150,14 @@ def compare(
     (``tp.save_patch`` them; ``json.dumps`` the rest). ``ridge``: a number, ``"gcv"``, or several to
     choose from on the dev split by the KL to ICL. ``lead``: the token ids every sequence starts
     with (default: the tokenizer's BOS, ``leading_tokens``). ``sampled``, ``bake_times``, ``hybrid``,
-    ``norm_steps``: the self-written, gradient and through-the-norm rows (``extract``). ``"closed_form_choice"``: the closed-form
+    ``norm_steps``: the self-written, gradient and through-the-norm rows (``extract``); ``effect_prompts``: the function
+    vector's head effects on that many calibration prompts (``extract``); ``timing_rows``: queries in the
+    prefill timing (``evaluate``). ``"closed_form_choice"``: the closed-form
     thought patch with the lowest dev KL, the one the goal is checked on."""
     if model.training:
         raise InputError("the model is in training mode: call model.eval()")
+    if timing_rows < 1:
+        raise InputError(f"timing_rows must be at least 1 query, got {timing_rows}")
     if test is not None and test < 1:
         raise InputError(f"test must be at least 1 pair (or None: all that are left), got {test}")
     if shots < 2 and (methods is None or "function_vector" in methods):
@@ -170,6 +176,7 @@ def compare(
         ridge=ridge,
         layers=layers,
         n_heads=n_heads,
+        effect_prompts=effect_prompts,
         seed=seed,
         sampled=sampled,
         bake_times=bake_times,
@@ -178,7 +185,7 @@ def compare(
         methods=methods,
         progress=progress,
     )
-    rows = evaluate(model, enc, built, progress=progress)
+    rows = evaluate(model, enc, built, progress=progress, timing_rows=timing_rows)
     for name, m in built.items():
         if m.info:
             rows[name].update({k: _finite(v) for k, v in m.info.items() if k != "patch"})

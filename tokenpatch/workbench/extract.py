@@ -33,6 +33,7 @@ from tokenpatch.baselines.vectors import (
     task_vectors,
     thought_vector,
 )
+from tokenpatch.errors import InputError
 from tokenpatch.patch import Patch
 from tokenpatch.progress import progress_bar
 from tokenpatch.run import apply
@@ -98,7 +99,9 @@ def dev_kl(model: nn.Module, enc: Encoded, method: Method, reference) -> float:
     return float((reference.exp() * (reference - logp)).sum(-1).mean())
 
 
-def _vectors(model: nn.Module, enc: Encoded, want, seed: int, n_heads: int, progress) -> dict[str, Method]:
+def _vectors(
+    model: nn.Module, enc: Encoded, want, seed: int, n_heads: int, effect_prompts: int | None, progress
+) -> dict[str, Method]:
     out: dict[str, Method] = {}
     skip = len(enc.prefix)
     prompted, plain = enc.batch("calibration", True, answers=True), enc.batch("calibration", False, answers=True)
@@ -119,7 +122,10 @@ def _vectors(model: nn.Module, enc: Encoded, want, seed: int, n_heads: int, prog
         out["task_vector"] = steered(model, "task vector", tv.only(layer), secs, skip, info)
     if want("function_vector"):
         corrupted = enc.batch("calibration", True, demos=enc.shuffled_demos(seed))
-        fv, secs = timed(lambda: function_vectors(model, dummy, corrupted, enc.first("calibration"), n_heads, progress))
+        first = enc.first("calibration")
+        if effect_prompts is not None:  # the heads' effects measured on the first prompts only
+            corrupted, first = {k: v[:effect_prompts] for k, v in corrupted.items()}, first[:effect_prompts]
+        fv, secs = timed(lambda: function_vectors(model, dummy, corrupted, first, n_heads, progress))
         (layer, scores), pick = timed(
             lambda: choose(model, enc, {i: fv.only(i) for i in fv.vectors}, "function vector", progress)
         )
@@ -287,6 +293,7 @@ def extract(
     ridge: Any = 0.0,
     layers: Any = None,
     n_heads: int = 10,
+    effect_prompts: int | None = None,
     seed: int = 0,
     sampled: tuple[int, ...] = (),
     bake_times: tuple[float, ...] = (),
@@ -300,7 +307,10 @@ def extract(
     ``sampled``: numbers of self-written continuations; ``bake_times``: prompt-baking budgets as
     multiples of the thought patch's fit time; ``hybrid``: the hybrid's budget (the same unit);
     ``norm_steps``: the Gauss-Newton step counts the row that refines the fit through a post-MLP norm
-    chooses from on dev (at the ridge chosen on dev; only on a model with such a norm)."""
+    chooses from on dev (at the ridge chosen on dev; only on a model with such a norm). ``effect_prompts``:
+    the function vector's head effects on that many of the calibration prompts (None: all)."""
+    if effect_prompts is not None and effect_prompts < 1:
+        raise InputError(f"effect_prompts must be at least 1 prompt (or None: all), got {effect_prompts}")
     want = lambda name: methods is None or name in methods  # noqa: E731
     out = {"zero_shot": Method("zero-shot"), "icl": Method("ICL", prompted=True)}
     out.update(
@@ -319,5 +329,5 @@ def extract(
             progress=progress,
         )
     )
-    out.update(_vectors(model, enc, want, seed, n_heads, progress))
+    out.update(_vectors(model, enc, want, seed, n_heads, effect_prompts, progress))
     return out

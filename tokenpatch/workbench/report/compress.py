@@ -38,6 +38,10 @@ TITLE = "Prompt compression on real language models"
 # the thought patch's ridge, chosen per task on the dev split (KL to ICL); SmolLM2 chose the lowest
 # and Gemma 3 the highest of (0.01, 0.1, 1, 10), so the grid goes a step further at both ends
 RIDGES = RIDGE_GRID
+# reproduce's default run (--full: compression_section's defaults): the thought patch's ridge given, what the
+# dev split chooses from RIDGES for its task and model (one fit where the choice makes one per ridge), the
+# function vector's head effects on 16 of the 40 calibration prompts, the prefill timed on 8 queries.
+REDUCED = {"ridge": 0.01, "effect_prompts": 16, "timing_rows": 8}
 BASELINES = ("task_vector", "function_vector", "attention_shift")
 # The prompt formats tried on dev (with each candidate first token): Todd et al.'s "Q: x\nA: y" blocks,
 # and one pair per line with an arrow.
@@ -304,19 +308,38 @@ def compression_section(
     task: str = "present_past",
     test: int = 40,
     dev: int = 15,
+    ridge=RIDGES,
+    effect_prompts: int | None = None,
+    timing_rows: int = 32,
     progress: bool | None = None,
     **options,
 ):
-    """The reduced run of ``tokenpatch reproduce``: one task, one model, ``test`` queries, ``dev`` dev pairs
-    for the baselines' choices (the full table uses 30; ``options``: more of ``compare``'s)."""
+    """The run of ``tokenpatch reproduce``: one task, one model, ``test`` queries, ``dev`` dev pairs for
+    the baselines' choices (the full table uses 30), the thought patch's ``ridge`` (several: chosen on
+    dev), the function vector's head effects on ``effect_prompts`` calibration prompts (None: all), the
+    prefill timed on ``timing_rows`` queries (``REDUCED``: the default run's; ``options``: more of
+    ``compare``'s)."""
     try:
         pretrained.check_requirements(name)
     except UnsupportedModelError as exc:
         return Section(KEY, TITLE, f"Skipped: {exc}", [], {"skipped": True, "reason": str(exc)})
-    run = run_model(name, [task], test=test, prompting="default", progress=progress, dev=dev, **options)
+    run = run_model(
+        name,
+        [task],
+        test=test,
+        prompting="default",
+        ridge=ridge,
+        progress=progress,
+        dev=dev,
+        effect_prompts=effect_prompts,
+        timing_rows=timing_rows,
+        **options,
+    )
     png = figure(run, Path(out) / "compression.png")
+    effects = "all" if effect_prompts is None else effect_prompts
     body = (
-        f"A reduced run: one task, {test} test queries, {dev} dev pairs (the full table: `tokenpatch compress --model {name} "
-        f"--task all`, docs/prompt-compression.md).\n\n" + markdown(run) + f"\n\n![compression]({png.name})"
+        f"A reduced run: one task, {test} test queries, {dev} dev pairs, the function vector's head effects on {effects} "
+        f"calibration prompts, the prefill timed on {timing_rows} queries (the full table: `tokenpatch compress --model "
+        f"{name} --task all`, docs/prompt-compression.md).\n\n" + markdown(run) + f"\n\n![compression]({png.name})"
     )
     return Section(KEY, TITLE, body, [png.name], {"skipped": False, **run})

@@ -112,10 +112,11 @@ def _residuals(tasks: dict) -> list[str]:
     picks = sorted({0, n // 4, n // 2, (3 * n) // 4, n - 1})
     mean = lambda key, i: sum(f[i][key] or 0.0 for f in fits) / len(fits)  # noqa: E731
     ridges = ", ".join(f"{t} {r['methods']['thought_patch']['ridge']:g}" for t, r in tasks.items())
+    swept = all(r["methods"]["thought_patch"].get("dev_kl_by_ridge") for r in tasks.values())
     return [
         "",
         "Where the thought patch's fit leaves a residual (relative least-squares residual of each layer's "
-        f"input / output side on the calibration positions, averaged over the tasks; ridge chosen per task: {ridges}):",
+        f"input / output side on the calibration positions, averaged over the tasks; ridge {'chosen on dev' if swept else 'given'} per task: {ridges}):",
         "",
         "| layer | " + " | ".join(str(fits[0][i]["layer"]) for i in picks) + " |",
         "|---|" + "---|" * len(picks),

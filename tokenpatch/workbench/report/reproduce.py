@@ -27,6 +27,7 @@ from tokenpatch.progress import progress_bar
 from tokenpatch.tasks.linreg import evaluate, task_of
 from tokenpatch.verify import TOLERANCES, verify
 from tokenpatch.workbench.report import plots
+from tokenpatch.workbench.report.compress import REDUCED as COMPRESSION_REDUCED
 from tokenpatch.workbench.report.compress import compression_section
 from tokenpatch.workbench.report.dynamics import dynamics_section
 from tokenpatch.workbench.report.finetune import REDUCED as FINETUNE_REDUCED
@@ -187,7 +188,7 @@ SECTIONS = (
 CHECKPOINT_SECTIONS = ("equivalence", "model")
 
 
-FULL_SECTIONS = ("finetune", "thought", "markov", "induction")  # the sections --full changes
+FULL_SECTIONS = ("finetune", "thought", "prompt_compression", "markov", "induction")  # the sections --full changes
 
 
 def _default_builders(model, n_tasks: int, seed: int, full: bool = False) -> dict:
@@ -202,7 +203,10 @@ def _default_builders(model, n_tasks: int, seed: int, full: bool = False) -> dic
         # four prompts and m up to 1024 (THOUGHT_REDUCED), or eight and m up to 4096 (full)
         "thought": thought_section if full else functools.partial(thought_section, **THOUGHT_REDUCED),
         "real_models": real_models_section,  # a one-line note without the models
-        "prompt_compression": compression_section,  # likewise
+        # likewise; the ridge given and fewer prompts for the head effects and the timing (COMPRESSION_REDUCED)
+        "prompt_compression": compression_section
+        if full
+        else functools.partial(compression_section, **COMPRESSION_REDUCED),
         # the reduced sweep (markov.REDUCED) and the small LM: shipped trained, or trained here (full)
         "markov": functools.partial(markov_section, shipped=False) if full else markov_section,
         "induction": functools.partial(induction_section, shipped=False) if full else induction_section,
@@ -227,7 +231,9 @@ def reproduce(
     e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run. ``full``: train
     the Markov sweep and the small LM here instead of reading the runs shipped with tokenpatch, compare
     in-context learning with fine-tuning on 32 tasks (the default: 16) and fit the thought patches of
-    eight prompts up to m = 4096 calibration queries (the default: four, up to 1024).
+    eight prompts up to m = 4096 calibration queries, distilled on two (the default: four, up to 1024,
+    distilled on one), and choose the compressed prompt's ridge on dev (the default: given) with the
+    function vector's head effects on every calibration prompt (the default: 16).
 
     Each section is kept in ``out/sections/KEY.json`` as it finishes, with what it ran with (the
     tokenpatch and torch versions, the checkpoint's weights for ``equivalence`` and ``model``, ``n_tasks``

@@ -26,7 +26,7 @@ from tokenpatch.workbench.report.section import Section
 __all__ = ["thought_section"]
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024, 4096)  # calibration queries m (past both thresholds at 1024)
-REDUCED = {"n_prompts": 4, "sizes": SIZES[:-1]}  # reproduce's default run (--full: the defaults)
+REDUCED = {"n_prompts": 4, "sizes": SIZES[:-1], "n_gradient": 1}  # reproduce's default run (--full: the defaults)
 RIDGES = (0.0, 1e-6, 1e-4, 1e-2, 1.0)
 ABLATION_M = 1024
 DISTILL_STEPS = 100
@@ -62,13 +62,16 @@ def thought_section(
     n_test: int = 1000,
     seed: int = 21,
     sizes: tuple[int, ...] = SIZES,
+    n_gradient: int = 2,
     progress: bool | None = None,
 ):
     """Generalisation against the number of calibration queries ``sizes`` (with 64, 256 and 1024) and
     the ridge, the forms of the fit side by side, and the closed form against gradient distillation
-    and fine-tuning, on ``n_prompts`` prompts."""
+    and fine-tuning, on ``n_prompts`` prompts (the gradient baselines on the first ``n_gradient``)."""
     if not {64, 256, ABLATION_M} <= set(sizes):
         raise InputError(f"sizes must include 64, 256 and {ABLATION_M} (the text reads them), got {list(sizes)}")
+    if not 1 <= n_gradient <= n_prompts:
+        raise InputError(f"n_gradient must be between 1 and n_prompts = {n_prompts}, got {n_gradient}")
     model = load_model(dtype="float64")
     task = task_of(model)
     g = torch.Generator().manual_seed(seed)
@@ -141,9 +144,11 @@ def thought_section(
             {"task_mse": float(((pred - y) ** 2).mean())}
         )
 
-    baseline = _baselines(model, prompts[:2], cals[:2], tests[:2], defaults[:2], batches[:2], progress)
+    k = n_gradient
+    baseline = _baselines(model, prompts[:k], cals[:k], tests[:k], defaults[:k], batches[:k], progress)
     data = {
         "n_prompts": n_prompts,
+        "n_gradient": n_gradient,
         "n_test": n_test,
         "seed": seed,
         "d_in": d_in,
@@ -209,6 +214,10 @@ def _baselines(model, prompts, cals, tests, fits, batches, progress) -> dict:
         ft = finetune(model, *training_points(b), optimizer="adam", steps=64, progress=False).at()
         align.append([float(cosine(fit.patch[n].index((0, 0)), ft[n][0])) for n in names])
     return {"rows": rows, "finetune_alignment_fc_in": align}
+
+
+def _prompts(n: int) -> str:
+    return "one prompt" if n == 1 else f"{n} prompts"
 
 
 def _reading(ab: dict) -> str:
@@ -314,7 +323,7 @@ def _write(out: Path, data: dict) -> tuple[str, str, list[str]]:
         _reading(data["ablation"]),
         "",
         f"Against gradient descent on the same parameters (context distillation: Adam, full batch, {DISTILL_STEPS} steps, "
-        "matching the with-prompt outputs on the same calibration queries; two prompts):",
+        f"matching the with-prompt outputs on the same calibration queries; {_prompts(data['n_gradient'])}):",
         "",
         *brow,
         "",
@@ -323,7 +332,7 @@ def _write(out: Path, data: dict) -> tuple[str, str, list[str]]:
         f"![distillation]({fig2.name})",
         "",
         "Cosine between the thought patch's `fc_in` update and the Adam fine-tuning update of the same matrix "
-        "on the prompt's 16 examples (as in the fine-tuning section), per layer, two prompts: "
+        f"on the prompt's 16 examples (as in the fine-tuning section), per layer, {_prompts(data['n_gradient'])}: "
         + "; ".join(", ".join(f"{x:+.3f}" for x in row) for row in align)
         + ".",
     ]

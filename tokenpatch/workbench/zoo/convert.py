@@ -62,25 +62,34 @@ def hf_calls(progress: bool | None):
 
 
 @contextlib.contextmanager
-def gguf_read_once():
-    """Inside the block, each GGUF file is parsed once: transformers builds a new ``gguf.GGUFReader`` for
-    the config, the tokenizer and the weights alike (three parses of the whole header; Gemma 3's 262k-token
-    vocabulary takes about 9 s each on 2 cores), so ``gguf.GGUFReader`` is replaced by a memo keyed on the
-    path, put back on exit. A reader is read-only once built (memory-mapped fields and tensors)."""
+def gguf_parsed_once():
+    """Inside the block, gguf builds each of its parsed objects once. transformers makes a new
+    ``gguf.GGUFReader`` for the config, the tokenizer and the weights alike (three parses of the whole
+    header; Gemma 3's 262k-token vocabulary takes about 9 s each on 2 cores), and a new
+    ``gguf.get_tensor_name_map(arch, n_blocks)`` (every tensor name of every block) for each of the
+    model's submodules it maps (397 for SmolLM2, about 10 s). Both are replaced by memos keyed on their
+    arguments, put back on exit; what they return is only read once built (memory-mapped fields and
+    tensors; a name lookup)."""
     gguf = importlib.import_module("gguf")
-    reader, seen = gguf.GGUFReader, {}
+    reader, name_map, seen = gguf.GGUFReader, gguf.get_tensor_name_map, {}
 
-    def once(path, mode="r"):
-        key = (os.fspath(path), mode)
+    def read_once(path, mode="r"):
+        key = ("reader", os.fspath(path), mode)
         if key not in seen:
             seen[key] = reader(path, mode)
         return seen[key]
 
-    gguf.GGUFReader = once
+    def map_once(arch, n_blocks):
+        key = ("names", arch, n_blocks)
+        if key not in seen:
+            seen[key] = name_map(arch, n_blocks)
+        return seen[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, map_once
     try:
         yield
     finally:
-        gguf.GGUFReader = reader
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
         seen.clear()
 
 
@@ -102,7 +111,7 @@ def convert(spec: Any, tmp: Path, progress: bool | None) -> None:
 
     scratch = tmp / "gguf-source"
     gguf = spec.gguf(scratch)
-    with hf_calls(progress), gguf_read_once():
+    with hf_calls(progress), gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True

