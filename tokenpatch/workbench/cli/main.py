@@ -41,7 +41,7 @@ from tokenpatch.workbench.cli.defaults import (
     NORMS,
 )
 
-REPRODUCE_TIME = "about seven minutes on a 2-core CPU"  # the README says the same (tests/test_cli.py)
+REPRODUCE_TIME = "under eight minutes on a 2-core CPU"  # the README says the same (tests/test_cli.py)
 
 
 def _parser() -> argparse.ArgumentParser:
