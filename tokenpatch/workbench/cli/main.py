@@ -273,8 +273,9 @@ def _parser() -> argparse.ArgumentParser:
         "--full",
         action="store_true",
         help="train the Markov sweep and the small LM here (default: read the runs shipped with tokenpatch), compare "
-        "in-context learning with fine-tuning on 32 tasks (default 16) and fit the thought patches of 8 prompts up "
-        "to m = 4096, distilled on 2 (default: 4 prompts, m up to 1024, distilled on 1), and choose the prompt "
+        "in-context learning with fine-tuning on 32 tasks (default 12) and fit the thought patches of 8 prompts up "
+        "to m = 4096 on 1000 test queries, distilled on 2 (default: 4 prompts, m up to 1024, 500 test queries, "
+        "distilled on 1), and choose the prompt "
         "compression's ridge on dev (default: given) with head effects on all calibration prompts (default: 16)",
     )
     common(r)

@@ -152,7 +152,7 @@ def _band(rows: list[dict]) -> tuple[list[float], list[float], list[float]]:
     return [r["mean"] for r in rows], [r["lo"] for r in rows], [r["hi"] for r in rows]
 
 
-REDUCED = {"n_tasks": 16}  # reproduce's default run (--full: 32 tasks)
+REDUCED = {"n_tasks": 12}  # reproduce's default run (--full: 32 tasks)
 
 
 def finetune_section(out: Path, n_tasks: int = 32, seed: int = 13, progress: bool | None = None):

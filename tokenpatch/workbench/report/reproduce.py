@@ -230,9 +230,9 @@ def reproduce(
     function(out, progress=...)`` whose functions replace the default of their key (``None`` keeps it),
     e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run. ``full``: train
     the Markov sweep and the small LM here instead of reading the runs shipped with tokenpatch, compare
-    in-context learning with fine-tuning on 32 tasks (the default: 16) and fit the thought patches of
-    eight prompts up to m = 4096 calibration queries, distilled on two (the default: four, up to 1024,
-    distilled on one), and choose the compressed prompt's ridge on dev (the default: given) with the
+    in-context learning with fine-tuning on 32 tasks (the default: 12) and fit the thought patches of
+    eight prompts up to m = 4096 calibration queries on 1000 test queries, distilled on two (the default:
+    four, up to 1024, on 500, distilled on one), and choose the compressed prompt's ridge on dev (the default: given) with the
     function vector's head effects on every calibration prompt (the default: 16).
 
     Each section is kept in ``out/sections/KEY.json`` as it finishes, with what it ran with (the

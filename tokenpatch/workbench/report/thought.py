@@ -26,7 +26,12 @@ from tokenpatch.workbench.report.section import Section
 __all__ = ["thought_section"]
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024, 4096)  # calibration queries m (past both thresholds at 1024)
-REDUCED = {"n_prompts": 4, "sizes": SIZES[:-1], "n_gradient": 1}  # reproduce's default run (--full: the defaults)
+REDUCED = {
+    "n_prompts": 4,
+    "n_test": 500,
+    "sizes": SIZES[:-1],
+    "n_gradient": 1,
+}  # reproduce's default run (--full: the defaults)
 RIDGES = (0.0, 1e-6, 1e-4, 1e-2, 1.0)
 ABLATION_M = 1024
 DISTILL_STEPS = 100
