@@ -379,6 +379,10 @@ def test_compare_runs_every_method_on_a_tiny_model(tmp_path):
         compare(model, CharTokenizer(), task, shots=1)
     with pytest.raises(tp.InputError, match="at least 1"):
         compare(model, CharTokenizer(), task, test=0)
+    with pytest.raises(tp.InputError, match="timing_rows must be at least 1"):
+        compare(model, CharTokenizer(), task, timing_rows=0)
+    with pytest.raises(tp.InputError, match="effect_prompts must be at least 1"):
+        compare(model, CharTokenizer(), task, shots=2, test=12, calibration=6, dev=8, effect_prompts=0)
 
 
 def test_nan_from_eager_attention_on_padding_is_refused_not_ranked():

@@ -444,3 +444,11 @@ def test_the_ridge_is_chosen_by_the_prompt_kl_on_held_out_queries():
         choose_ridge(model, prompt, rows[:1], keep_bos=True)
     with pytest.raises(tp.InputError, match="held_out"):
         choose_ridge(model, prompt, rows, held_out=1.0)
+
+
+def test_thought_section_refuses_a_gradient_count_outside_its_prompts(tmp_path):
+    from tokenpatch.workbench.report.thought import thought_section
+
+    for bad in (0, 5):
+        with pytest.raises(tp.InputError, match="n_gradient must be between 1 and n_prompts = 4"):
+            thought_section(tmp_path, n_prompts=4, n_gradient=bad)
