@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import adapter_for
+from tokenpatch.arch.norms import float32_scale_norms
 from tokenpatch.errors import InputError, caller_stacklevel
 from tokenpatch.patch import Patch
 from tokenpatch.plans import Plan, at_queries, make_plan, refuse_padded_queries, strip
@@ -73,6 +74,21 @@ class Verification:
     dtype: str
     n: int = 0  # number of (batch, query) pairs compared
     meta: dict = field(default_factory=dict)
+    # patched norms that compute in float32 whatever the model dtype (``arch.norms.float32_scale_norms``):
+    # a float64 model is exact only to float32 rounding there (~1e-7 relative)
+    float32_sites: tuple[str, ...] = ()
+
+    @property
+    def why(self) -> str:
+        """Why a float64 model's errors are above float64 rounding, when the model says so; else ``""``."""
+        if not self.float32_sites:
+            return ""
+        more = f" and {len(self.float32_sites) - 1} more" if len(self.float32_sites) > 1 else ""
+        return (
+            f"the patched norm scales of {self.float32_sites[0]}{more} compute in float32 whatever the "
+            "model dtype (transformers casts them), so float64 errors there are float32 rounding (~1e-7 "
+            "relative); run under `with tokenpatch.testing.float64_norms():` for float64 exactness"
+        )
 
     @property
     def max_abs(self) -> float:
@@ -107,6 +123,8 @@ class Verification:
         rows += [
             f"{e.name:>10}  {e.max_abs:10.2e}  {e.max_rel:10.2e}  {e.max_rel_unfloored:11.2e}" for e in self.per_layer
         ]
+        if self.why:
+            rows.append(f"note: {self.why}")
         return "\n".join(rows)
 
     def to_dict(self) -> dict:
@@ -118,10 +136,14 @@ class Verification:
             "max_rel_unfloored": self.max_rel_unfloored,
             "per_layer": [asdict(e) for e in self.per_layer],
             "meta": self.meta,
+            "float32_sites": list(self.float32_sites),
         }
 
     def __str__(self) -> str:
-        return f"Verification({self.dtype}, {self.n} queries, max abs {self.max_abs:.2e}, max rel {self.max_rel:.2e})"
+        why = f"; {self.why}" if self.why else ""
+        return (
+            f"Verification({self.dtype}, {self.n} queries, max abs {self.max_abs:.2e}, max rel {self.max_rel:.2e}{why})"
+        )
 
 
 def site_error(name: str, got: Tensor, ref: Tensor) -> SiteError:
@@ -201,4 +223,5 @@ def verify(model: nn.Module, patch: Patch, inputs: Any, query: Any = None, remov
     ]
     errors.append(site_error("output", at_queries(out_0, plan, batch), out_c[:, q]))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return Verification(errors, dtype, batch * len(q), plan.describe())
+    float32 = tuple(float32_scale_norms(model, patch)) if dtype == "float64" else ()
+    return Verification(errors, dtype, batch * len(q), plan.describe(), float32)

@@ -4,15 +4,16 @@ scale multiplies."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch.sites import by_class
 from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.offload import value
 
-__all__ = ["SCALE_NORMS", "scale_norm", "norm_eps"]
+__all__ = ["SCALE_NORMS", "scale_norm", "norm_eps", "float32_scale_norms"]
 
 
 def norm_eps(module: nn.Module) -> float:
@@ -47,3 +48,31 @@ def scale_norm(module: nn.Module, name: str = "") -> tuple[Callable[[nn.Module, 
         f"cannot patch the scale of {name or 'module'} ({type(module).__name__}): not a "
         f"known norm (known: {sorted(SCALE_NORMS)}); add it to tokenpatch.arch.norms.SCALE_NORMS"
     )
+
+
+@torch.no_grad()
+def float32_scale_norms(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The modules owning parameters ``names`` that are ``SCALE_NORMS`` computing in float32 whatever
+    the model's dtype (transformers casts the input and the scale of Gemma 2/3, OLMo 2/3, EXAONE 4 and
+    GLM-4 RMSNorms to float32), as ``"name (Class)"``.
+
+    Found by a probe, not by name: the module's own output on a float64 input ``x`` against
+    ``(offset + w) * x / sqrt(mean(x^2) + eps)`` in float64; a gap above 1e-10 relative (float32
+    rounding is ~1e-7) marks it. A float64 model's patch of such a scale is exact only to float32
+    rounding there; ``tokenpatch.testing.float64_norms`` evaluates these norms in the input's dtype."""
+    found = []
+    for name in names:
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        entry = by_class(SCALE_NORMS, module)
+        if entry is None or leaf != "weight":
+            continue
+        unit, offset = entry
+        p = model.get_parameter(name)
+        w = value(model, name, p).detach().double().cpu()
+        x = torch.randn((2, w.shape[-1]), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        want = (offset + w) * unit(module, x)
+        got = module(x.to("cpu" if p.device.type == "meta" else p.device)).double().cpu()  # offload hooks move x
+        if (got - want).abs().max() > 1e-10 * want.abs().max():
+            found.append(f"{module_name} ({type(module).__name__})")
+    return found
