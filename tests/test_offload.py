@@ -3,31 +3,38 @@ CPU) are patched exactly as the same model held whole.
 
 A ``device_map`` with ``"disk"`` entries leaves those layers' parameters on the ``meta`` device,
 loaded by ``accelerate``'s hooks for each forward; tokenpatch's forwards run through the hooks and
-what it reads outside a forward comes from the offload (``tokenpatch.offload``). ``tp.apply`` cannot
-write into weights that are not there: it refuses in one line and names ``functional_call``.
+what it reads outside a forward, or in a hook around one (a LoRA's ``B = W d``, the stacked experts'
+hidden states), comes from the offload (``tokenpatch.offload``). ``tp.apply`` cannot write into
+weights that are not there: it refuses in one line and names ``functional_call``. A LoRA of stacked
+experts has no peft form: refused in one line, as for the model held whole.
+
+Each family is split once per module (``models``): the tests only read the models.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
 
 import tokenpatch as tp
-from tokenpatch.testing import float64_norms, tiny_hf_model
+from tokenpatch.testing import MOE, float64_norms, tiny_hf_model
 
 T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
 pytest.importorskip("accelerate", reason="accelerate (part of the Hugging Face extra) is not installed")
+peft = pytest.importorskip("peft")
 from conftest import ids  # noqa: E402
 
-# one design per output-side kind: a matrix (Llama), a matrix and a norm scale (Gemma 3), a bias (GPT-2)
-NAMES = ["llama", "gemma3", "gpt2"]
+# one design per output-side kind: a matrix (Llama), a matrix and a norm scale (Gemma 3), a bias (GPT-2),
+# stacked experts (Qwen3-MoE, with a plain-MLP layer; Mixtral)
+NAMES = ["llama", "gemma3", "gpt2", "qwen3_moe", "mixtral"]
 
 
-def split(name: str, folder, device_map: dict | None = None):
+def split(name: str, folder, device_map: dict | None = None, whole=None):
     """``(model held whole, the same weights loaded with layers 1-2 on disk)``, float64, eval mode."""
-    whole = tiny_hf_model(name)
+    whole = tiny_hf_model(name) if whole is None else whole
     whole.save_pretrained(folder / "model")
     base = whole.base_model_prefix
     layers = "h" if name == "gpt2" else "layers"
@@ -36,14 +43,42 @@ def split(name: str, folder, device_map: dict | None = None):
         **{f"{base}.{m}": "cpu" for m, _ in whole.base_model.named_children() if m != layers},
         "lm_head": "cpu",
     }
+    extra = {"experts_implementation": "eager"} if name in MOE else {}  # as tiny_hf_model's
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         split_model = T.AutoModelForCausalLM.from_pretrained(
-            folder / "model", device_map=device_map, offload_folder=folder / "offload", dtype=torch.float64
+            folder / "model", device_map=device_map, offload_folder=folder / "offload", dtype=torch.float64, **extra
         ).eval()
     split_model.generation_config.eos_token_id = None
     assert any(p.device.type == "meta" for p in split_model.parameters())  # really offloaded
     return whole, split_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """``models(name)``: ``split(name, ...)``, made once per module (never change these models)."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = split(name, tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def thoughts(models):
+    """``thoughts(name)``: ``(thought patch of the offloaded model, of the model held whole)``, made once."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            with float64_norms():
+                made[name] = tuple(_thought(m) for m in reversed(models(name)))
+        return made[name]
+
+    return get
 
 
 @pytest.fixture
@@ -52,45 +87,107 @@ def f64():
         yield
 
 
-@torch.no_grad()
-@pytest.mark.parametrize("name", NAMES)
-def test_an_offloaded_model_gets_the_patch_of_the_whole_one(name, tmp_path, f64):
-    whole, model = split(name, tmp_path)
-    x = ids(2, 10)
-    patch = tp.token_patch(model, x, query=[-1, 4])
-    want = tp.token_patch(whole, x, query=[-1, 4]).dense()
-    for key, delta in patch.dense().items():
+def _thought(model, seed: int = 4):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.ThoughtWarning)  # 6 calibration queries: rank-deficient, fine here
+        return tp.thought_patch(model, ids(1, 8, seed)[0], ids(6, 3, seed + 1), progress=False)
+
+
+def _assert_same_deltas(patch, want) -> None:
+    want = want.dense()
+    got = patch.dense()
+    assert got.keys() == want.keys()
+    for key, delta in got.items():
         assert delta.device.type == "cpu", key  # the execution device, never meta
         torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
-    assert tp.verify(model, patch, x).max_abs <= 1e-12
-    stripped = tp.strip_context(model, x[:, :5])
-    one = tp.token_patch(model, x[:, :5])
-    logits = tp.functional_call(model, one, **stripped).logits[:, -1]
-    torch.testing.assert_close(logits, whole(x[:, :5]).logits[:, -1], rtol=0, atol=1e-12)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", NAMES)
-def test_generate_trajectory_and_thought_patch_run_through_the_offload(name, tmp_path, f64):
-    whole, model = split(name, tmp_path)
-    x = ids(2, 9)
-    gen = tp.generate(model, x, max_new_tokens=6)
-    assert torch.equal(gen.tokens, whole.generate(x, max_new_tokens=6, do_sample=False)[:, 9:])
-    assert float(gen.logit_error.max()) <= 1e-12
-    traj = tp.trajectory(model, x[:1], query=-1)
-    want = tp.trajectory(whole, x[:1], query=-1)
-    for key, delta in traj.patch(5).dense().items():
-        torch.testing.assert_close(delta, want.patch(5).dense()[key], rtol=0, atol=1e-12)
-    prompt, query = ids(1, 12, seed=4)[0], ids(1, 1, seed=5)
-    with pytest.warns(tp.ThoughtWarning, match="rank-deficient"):
-        fit = tp.thought_patch(model, prompt, query, progress=False)
-    got = tp.functional_call(model, fit.patch, query).logits[:, -1]
-    assert float((got - whole(torch.cat([prompt[None], query], 1)).logits[:, -1]).abs().max()) <= 1e-10
+def test_an_offloaded_model_gets_the_patch_of_the_whole_one(name, models, f64):
+    whole, model = models(name)
+    x = ids(2, 10)
+    patch = tp.token_patch(model, x, query=[-1, 4])
+    _assert_same_deltas(patch, tp.token_patch(whole, x, query=[-1, 4]))
+    assert tp.verify(model, patch, x).max_abs <= 1e-12
+    stripped = tp.strip_context(model, x[:, :5])
+    want = whole(x[:, :5]).logits[:, -1]
+    for one in (tp.token_patch(model, x[:, :5]), tp.token_patch(whole, x[:, :5])):  # its own, the whole's
+        logits = tp.functional_call(model, one, **stripped).logits[:, -1]
+        torch.testing.assert_close(logits, want, rtol=0, atol=1e-12)
 
 
 @torch.no_grad()
-def test_apply_refuses_weights_that_are_on_disk(tmp_path):
-    _, model = split("llama", tmp_path)
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_trajectory_and_thought_patch_run_through_the_offload(name, models, thoughts, f64):
+    whole, model = models(name)
+    x = ids(2, 9)
+    gen = tp.generate(model, x, max_new_tokens=3)
+    assert torch.equal(gen.tokens, whole.generate(x, max_new_tokens=3, do_sample=False)[:, 9:])
+    assert float(gen.logit_error.max()) <= 1e-12
+    traj = tp.trajectory(model, x[:1], query=-1)
+    _assert_same_deltas(traj.patch(5), tp.trajectory(whole, x[:1], query=-1).patch(5))
+    fit, want = thoughts(name)
+    _assert_same_deltas(fit.patch, want.patch)
+    q = ids(3, 5, seed=7)
+    torch.testing.assert_close(
+        tp.functional_call(model, fit.patch, q).logits,
+        tp.functional_call(whole, fit.patch, q).logits,
+        rtol=0,
+        atol=1e-12,
+    )
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", NAMES)
+def test_save_lora_of_an_offloaded_model_is_the_whole_ones(name, models, thoughts, tmp_path, f64):
+    """The LoRA written from the offloaded model (``B = W d`` read from the offload), loaded by peft
+    onto the unmodified model held whole, gives ``functional_call``'s logits; stacked experts: refused."""
+    whole, model = models(name)
+    fit = thoughts(name)[0]
+    if name in MOE:
+        with pytest.raises(tp.UnsupportedModelError, match=r"experts\.gate_up_proj .* a LoRA cannot target") as info:
+            tp.save_lora(model, fit, tmp_path / "lora")
+        assert "\n" not in str(info.value) and not (tmp_path / "lora").exists()
+        return
+    tp.save_lora(model, fit, tmp_path / "lora")
+    q = ids(3, 5, seed=7)
+    want = tp.functional_call(whole, fit.patch, q).logits
+    assert float((want - whole(q).logits).abs().max()) > 1e-2  # the patch changes the model
+    got = peft.PeftModel.from_pretrained(copy.deepcopy(whole), tmp_path / "lora").eval()(q).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["gpt2"])
+def test_tied_embeddings_on_disk(name, tmp_path, f64):
+    """The tied embedding table and output head offloaded with layers 1-2: inputs go where the table's
+    hook runs it, and every result is the whole model's."""
+    whole = tiny_hf_model(name)
+    assert whole.config.tie_word_embeddings
+    base, layers = whole.base_model_prefix, "h" if name == "gpt2" else "layers"
+    table = f"{base}.{'wte' if name == 'gpt2' else 'embed_tokens'}"
+    device_map = {
+        **{f"{base}.{layers}.{i}": "disk" if i else "cpu" for i in range(3)},
+        **{f"{base}.{m}": "cpu" for m, _ in whole.base_model.named_children() if m != layers},
+        table: "disk",
+        "lm_head": "disk",
+    }
+    whole, model = split(name, tmp_path, device_map, whole)
+    assert model.get_input_embeddings().weight.device.type == "meta"
+    x = ids(2, 9)
+    patch = tp.token_patch(model, x, query=[-1, 4])
+    _assert_same_deltas(patch, tp.token_patch(whole, x, query=[-1, 4]))
+    assert tp.verify(model, patch, x).max_abs <= 1e-12
+    gen = tp.generate(model, x, max_new_tokens=2)
+    assert torch.equal(gen.tokens, whole.generate(x, max_new_tokens=2, do_sample=False)[:, 9:])
+    assert float(gen.logit_error.max()) <= 1e-12
+    _assert_same_deltas(_thought(model).patch, _thought(whole).patch)
+
+
+@torch.no_grad()
+def test_apply_refuses_weights_that_are_on_disk(models):
+    _, model = models("llama")
     patch = tp.token_patch(model, ids(1, 6))
     with pytest.raises(tp.InputError, match=r"offloaded.*functional_call") as info:
         with tp.apply(model, patch):

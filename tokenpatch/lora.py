@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch import weight_layout
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.lowrank import LowRank
@@ -103,8 +104,8 @@ def _linear(model: nn.Module, module_name: str, what: str) -> str:
 def lora_pieces(model: nn.Module, patch: Patch) -> tuple[dict, dict, dict]:
     """The LoRA form of a static ``patch`` ``[1, 1]`` on ``model`` (module docstring), in float64:
     ``(pieces, biases, whole)`` with ``pieces[module] = [(B [out, k], A [k, in]), ...]`` and its
-    layout, ``biases[module] = db [out]`` and ``whole[module] = {param: new value}``."""
-    params = dict(model.named_parameters())
+    layout, ``biases[module] = db [out]`` and ``whole[module] = {param: new value}``. Every weight is
+    read through ``offload.value`` (an ``accelerate``-offloaded one is on ``meta``: its data is elsewhere)."""
     pieces: dict[str, list[tuple[Tensor, Tensor]]] = {}
     layouts: dict[str, str] = {}
     biases: dict[str, Tensor] = {}
@@ -121,7 +122,7 @@ def lora_pieces(model: nn.Module, patch: Patch) -> tuple[dict, dict, dict]:
                 module, _ = _module_of(reader)
                 if _linear(model, module, reader) != layout:
                     raise InputError(f"save_lora: the patch reads {reader} as {layout}, the model's layout differs")
-                w = params[reader].detach().double()
+                w = offload.value(model, reader).detach().to(d.device, torch.float64)
                 wd = d @ w.T if layout == "out_in" else d @ w  # [k, out]: W d_k for each k
                 add(module, layout, wd.T, v)
         elif isinstance(delta, LowRank):
@@ -137,7 +138,10 @@ def lora_pieces(model: nn.Module, patch: Patch) -> tuple[dict, dict, dict]:
                 biases[module] = delta[0, 0].double()
                 layouts.setdefault(module, layout)
             else:
-                state = {n: t.detach().double() for n, t in model.get_submodule(module).state_dict().items()}
+                state = {
+                    n: offload.value(model, f"{module}.{n}", t).detach().to(delta.device, torch.float64)
+                    for n, t in model.get_submodule(module).state_dict(keep_vars=True).items()
+                }
                 state[param] = state[param] + delta[0, 0].double()
                 whole[module] = state
     for module in biases:

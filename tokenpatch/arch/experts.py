@@ -16,6 +16,10 @@ Which experts modules this reads (``stacked_experts``): those ``transformers`` d
 ``use_experts_implementation`` (its attributes ``has_gate``, ``has_bias``, ``is_transposed``,
 ``has_post_expert_norm``), stored ``[E, out, in]``, without a norm after each expert (its output
 would not be linear in ``D``).
+
+Its weights are read through ``offload.value``: the hooks that call ``scattered_hiddens`` run
+before or after the module's own forward, where ``accelerate`` has an offloaded module's stacked
+tensors on ``meta`` (loaded for the forward only).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as Fn
 from torch import Tensor, nn
 
 from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.offload import value
 
 __all__ = ["stacked_experts", "scattered_hiddens", "OUTPUT_MATRIX"]
 
@@ -54,19 +59,19 @@ def scattered_hiddens(module: nn.Module, x: Tensor, index: Tensor, weights: Tens
     the routing weights, as the block passes them to ``module``. ``[D_1 ... D_E] z`` is the block's
     output without the experts' output biases. One pass per expert chosen by some token, as the
     module's own eager forward."""
-    n_experts, width = module.down_proj.shape[0], module.down_proj.shape[-1]  # [E, out, I]
+    n_experts, width = module.down_proj.shape[0], module.down_proj.shape[-1]  # [E, out, I] (meta keeps shapes)
     dt = torch.promote_types(x.dtype, weights.dtype)
     z = x.new_zeros(x.shape[0], n_experts, width, dtype=dt)  # [T, E, I]
-    bias = module.has_bias
+    inner = "gate_up_proj" if module.has_gate else "up_proj"  # [E, 2I or I, d]
+    w = value(module, inner)
+    b = value(module, f"{inner}_bias") if module.has_bias else None
     for e in index.unique().tolist():
         if not 0 <= e < n_experts:  # an expert-parallel sentinel: no expert here
             continue
         tok, k = torch.where(index == e)  # [n], [n]
         xe = x[tok]  # [n, d]
-        if module.has_gate:
-            gate_up = Fn.linear(xe, module.gate_up_proj[e], module.gate_up_proj_bias[e] if bias else None)
-            h = module._apply_gate(gate_up)  # [n, I]  the module's own gating (concatenated or interleaved)
-        else:
-            h = module.act_fn(Fn.linear(xe, module.up_proj[e], module.up_proj_bias[e] if bias else None))
+        a = Fn.linear(xe, w[e].to(xe.device), None if b is None else b[e].to(xe.device))
+        # the module's own gating (concatenated or interleaved), or its activation
+        h = module._apply_gate(a) if module.has_gate else module.act_fn(a)  # [n, I]
         z[tok, e] = h.to(dt) * weights[tok, k].to(dt)[:, None]
     return z.flatten(1)  # [T, E * I]

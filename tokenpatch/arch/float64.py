@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from tokenpatch.arch.norms import SCALE_NORMS, norm_eps
 from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.offload import value
 
 __all__ = ["RMS_OFFSETS", "linear64", "norm64"]
 
@@ -33,9 +34,10 @@ RMS_OFFSETS = {
 
 
 def linear64(module: nn.Module) -> Callable[[Tensor], Tensor]:
-    """A float64 copy of a ``Linear`` or GPT-2 ``Conv1D`` as a function."""
-    w = module.weight.detach().double()
-    b = None if getattr(module, "bias", None) is None else module.bias.detach().double()
+    """A float64 copy of a ``Linear`` or GPT-2 ``Conv1D`` as a function (an offloaded one's weights
+    read through ``offload.value``)."""
+    w = value(module, "weight").detach().double()
+    b = None if getattr(module, "bias", None) is None else value(module, "bias").detach().double()
     if type(module).__name__ == "Conv1D":  # stored [in, out]
         return lambda x: x @ w + (0 if b is None else b)
     return lambda x: Fn.linear(x, w, b)
@@ -45,8 +47,8 @@ def norm64(module: nn.Module, where: str) -> Callable[[Tensor], Tensor]:
     """A float64 copy of a LayerNorm or a known RMSNorm (``RMS_OFFSETS``) as a function; ``where``
     names the module in the error for an unknown norm."""
     if isinstance(module, nn.LayerNorm):
-        w = None if module.weight is None else module.weight.detach().double()
-        b = None if module.bias is None else module.bias.detach().double()
+        w = None if module.weight is None else value(module, "weight").detach().double()
+        b = None if module.bias is None else value(module, "bias").detach().double()
         return lambda x: Fn.layer_norm(x, module.normalized_shape, w, b, module.eps)
     if type(module).__name__ == "OlmoLayerNorm":  # a LayerNorm without parameters
         return lambda x: Fn.layer_norm(x, module.normalized_shape, None, None, 1e-5)
@@ -56,6 +58,6 @@ def norm64(module: nn.Module, where: str) -> Callable[[Tensor], Tensor]:
             f"{where}: cannot split by heads through a {type(module).__name__}; known norms: "
             f"LayerNorm and {sorted(RMS_OFFSETS)} (add it to tokenpatch.arch.float64.RMS_OFFSETS)"
         )
-    scale = offset + module.weight.detach().double()
+    scale = offset + value(module, "weight").detach().double()
     eps = norm_eps(module)
     return lambda x: scale * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch.hf_modules import HFModules
 from tokenpatch.errors import InputError
 from tokenpatch.plans import refuse_padded_queries
@@ -126,7 +127,7 @@ class HFInputs(HFModules):
             raise InputError(
                 f"input_ids must lie in [0, {vocab}) (the model's vocabulary), got [{int(ids.min())}, {int(ids.max())}]"
             )
-        device = model.get_input_embeddings().weight.device
+        device = offload.device(model.get_input_embeddings())  # an offloaded table: where its hook runs it
         mask = inputs.get("attention_mask")
         if mask is not None:
             if not isinstance(mask, Tensor) or mask.shape != ids.shape:

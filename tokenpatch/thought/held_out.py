@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.errors import InputError
 from tokenpatch.run import apply
 from tokenpatch.thought.calibration import batched
@@ -41,7 +42,7 @@ def prompt_kl(model: nn.Module, prompt: Tensor, queries: list[Tensor], patch, ke
     prompt = prompt.reshape(1, -1)
     head = prompt[:, :1] if keep_bos else prompt[:, :0]
     weight = model.get_input_embeddings().weight
-    device, dtype = weight.device, torch.promote_types(weight.dtype, torch.float32)
+    device, dtype = offload.device(model.get_input_embeddings()), torch.promote_types(weight.dtype, torch.float32)
     total, count = 0.0, 0
     for q in (rows for batch in queries for rows in batch.split(max(1, POSITIONS // batch.shape[1]))):
         q = q.to(device)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import INPUT_SUFFIX, Delta
@@ -137,7 +138,7 @@ def fit_lm(
     for t in (prompt, *batches):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
             raise InputError(f"token ids must lie in [0, {vocab})")
-    device = model.get_input_embeddings().weight.device
+    device = offload.device(model.get_input_embeddings())  # an offloaded table: where its hook runs it
     batches, valid = _right_padded(batches, max(256, *(q.shape[0] for q in batches)))
 
     # the prompt's keys and values, computed once: every calibration query reads them from a copy
