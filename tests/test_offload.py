@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import tokenpatch as tp
+from tokenpatch.dynamics.online_sgd import matrix_deltas
 from tokenpatch.testing import MOE, float64_norms, tiny_hf_model
 
 T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
@@ -183,6 +184,17 @@ def test_tied_embeddings_on_disk(name, tmp_path, f64):
     assert torch.equal(gen.tokens, whole.generate(x, max_new_tokens=2, do_sample=False)[:, 9:])
     assert float(gen.logit_error.max()) <= 1e-12
     _assert_same_deltas(_thought(model).patch, _thought(whole).patch)
+
+
+@torch.no_grad()
+def test_matrix_deltas_read_the_weights_from_the_offload(models):
+    """``W D`` of an input change (the online-SGD comparison's weight deltas) on the offloaded layers."""
+    whole, model = models("llama")
+    patch = tp.token_patch(whole, ids(2, 8), query=[-1, 4])
+    got, want = matrix_deltas(model, patch), matrix_deltas(whole, patch)
+    assert got.keys() == want.keys() and any(".layers.2." in k for k in got)
+    for key, delta in got.items():
+        torch.testing.assert_close(delta.dense(), want[key].dense(), rtol=0, atol=1e-12)
 
 
 @torch.no_grad()

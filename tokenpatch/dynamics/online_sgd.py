@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch import weight_layout
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.dynamics.diagnostics import cosine, rank1_ceiling
@@ -58,13 +59,13 @@ Loss = Callable[[int], Tensor]  # example index (0-based) -> each run's loss [R]
 def matrix_deltas(model: nn.Module, patch: Patch) -> dict[str, LowRank]:
     """Every weight matrix the patch changes, as a ``LowRank`` in the parameter's stored layout (lead as
     the patch's): low-rank weight deltas as they are; a change of a module's input ``s -> s + D s``
-    becomes ``W D`` on each matrix reading it (``D = sum_k d_k v_k^T``: factors ``W d_k``, ``v_k``)."""
-    params = dict(model.named_parameters())
+    becomes ``W D`` on each matrix reading it (``D = sum_k d_k v_k^T``: factors ``W d_k``, ``v_k``; ``W``
+    read through ``offload.value``, an ``accelerate``-offloaded one being on ``meta``)."""
     out: dict[str, LowRank] = {}
     for key, delta in patch.items():
         if key.endswith(INPUT_SUFFIX):
             for reader, layout in patch.readers.get(key, ()):
-                w = params[reader].detach().to(delta.dtype)
+                w = offload.value(model, reader).detach().to(delta.u.device, delta.dtype)
                 wd = delta.u @ (w.T if layout == "out_in" else w)  # [*lead, k, out]: W d_k
                 out[reader] = LowRank(wd, delta.v) if layout == "out_in" else LowRank(delta.v, wd)
         elif isinstance(delta, LowRank):
