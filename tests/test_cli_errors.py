@@ -328,6 +328,7 @@ def test_the_lazy_table_is_the_type_checking_block():
 
 
 def test_cli_defaults_are_the_library_values():
+    from tokenpatch.lora import CONFIG_FILE
     from tokenpatch.models.icl import MODEL_FORMAT, NORMS
     from tokenpatch.models.layers import LAYERS
     from tokenpatch.models.markov import MarkovModel
@@ -339,6 +340,7 @@ def test_cli_defaults_are_the_library_values():
 
     assert d.LAYERS == tuple(sorted(LAYERS)) and d.NORMS == NORMS
     assert (d.MODEL_FORMAT, d.PATCH_FORMAT) == (MODEL_FORMAT, PATCH_FORMAT)
+    assert d.LORA_CONFIG == CONFIG_FILE
     for values, obj in (
         (d.LINREG_TASK, DEFAULT_TASK),
         (d.LINREG_MODEL, DEFAULT_MODEL),

@@ -28,10 +28,11 @@ from tokenpatch.run import apply
 from tokenpatch.thought.calibration import batched
 from tokenpatch.thought.front import thought_patch
 
-__all__ = ["RIDGE_GRID", "choose_ridge", "prompt_kl"]
+__all__ = ["RIDGE_GRID", "MIN_ROWS", "choose_ridge", "prompt_kl"]
 
 # The grid ``choose_ridge`` tries unless told otherwise: the comparison's on real models.
 RIDGE_GRID = (0.003, 0.01, 0.1, 1.0, 10.0, 30.0)
+MIN_ROWS = 8  # calibration queries a held-out quarter is taken from (2 held out, 6 fitted)
 POSITIONS = 128  # query positions per forward of ``prompt_kl`` (its logits are [positions, vocab])
 
 
@@ -59,7 +60,7 @@ def prompt_kl(model: nn.Module, prompt: Tensor, queries: list[Tensor], patch, ke
 def choose_ridge(
     model: nn.Module,
     prompt: Tensor,
-    rows: list[list[int]],
+    rows: list[list[int]] | Tensor,
     ridges: tuple[float, ...] = RIDGE_GRID,
     *,
     held_out: float = 0.25,
@@ -69,10 +70,10 @@ def choose_ridge(
     **fit: Any,
 ) -> tuple[float, dict[float, float]]:
     """The ridge of ``ridges`` whose thought patch, fitted on the other calibration ``rows`` (token-id
-    lists), is closest to the prompted model on a seeded ``held_out`` fraction of them (``prompt_kl``;
+    lists, or a tensor ``[n, L]``: ``sample_calibration``'s continuations), is closest to the prompted model on a seeded ``held_out`` fraction of them (``prompt_kl``;
     module docstring). ``fit``: more of ``thought_patch``'s arguments (``rank``, ``output``...).
     Returns ``(ridge, {ridge: held-out KL})``; fit the patch on every row with that ridge."""
-    rows = [list(r) for r in rows if len(r)]
+    rows = _token_rows(rows)
     if not 0 < held_out < 1:
         raise InputError(f"choose_ridge: held_out must be a fraction in (0, 1), got {held_out!r}")
     if not ridges or any(isinstance(r, bool) or not isinstance(r, (int, float)) or r < 0 for r in ridges):
@@ -92,3 +93,18 @@ def choose_ridge(
         patch = thought_patch(model, prompt, batched(kept), ridge=lam, keep_bos=keep_bos, progress=progress, **fit)
         by_ridge[float(lam)] = prompt_kl(model, prompt, queries, patch.patch, keep_bos)
     return min(by_ridge, key=by_ridge.get), by_ridge
+
+
+def _token_rows(rows: Any) -> list[list[int]]:
+    """``rows`` as non-empty token-id lists: from a tensor ``[n, L]`` or a list of id sequences; a flat list of
+    ids (one query, not a list of them) is refused."""
+    if isinstance(rows, Tensor):
+        if rows.ndim != 2:
+            raise InputError(f"choose_ridge: rows must be token ids [n, L], got a tensor of shape {list(rows.shape)}")
+        rows = rows.tolist()
+    if isinstance(rows, (str, bytes)) or any(isinstance(r, (int, str, bytes)) for r in rows):
+        raise InputError(
+            "choose_ridge: rows must be a list of calibration queries, each a list of token ids (or a tensor "
+            "[n, L]); got single ids or text"
+        )
+    return [[int(t) for t in r] for r in rows if len(r)]

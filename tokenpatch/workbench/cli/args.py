@@ -97,9 +97,13 @@ def usage(message: str) -> TokenpatchError:
     return InputError(message)
 
 
-def shown(text: str) -> str:
-    """``text`` as it can be printed: a byte that is not UTF-8 (a surrogate escape from argv) as ``\\xe9``."""
-    return os.fsencode(text).decode("utf-8", "backslashreplace")
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` as it can be printed on one line: a byte that is not UTF-8 (a surrogate escape from argv) as
+    ``\\xe9``, a line break or another control character as its escape (``\\n``), cut after ``limit``
+    characters."""
+    text = os.fsencode(text).decode("utf-8", "backslashreplace")
+    text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_values(args: argparse.Namespace) -> None:
@@ -196,10 +200,11 @@ def _new_file(path: Path, flag: str) -> Iterator[Path]:
 
 
 def read_text_file(path: str, flag: str) -> str:
-    """The UTF-8 text of ``path``; a binary file or one in another encoding is one line."""
+    """The UTF-8 text of ``path`` (a byte-order mark in front, as some editors write, dropped); a binary file
+    or one in another encoding is one line."""
     data = Path(path).read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise usage(
             f"{flag} {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); give a "

@@ -13,6 +13,7 @@ __all__ = [
     "NORMS",
     "MODEL_FORMAT",
     "PATCH_FORMAT",
+    "LORA_CONFIG",
     "LINREG_TASK",
     "LINREG_MODEL",
     "LINREG_TRAIN",
@@ -26,6 +27,7 @@ HEADED_LAYERS = ("softmax", "linear")  # layers whose d_model must divide into h
 NORMS = ("none", "pre", "post")  # tokenpatch.models.icl.NORMS
 MODEL_FORMAT = "tokenpatch.model/1"  # tokenpatch.models.icl.MODEL_FORMAT
 PATCH_FORMAT = "tokenpatch.patch/1"  # tokenpatch.patch_files.PATCH_FORMAT
+LORA_CONFIG = "adapter_config.json"  # tokenpatch.lora.CONFIG_FILE: a peft LoRA adapter folder's config
 
 # tokenpatch.workbench.train.linreg: DEFAULT_TASK, DEFAULT_MODEL, DEFAULT_TRAIN
 LINREG_TASK = {"dim": 4, "n_context": 16, "noise": 0.1}

@@ -162,8 +162,9 @@ def check_compress(args) -> None:
     if args.model is not None:
         lm_compress.check_compress(args)
         return
-    if args.task is not None:
-        raise usage("--task is for a language model: add --model NAME")
+    for flag, value in (("--task", args.task), ("--task-file", args.task_file), ("--lora", args.lora)):
+        if value is not None:
+            raise usage(f"{flag} is for a language model: add --model NAME")
     check_out_file(args.out, "--out", may_exist=False)
     check_checkpoint(args.checkpoint)
     if args.prompt is not None:

@@ -6,6 +6,7 @@ which needs no torch, before the command."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tokenpatch.workbench.cli.args import (
     check_out_file,
@@ -13,7 +14,7 @@ from tokenpatch.workbench.cli.args import (
     read_header,
     usage,
 )
-from tokenpatch.workbench.cli.defaults import PATCH_FORMAT
+from tokenpatch.workbench.cli.defaults import LORA_CONFIG, PATCH_FORMAT
 from tokenpatch.workbench.zoo.pretrained import load_pretrained, pretrained_names, record_mismatch
 
 
@@ -113,6 +114,7 @@ def check_generate(args) -> None:
     if args.patch is not None and args.plot is not None:
         raise usage("--plot draws the update norms of token patches; with --patch there are none: drop --plot")
     if args.patch:  # by its header: a patch of another model fails here, before the model loads
+        _refuse_lora(args.patch)
         _, doc = read_header(args.patch, PATCH_FORMAT)
         why = record_mismatch(args.model, (doc.get("meta") or {}).get("model"))
         if why:
@@ -122,6 +124,24 @@ def check_generate(args) -> None:
             )
     elif args.plot is not None:
         check_out_file(args.plot, "--plot", may_exist=False)
+
+
+def _refuse_lora(path: str) -> None:
+    """``--patch`` a peft LoRA adapter (the folder ``compress --lora`` writes, or its weights file) is refused
+    by name, with what to pass instead."""
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    if not (folder / LORA_CONFIG).is_file() or (p.is_file() and not p.name.endswith(".safetensors")):
+        return
+    if p.is_file():
+        names, _ = read_header(path)
+        if not any(".lora_A." in n or ".lora_B." in n for n in names):
+            return
+    raise usage(
+        f"--patch {path} is a peft LoRA adapter{' folder' if p.is_dir() else chr(39) + 's weights'} (written by "
+        f"compress --lora), not a tokenpatch patch file: pass the patch file compress --out wrote, or load the "
+        f"adapter with peft.PeftModel.from_pretrained(model, {str(folder)!r})"
+    )
 
 
 def generate_lm(args) -> int:

@@ -20,7 +20,14 @@ from tokenpatch.workbench.cli.args import (
 )
 from tokenpatch.workbench.cli.lm import check_model, pretrained_for
 
-__all__ = ["check_compress", "compress_lm"]
+__all__ = ["check_compress", "compress_lm", "LINE_LIMIT"]
+
+# The longest line --task-file and --queries take, in characters: a word pair or a calibration query, which
+# the prompt and the model read whole (a 2 MB line would ask the model for hundreds of GB).
+LINE_LIMIT = 2000
+# The ridge of a --prompt patch whose calibration is too few queries to choose it on held-out ones (the
+# middle of choose_ridge's grid); --ridge sets it.
+FEW_ROWS_RIDGE = 1.0
 
 
 def _tasks(args) -> list[str] | None:
@@ -45,8 +52,21 @@ def _outputs(args) -> dict[str, Path]:
     return {k: Path(args.out) / f"compress-{_slug(args)}.{k}" for k in ("json", "md", "png")}
 
 
+def _lines(path: str, flag: str) -> list[str]:
+    """The lines of the UTF-8 text file ``path``, each at most ``LINE_LIMIT`` characters."""
+    lines = read_text_file(path, flag).splitlines()
+    for n, line in enumerate(lines, 1):
+        if len(line) > LINE_LIMIT:
+            raise usage(
+                f"{flag} {path} line {n} is {len(line):,} characters long; a line holds one "
+                f"{'word pair' if flag == '--task-file' else 'calibration query'}, at most {LINE_LIMIT:,} "
+                "characters: shorten it or split it"
+            )
+    return lines
+
+
 def _query_lines(path: str) -> list[str]:
-    lines = [ln for ln in read_text_file(path, "--queries").splitlines() if ln.strip()]
+    lines = [ln for ln in _lines(path, "--queries") if ln.strip()]
     if not lines:
         raise usage(f"--queries {path} has no non-empty line; write one calibration query per line")
     return lines
@@ -57,7 +77,8 @@ def _task_file(args):
     path = Path(args.task_file)
     name = re.sub(r"[^A-Za-z0-9_-]+", "_", path.stem).strip("_") or "task"
     try:
-        task = parse_pairs(read_text_file(args.task_file, "--task-file"), name, f"--task-file {args.task_file}")
+        text = "\n".join(_lines(args.task_file, "--task-file"))
+        task = parse_pairs(text, name, f"--task-file {args.task_file}")
     except InputError as exc:
         raise usage(str(exc)) from None
     need = needed_pairs(args.shots)
@@ -83,11 +104,20 @@ def check_compress(args) -> None:
             + (f"; got {' and '.join(given)}" if given else "")
         )
     if args.prompt is not None:
+        if not args.prompt.strip():
+            raise usage("--prompt holds only whitespace; give the prompt's text")
         if args.queries and args.calibration:
             raise usage("--calibration N samples calibration queries; --queries FILE gives them: pass one")
         check_out_file(args.out, "--out", may_exist=False)
         if args.lora is not None:
             check_new_folder(args.lora, "--lora")
+            out, lora = Path(args.out).resolve(), Path(args.lora).resolve()
+            if out == lora or lora in out.parents:
+                raise usage(
+                    f"--out {args.out} would be {'the --lora folder' if out == lora else 'inside the --lora folder'} "
+                    f"{args.lora} (a LoRA adapter goes to a new or empty folder of its own): give another --out "
+                    "or --lora"
+                )
         if args.queries:
             _query_lines(args.queries)
         return
@@ -168,17 +198,19 @@ def _compress_prompt(args) -> int:
         sample_calibration,
     )
     from tokenpatch.thought.front import thought_patch
-    from tokenpatch.thought.held_out import choose_ridge
+    from tokenpatch.thought.held_out import MIN_ROWS, choose_ridge
     from tokenpatch.workbench.methods import leading_tokens
 
     lines = _query_lines(args.queries) if args.queries else None
     model, tokenizer = pretrained_for(args)
     lead = leading_tokens(tokenizer)
     prompt = torch.tensor(lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
+    limit = getattr(model.config, "max_position_embeddings", None)
     if lines is None:  # the prompted model writes its own, begun like the prompt's demonstrations
+        _check_positions(args, len(prompt), DEFAULTS["length"], limit, "a continuation of {} tokens")
         begin = demonstration_start(args.prompt)
         start = tokenizer(begin, add_special_tokens=False)["input_ids"] if begin else None
-        queries = sample_calibration(
+        continuations = sample_calibration(
             model,
             prompt,
             n=args.calibration or DEFAULTS["n"],
@@ -187,24 +219,32 @@ def _compress_prompt(args) -> int:
             start=start,
             seed=args.seed,
             progress=not args.quiet,
-        )
-        source = f"{queries.shape[0]} continuations it wrote itself" + (f" (each begun {begin!r})" if begin else "")
+        )  # [n, length]
+        rows = continuations.tolist()
+        source = f"{len(rows)} continuations it wrote itself" + (f" (each begun {begin!r})" if begin else "")
         separator = demonstration_separator(args.prompt)
-        pieces = demonstrations(tokenizer, queries, separator) if separator else []
-        if pieces:  # a few-shot prompt: each new demonstration a query of its own
-            queries = batched(pieces)
+        pieces = demonstrations(tokenizer, continuations, separator) if separator else []
+        if pieces and (args.ridge is not None or len(pieces) >= MIN_ROWS):  # each demonstration a query of its own
+            rows = pieces
             source += f", cut into the {len(pieces)} demonstrations they hold"
+        elif pieces:
+            source += f", whole (the {len(pieces)} demonstrations they hold are too few to choose the ridge on)"
     else:
-        queries = batched([tokenizer(line, add_special_tokens=False)["input_ids"] for line in lines])
-        source = f"{len(lines)} calibration queries"
+        rows = [tokenizer(line, add_special_tokens=False)["input_ids"] for line in lines]
+        rows = [r for r in rows if r]
+        _check_positions(
+            args, len(prompt), max(map(len, rows), default=0), limit, "its longest --queries line ({} tokens)"
+        )
+        source = f"{len(rows)} calibration queries"
+    queries = batched(rows)  # [b, T] batches, one per length
     ridge, how = args.ridge, ""
-    if ridge is None:  # chosen on a held-out quarter of the calibration queries, by KL to the prompted model
-        rows = [r for q in queries for r in q.tolist()]
-        if len(rows) < 8:
-            raise InputError(
-                f"--calibration: {len(rows)} calibration queries are too few to choose the ridge on a held-out "
-                "quarter of them (8 at least): give more, or --ridge"
-            )
+    if ridge is None and len(rows) < MIN_ROWS:  # too few to hold a quarter out: the grid's middle
+        ridge = FEW_ROWS_RIDGE
+        how = (
+            f" ({len(rows)} calibration queries are too few to choose it on a held-out quarter of them, "
+            f"{MIN_ROWS} at least; --ridge sets it)"
+        )
+    elif ridge is None:  # chosen on a held-out quarter of the calibration queries, by KL to the prompted model
         ridge, scores = choose_ridge(
             model,
             prompt,
@@ -242,3 +282,12 @@ def _compress_prompt(args) -> int:
         export = save_lora(model, patch, args.lora)
         print(f"{export}; load it with peft.PeftModel.from_pretrained(model, {str(args.lora)!r})")
     return 0
+
+
+def _check_positions(args, prompt: int, query: int, limit: int | None, what: str) -> None:
+    """The prompt and its longest query fit in the model's ``limit`` positions (checked before any work)."""
+    if limit is not None and prompt + query > limit:
+        raise usage(
+            f"--prompt is {prompt} tokens; with {what.format(query)} it runs past {args.model}'s {limit} "
+            f"positions: shorten it to at most {limit - query} tokens"
+        )

@@ -5,7 +5,8 @@ in its own module (``linreg``, ``lm``, ``markov``, ``induction``, ``icl_sgd``).
 A user mistake (a bad value, a missing or wrong file) is one line on stderr, ``tokenpatch:
 error: ...``, and exit status 2, never a traceback; ``--debug`` (or ``TOKENPATCH_DEBUG=1``) shows
 the traceback too. Exit status 1 means ``verify`` ran and the tolerance was not met; 130 means
-interrupted (a training run saves its checkpoint first).
+interrupted (a training run saves its checkpoint first); 3 an unexpected error (a bug of tokenpatch's: one
+line as well, the traceback with ``--debug``).
 
 Every command first checks its arguments without torch (names, numbers, flag combinations, the
 paths and the headers of the files it is given), then imports torch and loads its model: a mistake
@@ -41,6 +42,7 @@ from tokenpatch.workbench.cli.defaults import (
     NORMS,
 )
 
+INTERNAL_ERROR = 3  # exit status of an unexpected error (a bug): one line, the traceback with --debug
 REPRODUCE_TIME = "under eight minutes on a 2-core CPU"  # the README says the same (tests/test_cli.py)
 
 
@@ -333,17 +335,34 @@ def main(argv: list[str] | None = None) -> int:
 
             torch.set_num_threads(args.threads)
         return run(args)
-    except (TokenpatchError, OSError) as exc:  # user mistakes: bad values, missing or wrong files
+    except (TokenpatchError, OSError, MemoryError) as exc:  # user mistakes: bad values, missing or wrong files
         if debug:
             raise
-        what = exc.strerror + f": {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
-        print(f"tokenpatch {args.command}: error: {what}", file=sys.stderr)
+        if isinstance(exc, MemoryError):
+            what = "out of memory; give smaller inputs (a shorter prompt, fewer or shorter queries)"
+        else:
+            what = exc.strerror + f": {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
+        print(f"tokenpatch {args.command}: error: {_one_line(what)}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         if debug:
             raise
         print(f"tokenpatch {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug of tokenpatch's: one line too, the traceback with --debug
+        if debug:
+            raise
+        print(
+            f"tokenpatch {args.command}: internal error: {type(exc).__name__}: {_one_line(str(exc))} (rerun with "
+            "--debug for the traceback, and report it)",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR
+
+
+def _one_line(text: str) -> str:
+    """An error's text on one line: its lines joined."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

@@ -9,12 +9,17 @@ tokenpatch markov report --out results-markov        # the full sweep, ~30 minut
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenpatch.workbench.cli.args import Help, check_out_folder, common, count, number, usage
 from tokenpatch.workbench.cli.defaults import MARKOV_MODEL, MARKOV_TASK, MARKOV_TRAIN
 
 __all__ = ["add_parser", "check", "run"]
+
+# What `markov train` writes in its folder besides model.safetensors (a run stopped before its first
+# checkpoint leaves these alone; the rerun starts afresh and replaces them).
+_RUN_FILE = re.compile(r"step-\d{7}\.safetensors|curves\.png|\..*\.tmp")
 
 
 def _task_args(p, chains_default: int = 16) -> None:
@@ -151,9 +156,16 @@ def _predictors(args) -> int:
 
 
 def _check_run_folder(path: str) -> Path:
+    """A new or empty folder, a run to resume (``model.safetensors``), or a run interrupted before its first
+    checkpoint (only its snapshots and figure: it starts afresh there); anything else is refused."""
     p = check_out_folder(path, "--out", " for the run")
-    if p.is_dir() and any(p.iterdir()) and not (p / "model.safetensors").exists():
-        raise usage(f"--out {path} is a folder with other files in it; give a new or empty folder")
+    if p.is_dir() and not (p / "model.safetensors").exists():
+        other = sorted(f.name for f in p.iterdir() if not _RUN_FILE.fullmatch(f.name))
+        if other:
+            raise usage(
+                f"--out {path} holds files that are not a Markov run ({', '.join(other[:3])}"
+                f"{' ...' if len(other) > 3 else ''}); give a new or empty folder (a run's folder resumes)"
+            )
     return p
 
 
