@@ -20,6 +20,8 @@ import pytest
 import torch
 
 import tokenpatch as tp
+from tokenpatch.baselines import pad_left, recording_heads, task_vectors
+from tokenpatch.baselines.vectors import _norm_gain
 from tokenpatch.dynamics.online_sgd import matrix_deltas
 from tokenpatch.testing import MOE, float64_norms, tiny_hf_model
 
@@ -184,6 +186,21 @@ def test_tied_embeddings_on_disk(name, tmp_path, f64):
     assert torch.equal(gen.tokens, whole.generate(x, max_new_tokens=2, do_sample=False)[:, 9:])
     assert float(gen.logit_error.max()) <= 1e-12
     _assert_same_deltas(_thought(model).patch, _thought(whole).patch)
+    prompted = pad_left([[1, 5, 6, 7, 8], [1, 9, 4]], 0)  # a baseline: its inputs go where the table runs
+    got, want = task_vectors(model, prompted).vectors, task_vectors(whole, prompted).vectors
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@torch.no_grad()
+def test_a_baselines_norm_gain_reads_the_offloaded_norm(models, f64):
+    """The function-vector baseline's gain through Gemma 3's norm after ``o_proj``, on a layer on disk."""
+    gains = []
+    for model in reversed(models("gemma3")):  # the offloaded model, then the whole one
+        with recording_heads(model) as rec:
+            model(ids(2, 8))
+        gains.append(_norm_gain(model, 2, rec[2]))
+    assert gains[0].device.type == "cpu"  # not meta
+    torch.testing.assert_close(gains[0], gains[1], rtol=0, atol=1e-12)
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch import adapter_for
 from tokenpatch.arch.hf import EAGER_NAN
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
@@ -68,7 +69,7 @@ def pad_left(rows: Iterable[list[int]], pad_id: int) -> dict[str, Tensor]:
 
 
 def _device(model: nn.Module) -> torch.device:
-    return model.get_input_embeddings().weight.device
+    return offload.device(model.get_input_embeddings())  # an offloaded table: where its hook runs it
 
 
 def _on(model: nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -283,7 +284,8 @@ def _norm_gain(model: nn.Module, layer: int, z: Tensor) -> Tensor | float:
     with torch.no_grad():
         a = o_proj_modules(model)[layer](z.flatten(1).to(next(norm.parameters()).dtype))  # [B, d]
         rms = (a.double().square().mean(-1) + norm_eps(norm)).sqrt().mean()
-        return ((offset + norm.weight.double()) / rms).to(a.dtype)  # [d]
+        scale = offset + offload.value(norm, "weight").detach().to(a.device, torch.float64)
+        return (scale / rms).to(a.dtype)  # [d]
 
 
 def attention_shift(
