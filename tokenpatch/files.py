@@ -32,7 +32,7 @@ from tokenpatch.offload import named_values
 from tokenpatch.paths import write_new
 from tokenpatch.per_model import PerModel
 
-__all__ = ["write_file", "read_file", "tensor_digest", "fingerprint", "config_record", "check_config"]
+__all__ = ["write_file", "read_file", "tensor_digest", "fingerprint", "config_record", "check_config", "versions"]
 
 
 def _raw_bytes(t: Tensor):
@@ -56,7 +56,11 @@ def tensor_digest(tensors: dict[str, Tensor], doc: dict | None = None) -> str:
 def write_file(path: str | os.PathLike, tensors: dict[str, Tensor], kind: str, meta: dict) -> Path:
     """Write ``tensors`` and ``meta`` atomically (temp file + rename): an interrupted write
     never leaves a half-written file at ``path``."""
+    named = os.fspath(path)
     path = Path(path)
+    if not named or named.endswith(("/", os.sep)) or path.name in ("", ".", "..") or path.is_dir():
+        what = "an empty path" if not named else "a folder, not a file"
+        raise InputError(f"cannot write to {named!r}: {what}; pass a file path such as patch.safetensors")
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     doc = {"format": kind, **meta}
@@ -97,7 +101,10 @@ def read_file(path: str | os.PathLike, kind: str) -> tuple[dict[str, Tensor], di
 # A patch is exact only for the weights it was computed from, so patches record the model's
 # fingerprint and every use checks it. The digest hashes every weight once per model state; a
 # later check reads two integers per parameter (storage address, torch's version counter) of the
-# parameters it saw last time: no walk over the modules, no pass over the weights, no device sync.
+# parameters it saw last time, and a sample of their values (``_SAMPLE`` per parameter, one comparison
+# per device): no walk over the modules, no pass over the weights. Writes through ``p.data`` leave the
+# version counter alone; the sample catches those that change many values (a whole tensor scaled,
+# shifted, copied into), not an edit of a few values it does not hold (``cached=False`` re-hashes).
 # The cache is a ``PerModel`` (no weakref callback: one is where Python swallows a KeyboardInterrupt).
 
 
@@ -107,6 +114,8 @@ class _State:
     ptrs: tuple  # storage address of each
     versions: tuple  # torch version counter of each (bumped by in-place ops, optimizer steps, load_state_dict)
     digest: str
+    spots: list = dataclasses.field(default_factory=list)  # per parameter, the flat indices sampled (_spots)
+    sample: dict = dataclasses.field(default_factory=dict)  # (device, dtype) -> the values there (_sampled)
 
     def same_storage(self) -> list[Tensor] | None:
         """The parameters, if all are alive and in the storage seen (a replaced module's are gone)."""
@@ -116,11 +125,46 @@ class _State:
 
     def current(self) -> bool:
         params = self.same_storage()
-        return params is not None and tuple(_version(p) for p in params) == self.versions
+        if params is None or tuple(_version(p) for p in params) != self.versions:
+            return False
+        now = _sampled(params, self.spots)  # writes through p.data leave the version counter alone
+        return now.keys() == self.sample.keys() and all(torch.equal(now[k], v) for k, v in self.sample.items())
 
 
 _FINGERPRINTS: PerModel[_State] = PerModel()
 _CHUNK = 1 << 22  # elements hashed per step: bounds the float32 copy of a half-precision weight
+
+
+_SAMPLE = 64  # values per parameter read by a cached check
+
+
+def _spots(params: list[Tensor]) -> list[Tensor | None]:
+    """Per parameter, the flat indices of up to ``_SAMPLE`` values spread over it (a stride that is
+    rarely a row's length), on its device; ``None`` for an empty one or one on the meta device (whose
+    data accelerate keeps elsewhere)."""
+    out = []
+    for p in params:
+        n = p.numel()
+        step = max(1, n // _SAMPLE)
+        out.append(
+            None if not n or p.device.type == "meta" else torch.arange((step // 2 + 7) % step, n, step, device=p.device)
+        )
+    return out
+
+
+def _sampled(params: list[Tensor], spots: list[Tensor | None]) -> dict:
+    """The values at ``spots`` of every parameter, one tensor per device and dtype (one ``take`` each)."""
+    by_kind: dict = {}
+    with torch.no_grad():
+        for p, at in zip(params, spots):
+            if at is not None:
+                by_kind.setdefault((p.device, p.dtype), []).append(torch.take(p.detach(), at))
+    return {k: torch.cat(v) for k, v in by_kind.items()}
+
+
+def versions(params) -> tuple[int, ...]:
+    """Torch's version counter of each of ``params`` (bumped by every in-place write but through ``.data``)."""
+    return tuple(_version(p) for p in params)
 
 
 def _version(p: Tensor) -> int:
@@ -153,6 +197,8 @@ def _remember(model: nn.Module, params: list[tuple[str, Tensor]], digest: str) -
         tuple(p.data_ptr() for p in ps),
         tuple(_version(p) for p in ps),
         digest,
+        spots := _spots(ps),
+        _sampled(ps, spots),
     )
 
 
@@ -161,10 +207,11 @@ def fingerprint(model: nn.Module, cached: bool = True) -> str:
 
     Casting to float32 makes ``model.double()`` keep the fingerprint of the float32 model it came
     from. With ``cached=True`` the digest is reused while the parameters last seen keep their
-    storage and version counter and are still alive (``_State.current``), which catches in-place
-    edits, optimizer steps, ``load_state_dict``, ``.to()`` and replaced modules. Writes through
-    ``p.data`` bypass torch's version counter and escape it; ``cached=False`` (what
-    ``load_patch(path, model)`` uses) always re-hashes. The config is recorded beside it
+    storage, version counter and sampled values and are still alive (``_State.current``), which catches
+    in-place edits, optimizer steps, ``load_state_dict``, ``.to()`` and replaced modules. Writes through
+    ``p.data`` bypass torch's version counter: the sample catches those that change many values, not an
+    edit of a few values outside it; ``cached=False`` (what ``load_patch(path, model)`` uses) always
+    re-hashes. The config is recorded beside it
     (``config_record``): a digest of the weights alone keeps the checkpoints' fingerprints valid.
     """
     hit = _cached(model)
@@ -187,7 +234,7 @@ def restored(model: nn.Module, before: _State | None, touched: set[int]) -> None
         return
     versions = tuple(_version(p) for p in params)
     if all(v == w or id(p) in touched for p, v, w in zip(params, versions, hit.versions)):
-        hit.versions = versions
+        hit.versions = versions  # bit for bit restored: the sample holds too
 
 
 def cached_state(model: nn.Module) -> _State | None:

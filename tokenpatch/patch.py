@@ -17,6 +17,12 @@ How the patch runs is its type, never its metadata. Fields, all carried by ``+``
   ``[b, q]`` acts **at position** ``positions[q]`` of sequence ``b`` only (a chunk removed);
 * ``plan``: the ``Plan`` (queries, removed context, sequence length) it was computed for, or
   ``None``; ``functional_call`` checks the no-context length against it, ``verify`` defaults to it;
+* ``plans``: where the rows were made for different plans (``Patch.stack``) or a row for several
+  (``a + b``: a patch of no single input), per batch row the plans it was made for (``plan`` is
+  then ``None``); ``functional_call`` refuses to leave out position ids any of them needs;
+* ``tokens``: per ``[b, q]`` a fingerprint (int64, 0: unchecked) of the no-context token ids that
+  patch was made for (``plans.token_digests``); ``functional_call`` refuses other tokens;
+* ``prefix``: token ids every sequence it runs on must begin with (a ``keep_bos`` thought patch's BOS);
 * ``static``: one update for any input (a thought patch): it runs on any no-context inputs;
 * ``readers``: for each ``"<module>:input"`` delta, the matrices that read that input, with their
   layouts (``apply`` writes ``W + W D`` into each);
@@ -30,25 +36,31 @@ from __future__ import annotations
 
 import operator
 import warnings
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from tokenpatch import files
 from tokenpatch.errors import InputError, caller_stacklevel
-from tokenpatch.lowrank import LowRank, check_finite, matrix_shape, norm_of
+from tokenpatch.lowrank import LowRank, check_finite, norm_of
 from tokenpatch.patch_fields import (
     BEHAVIOUR_KEYS,
     INPUT_SUFFIX,
     Readers,
+    check_against_model,
+    check_plan,
+    check_plans,
+    check_tokens,
     checked_readers,
     common_meta,
+    folded,
     merged_readers,
+    row_plans,
     same,
     split_behaviour,
+    stacked_fields,
+    summed_fields,
 )
 from tokenpatch.plans import Plan
 
@@ -84,6 +96,9 @@ class Patch(Mapping):
         static: bool = False,
         readers: Readers | None = None,
         rows=None,
+        plans=(),
+        tokens=None,
+        prefix=(),
     ):
         """``positions``: ``None`` (or empty) for a patch acting everywhere, else one no-context
         position per query (the patch acts at positions). A ``meta`` holding 0.2's behaviour keys
@@ -115,11 +130,14 @@ class Patch(Mapping):
             plan, static = plan or old.get("plan"), static or old.get("static", False)
             readers, rows = readers or old.get("readers"), rows if rows is not None else old.get("rows")
         if plan is not None:
-            if len(plan.query) != lead[1]:
-                raise InputError(f"plan {plan.describe()} has {len(plan.query)} queries, the patch {lead[1]}")
-            if positions != (plan.positions if plan.mode == "chunk" else ()):
-                raise InputError(f"plan {plan.describe()} does not act at positions {list(positions)}")
+            check_plan(plan, lead, positions)
+        plans = check_plans(plans, lead, positions)
+        if plan is not None and plans:
+            raise InputError("a Patch has one plan for every row (plan=) or plans per row (plans=), not both")
         self.plan: Plan | None = plan
+        self.plans: tuple[tuple[Plan, ...], ...] = plans  # per row, where the rows differ (module docstring)
+        self.tokens: Tensor | None = check_tokens(tokens, lead)  # [batch, query] fingerprints, 0: unchecked
+        self.prefix: tuple[int, ...] = tuple(int(t) for t in prefix)
         self.static: bool = bool(static)
         inputs = {n for n in self._deltas if n.endswith(INPUT_SUFFIX)}
         self.readers: dict[str, tuple[tuple[str, str], ...]] = {
@@ -133,7 +151,12 @@ class Patch(Mapping):
         self.meta: dict[str, Any] = meta
 
     def _fields(self) -> dict[str, Any]:  # what a derived patch carries over
-        return {"plan": self.plan, "static": self.static, "readers": self.readers, "rows": self.rows}
+        fields = {"plan": self.plan, "plans": self.plans, "static": self.static, "readers": self.readers}
+        return {**fields, "rows": self.rows, "tokens": self.tokens, "prefix": self.prefix}
+
+    def made_for(self) -> list[Plan]:
+        """Every plan some row of the patch was made for (``plan``, or each of ``plans``), once each."""
+        return list(dict.fromkeys(p for r in row_plans(self) for p in r))
 
     @property
     def acts(self) -> Literal["everywhere", "at_positions"]:
@@ -211,11 +234,12 @@ class Patch(Mapping):
                     f"patch[name].u[:, q], or compute it alone with token_patch(..., query=q)"
                 )
         deltas = {n: d.index(key) if isinstance(d, LowRank) else d[key] for n, d in self._deltas.items()}
-        plan = self.plan
-        if plan is not None:
-            plan = Plan(plan.seq_len, plan.query[key[1]], plan.mode, plan.kept)
+        plans = tuple(tuple(Plan(p.seq_len, p.query[key[1]], p.mode, p.kept) for p in r) for r in row_plans(self))
+        plan, plans = folded(plans[key[0]])
         rows = (self.rows or tuple(range(self.lead[0])))[key[0]]
-        return Patch(deltas, self.positions[key[1]], self.meta, **{**self._fields(), "plan": plan, "rows": rows})
+        tokens = None if self.tokens is None else self.tokens[key]
+        fields = {**self._fields(), "plan": plan, "plans": plans, "rows": rows, "tokens": tokens}
+        return Patch(deltas, self.positions[key[1]], self.meta, **fields)
 
     def map(self, fn) -> Patch:
         """Apply ``fn`` to every factor / dense tensor (e.g. ``lambda t: t.double()``)."""
@@ -225,18 +249,20 @@ class Patch(Mapping):
         if lead != self.lead:  # ``fn`` reshaped the leading dims: keep only the fields that still fit
             fields["plan"] = self.plan if self.plan is not None and len(self.plan.query) == lead[1] else None
             fields["rows"] = self.rows if self.rows is not None and len(self.rows) == lead[0] else None
+            fields["plans"] = self.plans if len(self.plans) == lead[0] and fields["plan"] is None else ()
+            fields["tokens"] = None
         return Patch(deltas, self.positions, self.meta, **fields)
 
     def to(self, *args, **kwargs) -> Patch:
         return self.map(lambda t: t.to(*args, **kwargs))
 
-    def replace(self, deltas: Mapping[str, Delta] | None = None, meta: dict | None = None) -> Patch:
-        """The same patch (positions and fields) with other ``deltas`` or ``meta``."""
+    def replace(self, deltas: Mapping[str, Delta] | None = None, meta: dict | None = None, **fields) -> Patch:
+        """The same patch (positions and fields) with other ``deltas``, ``meta`` or fields."""
         return Patch(
             self._deltas if deltas is None else deltas,
             self.positions,
             self.meta if meta is None else meta,
-            **self._fields(),
+            **{**self._fields(), **fields},
         )
 
     def dense(self) -> dict[str, Tensor]:
@@ -254,8 +280,10 @@ class Patch(Mapping):
     def __add__(self, other: Patch) -> Patch:
         """Sum of two patches of the same model acting at the same place (low-rank terms stack;
         a key missing on one side counts as 0). The sum is a patch, not the token patch of any
-        context; ``verify`` measures how far it is from one. It is static only if both are; it keeps
-        the plan and rows the two share, and every input change with the matrices that read it."""
+        context; ``verify`` measures how far it is from one. It is static only if both are; each row is
+        made for every plan its terms were (``plans``: position ids any of them needs are required),
+        it keeps the rows, token fingerprints and prefix the two share, and every input change with the
+        matrices that read it."""
         if not isinstance(other, Patch):
             return NotImplemented
         if self.positions != other.positions:
@@ -273,14 +301,10 @@ class Patch(Mapping):
         deltas = dict(self._deltas)
         for n, d in other._deltas.items():
             deltas[n] = deltas[n] + d if n in deltas else d
+        lead = tuple(torch.broadcast_shapes(self.lead, other.lead))
+        fields = {**summed_fields(both, lead), "static": self.static and other.static}
         return Patch(
-            deltas,
-            self.positions,
-            meta,
-            plan=same([self.plan, other.plan]),
-            static=self.static and other.static,
-            readers=merged_readers(both),
-            rows=same([self.rows, other.rows]),
+            deltas, self.positions, meta, **fields, readers=merged_readers(both), rows=same([self.rows, other.rows])
         )
 
     def sum(self, dim: str = "query") -> Patch:
@@ -292,9 +316,14 @@ class Patch(Mapping):
         deltas = {n: d.sum(i) if isinstance(d, LowRank) else d.sum(i, keepdim=True) for n, d in self._deltas.items()}
         positions = () if dim == "query" else self.positions
         terms = self.terms * self.lead[i]
-        fields = {**self._fields(), "plan": None} if dim == "query" else {**self._fields(), "rows": None}
-        if dim == "batch" and self.plan is not None:
-            fields["plan"] = self.plan
+        if dim == "query":  # acts everywhere: no plan, no token fingerprints
+            fields = {**self._fields(), "plan": None, "plans": (), "tokens": None}
+        else:
+            fields = {
+                **self._fields(),
+                **summed_fields([self[b] for b in range(self.lead[0])], (1, self.lead[1])),
+                "rows": None,
+            }
         return Patch(deltas, positions, {**self.meta, "summed_over": dim, "terms": terms}, **fields)
 
     @staticmethod
@@ -319,8 +348,7 @@ class Patch(Mapping):
             }
             if len(shapes) > 1:
                 raise InputError(f"Patch.stack: {n} has different (rank, shape) across patches: {shapes}")
-        plans = [p.plan for p in patches]
-        fields = {"static": all(p.static for p in patches), "readers": merged_readers(patches)}
+        fields = stacked_fields(patches, dim)  # each row keeps its plans (patch_fields)
         if dim == "query":
             if any(p.acts == "at_positions" for p in patches):
                 raise InputError(
@@ -328,22 +356,10 @@ class Patch(Mapping):
                     "along query; compute all the queries in one token_patch call"
                 )
             positions = ()
-            fields["rows"] = same([p.rows for p in patches])
-            query = sum((list(p.query) for p in plans), []) if None not in plans else []
-            if (
-                None not in plans
-                and len({(p.seq_len, p.mode) for p in plans}) == 1
-                and plans[0].mode == "alone"
-                and len(set(query)) == len(query)
-            ):
-                fields["plan"] = Plan(plans[0].seq_len, tuple(query))
         else:
             positions = first.positions
             if any(p.positions != positions for p in patches):
                 raise InputError("Patch.stack along batch needs patches acting at the same positions")
-            fields["plan"] = same(plans)
-            rows = [p.rows for p in patches]
-            fields["rows"] = sum(rows, ()) if None not in rows else None
         i = 0 if dim == "batch" else 1
         deltas = {}
         for n in first:
@@ -358,43 +374,6 @@ class Patch(Mapping):
         """Raise unless every key names a parameter of ``model`` of the right shape, and (when the patch
         records them) the model's weights and config are the ones it was computed from (``files.fingerprint``,
         ``cached=False`` re-hashing every weight; ``files.check_config``). Once a model passes, later checks
-        cost a few integer reads per parameter and one attribute read per config field."""
-        digest, config = files.fingerprint(model, cached), self.meta.get("model", {}).get("config")
-        seen = self.__dict__.get("_checked")
-        if cached and seen is not None and seen[0]() is model and seen[1] == digest:
-            return files.check_config(model, config)  # every time: an edited config leaves no trace
-        params = dict(model.named_parameters())
-        for name, d in self._deltas.items():
-            if name.endswith(INPUT_SUFFIX):  # a change of a module's input: the module exists, its readers fit
-                module = name[: -len(INPUT_SUFFIX)]
-                try:
-                    model.get_submodule(module)
-                except AttributeError:
-                    raise InputError(
-                        f"patch names the input of {module!r}, which is not a module of {type(model).__name__}"
-                    ) from None
-                if name not in self.readers:
-                    raise InputError(f"patch input change {name} names no matrices that read it (Patch.readers)")
-                for reader, layout in self.readers[name]:
-                    width = None if reader not in params else params[reader].shape[-1 if layout == "out_in" else 0]
-                    if width is None or not isinstance(d, LowRank) or d.shape != (width, width):
-                        raise InputError(
-                            f"patch input change {name} ({d.shape if isinstance(d, LowRank) else 'dense'}) "
-                            f"does not fit {reader} of this model"
-                        )
-                continue
-            if name not in params:
-                raise InputError(f"patch names {name!r}, which is not a parameter of {type(model).__name__}")
-            shape = tuple(params[name].shape)
-            got = d.shape if isinstance(d, LowRank) else tuple(d.shape[2:])
-            shape = matrix_shape(shape) if isinstance(d, LowRank) else shape  # stacked experts: one matrix
-            if got != shape:
-                raise InputError(f"patch delta for {name} has shape {got}, the parameter is {shape}")
-        want = self.meta.get("model", {}).get("fingerprint")
-        if want is not None and want != digest:
-            raise InputError(
-                f"this patch was computed for another model (fingerprint {want}, this model "
-                f"{digest}); a token patch is exact only for the weights it came from"
-            )
-        files.check_config(model, config)
-        self._checked = (weakref.ref(model), digest)
+        cost a few integer reads and one read of a few values per parameter, and one attribute read per
+        config field."""
+        check_against_model(self, model, cached)

@@ -1,12 +1,18 @@
-"""What the fields of a ``Patch`` need beyond the class: the 0.2 metadata they replace, and how the
-fields of several patches combine (``+``, ``Patch.stack``)."""
+"""What the fields of a ``Patch`` need beyond the class: the 0.2 metadata they replace, how the fields of
+several patches combine (``+``, ``Patch.stack``), and the check against a model (``Patch.check_model``)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from torch import nn
+
+from tokenpatch import files
 from tokenpatch.errors import InputError
+from tokenpatch.lowrank import LowRank, matrix_shape
 from tokenpatch.plans import Plan
 
 __all__ = [
@@ -18,6 +24,15 @@ __all__ = [
     "merged_readers",
     "same",
     "common_meta",
+    "RowPlans",
+    "row_plans",
+    "folded",
+    "summed_fields",
+    "stacked_fields",
+    "check_plan",
+    "check_plans",
+    "check_tokens",
+    "check_against_model",
 ]
 
 # A key ``"<module>:input"`` holds a change of that module's input (``Patch`` docstring).
@@ -83,3 +98,165 @@ def common_meta(patches: list) -> dict[str, Any]:
         raise InputError("cannot combine patches computed for different models (or with and without a model record)")
     first = patches[0].meta
     return {k: v for k, v in first.items() if all(k in p.meta and p.meta[k] == v for p in patches)}
+
+
+# --------------------------------------------------------------------------- plans of combined patches
+#
+# A patch's rows can be made for different plans (``Patch.stack`` of patches of different queries),
+# or one row for several (``a + b`` of two such patches: a patch of no single input). ``Patch.plan`` is
+# the plan of every row where there is one; otherwise ``Patch.plans`` holds, per batch row, the plans
+# that row was made for (empty: none known), and the position checks take every one of them.
+
+RowPlans = tuple[tuple[Plan, ...], ...]
+
+
+def row_plans(patch) -> RowPlans:
+    """Per batch row, the plans that row of ``patch`` was made for."""
+    if patch.plans:
+        return patch.plans
+    return ((patch.plan,) if patch.plan is not None else (),) * patch.lead[0]
+
+
+def folded(rows: RowPlans) -> tuple[Plan | None, RowPlans]:
+    """``(plan, plans)`` fields of per-row plans: one plan when every row has that one, else the rows."""
+    rows = tuple(tuple(dict.fromkeys(r)) for r in rows)  # each row's plans, once each, in order
+    if rows and all(r == rows[0] and len(r) == 1 for r in rows):
+        return rows[0][0], ()
+    return None, (() if all(not r for r in rows) else rows)
+
+
+def query_plans(plans: list[tuple[Plan, ...]]) -> tuple[Plan, ...]:
+    """One row's plans when its patches are stacked along query (``alone`` mode, each row of one plan):
+    the queries joined; ``()`` where no one plan results."""
+    if any(len(p) != 1 for p in plans):
+        return ()
+    plans = [p[0] for p in plans]
+    query = sum((list(p.query) for p in plans), [])
+    if len({(p.seq_len, p.mode) for p in plans}) == 1 and plans[0].mode == "alone" and len(set(query)) == len(query):
+        return (Plan(plans[0].seq_len, tuple(query)),)
+    return ()
+
+
+def _widened(plan: Plan, queries: int) -> Plan:
+    """A one-query plan added to each of ``queries`` patches (``+`` broadcasts): its query, repeated."""
+    return plan if len(plan.query) == queries else Plan(plan.seq_len, plan.query * queries, plan.mode, plan.kept)
+
+
+def summed_fields(patches: list, lead: tuple[int, int]) -> dict[str, Any]:
+    """The ``plan``/``plans``/``tokens`` fields of the sum of ``patches`` (``lead``: the sum's
+    ``[batch, query]``, the terms broadcast to it): each row made for every plan its terms were made
+    for; the token fingerprints where all agree."""
+    batch = lead[0]
+    rows = [tuple(tuple(_widened(p, lead[1]) for p in r) for r in row_plans(p)) for p in patches]
+    rows = [r * batch if len(r) == 1 and batch > 1 else r for r in rows]
+    plan, plans = folded(tuple(sum((r[b] for r in rows), ()) for b in range(batch)))
+    tokens = [p.tokens for p in patches]
+    if any(t is None for t in tokens):
+        kept = None
+    else:
+        tokens = [t.expand(lead) for t in tokens]
+        kept = tokens[0].clone()
+        for t in tokens[1:]:
+            kept = torch.where(kept == t, kept, torch.zeros((), dtype=kept.dtype))
+    return {"plan": plan, "plans": plans, "tokens": kept, "prefix": same([p.prefix for p in patches]) or ()}
+
+
+def stacked_fields(patches: list, dim: str) -> dict[str, Any]:
+    """The fields of ``Patch.stack(patches, dim)`` but ``positions``: each row keeps its plans."""
+    i = ("batch", "query").index(dim)
+    fields = {
+        "static": all(p.static for p in patches),
+        "readers": merged_readers(patches),
+        "prefix": same([p.prefix for p in patches]) or (),
+    }
+    tokens = [p.tokens for p in patches]
+    if all(t is None for t in tokens):
+        fields["tokens"] = None
+    else:  # a patch without fingerprints: its entries are unchecked (0)
+        fields["tokens"] = torch.cat(
+            [torch.zeros(p.lead, dtype=torch.int64) if t is None else t for p, t in zip(patches, tokens)], i
+        )
+    if dim == "batch":
+        rows = [p.rows for p in patches]
+        fields["rows"] = sum(rows, ()) if None not in rows else None
+        fields["plan"], fields["plans"] = folded(sum((row_plans(p) for p in patches), ()))
+    else:
+        fields["rows"] = same([p.rows for p in patches])
+        per_row = [row_plans(p) for p in patches]
+        fields["plan"], fields["plans"] = folded(
+            tuple(query_plans([r[b] for r in per_row]) for b in range(patches[0].lead[0]))
+        )
+    return fields
+
+
+def check_plans(plans: RowPlans, lead: tuple[int, int], positions: tuple[int, ...]) -> RowPlans:
+    """``plans`` as given to ``Patch``: one tuple of plans per batch row, each of the patch's queries
+    and positions (``check_plan``)."""
+    plans = tuple(tuple(r) for r in plans)
+    if plans and len(plans) != lead[0]:
+        raise InputError(f"plans name {len(plans)} rows; the patch has {lead[0]}")
+    for r in plans:
+        for plan in r:
+            check_plan(plan, lead, positions)
+    return plans
+
+
+def check_plan(plan: Plan, lead: tuple[int, int], positions: tuple[int, ...]) -> None:
+    if len(plan.query) != lead[1]:
+        raise InputError(f"plan {plan.describe()} has {len(plan.query)} queries, the patch {lead[1]}")
+    if positions != (plan.positions if plan.mode == "chunk" else ()):
+        raise InputError(f"plan {plan.describe()} does not act at positions {list(positions)}")
+
+
+def check_tokens(tokens, lead: tuple[int, int]):
+    """``tokens``: ``None``, or the token fingerprints ``[batch, query]`` (int64; 0: unchecked)."""
+    if tokens is None:
+        return None
+    tokens = torch.as_tensor(tokens, dtype=torch.int64)
+    if tuple(tokens.shape) != tuple(lead):
+        raise InputError(f"tokens fingerprints have shape {tuple(tokens.shape)}, the patch {list(lead)}")
+    return tokens
+
+
+def check_against_model(patch, model: nn.Module, cached: bool = True) -> None:
+    """``Patch.check_model``: every key names a parameter (or a module input read by its ``readers``)
+    of ``model`` of the right shape, and the weights and config are the recorded ones."""
+    digest, config = files.fingerprint(model, cached), patch.meta.get("model", {}).get("config")
+    seen = patch.__dict__.get("_checked")
+    if cached and seen is not None and seen[0]() is model and seen[1] == digest:
+        return files.check_config(model, config)  # every time: an edited config leaves no trace
+    params = dict(model.named_parameters())
+    for name, d in patch.items():
+        if name.endswith(INPUT_SUFFIX):  # a change of a module's input: the module exists, its readers fit
+            module = name[: -len(INPUT_SUFFIX)]
+            try:
+                model.get_submodule(module)
+            except AttributeError:
+                raise InputError(
+                    f"patch names the input of {module!r}, which is not a module of {type(model).__name__}"
+                ) from None
+            if name not in patch.readers:
+                raise InputError(f"patch input change {name} names no matrices that read it (Patch.readers)")
+            for reader, layout in patch.readers[name]:
+                width = None if reader not in params else params[reader].shape[-1 if layout == "out_in" else 0]
+                if width is None or not isinstance(d, LowRank) or d.shape != (width, width):
+                    raise InputError(
+                        f"patch input change {name} ({d.shape if isinstance(d, LowRank) else 'dense'}) "
+                        f"does not fit {reader} of this model"
+                    )
+            continue
+        if name not in params:
+            raise InputError(f"patch names {name!r}, which is not a parameter of {type(model).__name__}")
+        shape = tuple(params[name].shape)
+        got = d.shape if isinstance(d, LowRank) else tuple(d.shape[2:])
+        shape = matrix_shape(shape) if isinstance(d, LowRank) else shape  # stacked experts: one matrix
+        if got != shape:
+            raise InputError(f"patch delta for {name} has shape {got}, the parameter is {shape}")
+    want = patch.meta.get("model", {}).get("fingerprint")
+    if want is not None and want != digest:
+        raise InputError(
+            f"this patch was computed for another model (fingerprint {want}, this model "
+            f"{digest}); a token patch is exact only for the weights it came from"
+        )
+    files.check_config(model, config)
+    patch._checked = (weakref.ref(model), digest)

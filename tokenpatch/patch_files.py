@@ -1,8 +1,8 @@
 """Patch files: ``save_patch`` / ``load_patch``.
 
 safetensors (``name.u``, ``name.v`` or ``name``) with a JSON document: the delta kinds, the
-``Patch`` fields (``positions``, ``plan``, ``static``, ``readers``, ``rows``), ``meta`` and a
-checksum (``files.write_file``). No pickle. Files written by tokenpatch 0.2, whose behaviour sat in
+``Patch`` fields (``positions``, ``plan``, ``plans``, ``static``, ``readers``, ``rows``, ``tokens``,
+``prefix``), ``meta`` and a checksum (``files.write_file``). No pickle. Files written by tokenpatch 0.2, whose behaviour sat in
 ``meta``, load with it read into the fields.
 """
 
@@ -42,6 +42,9 @@ def save_patch(patch: Patch, path: str | os.PathLike) -> None:
         "static": patch.static,
         "readers": {k: [list(pair) for pair in v] for k, v in patch.readers.items()},
         "rows": None if patch.rows is None else list(patch.rows),
+        "plans": [[p.describe() for p in r] for r in patch.plans] or None,
+        "tokens": None if patch.tokens is None else patch.tokens.tolist(),
+        "prefix": list(patch.prefix) or None,
     }
     files.write_file(path, tensors, PATCH_FORMAT, doc)
 
@@ -79,6 +82,9 @@ def load_patch(path: str | os.PathLike, model: nn.Module | None = None) -> Patch
                 "static": bool(doc["static"]),
                 "readers": doc.get("readers"),
                 "rows": doc.get("rows"),
+                "plans": [[Plan.from_meta(p) for p in r] for r in doc.get("plans") or ()],
+                "tokens": doc.get("tokens"),
+                "prefix": doc.get("prefix") or (),
             }
         else:  # tokenpatch 0.2: the behaviour was in meta
             meta, fields = split_behaviour(meta)

@@ -34,7 +34,7 @@ from tokenpatch.arch import Sites, adapter_for, weight_layout
 from tokenpatch.arch.norms import norm_eps, scale_norm
 from tokenpatch.errors import InputError, UnsupportedModelError, ZeroAnchorError
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
-from tokenpatch.plans import Plan, at_queries, make_plan, refuse_padded_queries, strip
+from tokenpatch.plans import Plan, at_queries, made_on, make_plan, refuse_padded_queries, strip
 from tokenpatch.progress import progress_bar
 
 __all__ = ["token_patch", "strip_context", "layer_patch", "take"]
@@ -204,8 +204,10 @@ def token_patch(
     plan = _plan(adapter, inputs, query, remove, keep_bos)
     check_own_weights(model, adapter)
     q = list(plan.query)
-    if adapter.traced:
-        return _traced_patch(model, adapter, inputs, plan, batch, progress)
+    if adapter.traced:  # token ids: the patch keeps a fingerprint of the no-context tokens it runs on
+        return _traced_patch(model, adapter, inputs, plan, batch, progress).replace(
+            tokens=made_on(adapter, inputs, plan, batch)
+        )
     h = adapter.embed(model, inputs)  # [B, T, d]      with context
     shared = plan.mode == "alone" and not adapter.position_dependent_embedding
     h0 = None if shared else adapter.embed(model, strip(adapter, inputs, plan))  # [B*Q, 1, d] or [B, T', d]

@@ -14,7 +14,9 @@ See ``docs/deep-models.md`` for why these two no-context passes are the ones the
 
 from __future__ import annotations
 
+import hashlib
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from tokenpatch.errors import InputError
 
-__all__ = ["Plan", "make_plan", "Mode", "refuse_padded_queries"]
+__all__ = ["Plan", "make_plan", "Mode", "refuse_padded_queries", "token_ids", "token_digests", "made_on"]
 
 Mode = Literal["alone", "chunk"]
 
@@ -179,3 +181,39 @@ def at_queries(t: Tensor, plan: Plan, batch: int) -> Tensor:
     if plan.mode == "alone":
         return t.reshape(batch, len(plan.query), *t.shape[2:])  # each query was its own sequence
     return t[:, list(plan.positions)]
+
+
+# --------------------------------------------------------------------------- the tokens a patch was made for
+#
+# A token patch is exact on the no-context inputs of the sequence it came from, and on no other: it
+# records a fingerprint of each no-context sequence's token ids (``Patch.tokens``) and ``functional_call``
+# compares the inputs it is given. A fingerprint is the first 8 bytes of blake2b over the row's int64 ids,
+# never 0 (0 marks an entry left unchecked: a sum of patches of different tokens keeps only the agreeing).
+
+
+def token_ids(inputs: Any) -> Tensor | None:
+    """The token ids ``[batch, pos]`` of a forward's inputs (an integer tensor, or a mapping's
+    ``input_ids``); ``None`` for inputs of another kind (embeddings)."""
+    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
+    if isinstance(ids, Tensor) and ids.ndim == 2 and not ids.dtype.is_floating_point and ids.dtype != torch.bool:
+        return ids
+    return None
+
+
+def token_digests(ids: Tensor) -> Tensor:
+    """One fingerprint per row of ``ids [N, T]``, int64 ``[N]`` (never 0)."""
+    rows = ids.detach().to("cpu", torch.int64).contiguous().numpy()
+    out = [int.from_bytes(hashlib.blake2b(r.tobytes(), digest_size=8).digest(), "little", signed=True) for r in rows]
+    return torch.tensor([d or 1 for d in out], dtype=torch.int64)
+
+
+def made_on(adapter, inputs: Any, plan: Plan, batch: int) -> Tensor | None:
+    """``Patch.tokens`` of the token patch of ``plan`` on ``inputs``: per ``[b, q]`` the fingerprint of
+    the no-context sequence it runs on (``strip``); ``None`` where the inputs are not token ids."""
+    ids = token_ids(strip(adapter, inputs, plan))
+    if ids is None:
+        return None
+    digests = token_digests(ids)
+    if plan.mode == "alone":  # sequence b * Q + q is patch [b, q]'s
+        return digests.reshape(batch, len(plan.query))
+    return digests[:, None].expand(batch, len(plan.query)).clone()  # every query of row b runs on its one sequence

@@ -26,6 +26,7 @@ from tokenpatch.arch.norms import scale_norm
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.lowrank import as_parameter
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
+from tokenpatch.plans import token_digests, token_ids
 
 __all__ = ["apply", "functional_call", "patched_run", "hooked", "DeltaHook"]
 
@@ -78,7 +79,7 @@ class DeltaHook:
         )
         static = patch.static  # one update for any input (a thought patch): runs on all of them
         self.broadcast, self.any_length = broadcast or static, any_length or static
-        self.length = None if patch.plan is None else patch.plan.stripped_len
+        self.lengths = {plan.stripped_len for plan in patch.made_for()}  # empty: no plan, any length
 
     def _check(self, x: Tensor) -> None:
         if x.ndim != 3:
@@ -99,9 +100,9 @@ class DeltaHook:
                 f"{self.name}: the patch acts at positions {list(self.patch.positions)} but the "
                 f"sequences have {t}; tp.strip_context gives the right inputs"
             )
-        if self.length is not None and t != self.length and not self.any_length:
+        if self.lengths and t not in self.lengths and not self.any_length:
             raise InputError(
-                f"{self.name}: the patch was made for no-context sequences of length {self.length}, "
+                f"{self.name}: the patch was made for no-context sequences of length {min(self.lengths)}, "
                 f"got length {t} (with-context inputs?); tp.strip_context gives the right inputs, "
                 "or pass any_length=True to run it on sequences of another length on purpose"
             )
@@ -248,11 +249,52 @@ def functional_call(model: nn.Module, patch: Patch, *args, broadcast: bool = Fal
 
     Positions: where the model's adapter can tell (``Adapter.check_positions``), a forward that leaves
     out the position ids a patch needs is refused (a Hugging Face model then counts them from 0).
+    Tokens: a token patch records a fingerprint of the no-context token ids of each ``[b, q]``
+    (``Patch.tokens``) and other token ids are refused: it is exact for those only. ``broadcast=True``
+    or ``any_length=True`` runs it on other tokens on purpose, and a static patch (a thought patch,
+    fitted for any query) has none; but a thought patch fitted with ``keep_bos=True`` needs its prompt's
+    first token in front of every sequence (``Patch.prefix``), and refuses inputs without it.
     """
     adapter = next((a for a in ADAPTERS if a.matches(model)), None)  # a model of no family runs unchecked
     if adapter is not None:
         adapter.check_positions(model, patch, args, kwargs)
+    _check_tokens(patch, args, kwargs, broadcast or any_length)
     return patched_run(model, model, patch, *args, broadcast=broadcast, any_length=any_length, **kwargs)
+
+
+def _check_tokens(patch: Patch, args: tuple, kwargs: dict, elsewhere: bool) -> None:
+    """Refuse empty inputs, inputs without the patch's ``prefix``, and (unless ``elsewhere``: broadcast or
+    any length asked for) token ids other than the ones each ``[b, q]`` patch was made for (``Patch.tokens``).
+    A forward continuing a cache runs later tokens: only emptiness is checked."""
+    first = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+    if isinstance(first, Tensor) and first.numel() == 0:
+        raise InputError(f"functional_call: the inputs are empty (shape {tuple(first.shape)}): pass at least one token")
+    ids = token_ids(first)
+    if ids is None or any(kwargs.get(k) is not None for k in ("cache", "past_key_values")):
+        return
+    if patch.prefix:
+        head = torch.tensor(patch.prefix, device=ids.device, dtype=ids.dtype)
+        short = ids.shape[1] < len(head)
+        bad = list(range(ids.shape[0])) if short else (ids[:, : len(head)] != head).any(1).nonzero()[:, 0].tolist()
+        if bad:
+            raise InputError(
+                f"this patch needs every sequence to begin with the token ids {list(patch.prefix)} (a thought patch "
+                f"fitted with keep_bos=True: its prompt's first token), rows {bad[:5]} do not: put them in front"
+            )
+    if patch.tokens is None or patch.static or elsewhere:
+        return
+    (rows, queries), at = patch.lead, patch.acts == "at_positions"
+    if ids.shape[0] != (rows if at else rows * queries):
+        return  # another number of sequences: the hooks say so
+    want = patch.tokens if at else patch.tokens.reshape(-1, 1)  # per sequence, its patches' fingerprints
+    got = token_digests(ids)[:, None]
+    bad = ((want != got) & (want != 0)).any(1).nonzero()[:, 0].tolist()
+    if bad:
+        raise InputError(
+            f"input sequences {bad[:5]} hold other tokens than the ones this token patch was made for (it is exact "
+            "for those only): pass tp.strip_context(model, inputs) of its own inputs, or broadcast=True / "
+            "any_length=True to run it on other tokens on purpose"
+        )
 
 
 @contextlib.contextmanager
@@ -265,6 +307,8 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
     model) need ``functional_call``. The delta is materialised here, cast to the weight's dtype.
     Inside the block nothing sees the inputs: run the query at the position id it was made for
     (``position_ids=`` on a Hugging Face model with absolute positions, GPT-2; ``tp.strip_context``).
+    Weights changed inside the block (an optimizer step) raise ``InputError`` on exit: the patched ones
+    are restored whatever happened, so the others would keep a change the patched ones lost.
     """
     if patch.lead != (1, 1):
         raise InputError(
@@ -289,6 +333,7 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
         )
     state = files.cached_state(model)  # unchanged by the round trip below, so kept valid after it
     saved: dict[str, Tensor] = {}
+    changed: list[str] = []
     try:
         with torch.no_grad():
             for name, delta in patch.items():
@@ -305,9 +350,18 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
                 saved.setdefault(name, p.detach().clone())
                 dense = as_parameter(delta.dense()[0, 0], p.shape) if isinstance(delta, LowRank) else delta[0, 0]
                 p.add_(dense.to(device=p.device, dtype=p.dtype))
+        written = files.versions(params.values())
         yield model
+        changed = [n for n, v, w in zip(params, files.versions(params.values()), written) if v != w]
     finally:
         with torch.no_grad():
             for name, original in saved.items():
                 params[name].copy_(original)
         files.restored(model, state, {id(params[name]) for name in saved})
+    kept = [n for n in changed if n not in saved]
+    if kept:  # the patched ones were just restored, the others keep the change: say so, once
+        raise InputError(
+            f"{len(changed)} weights changed inside tp.apply (an optimizer step or an in-place edit?); it restored "
+            f"the {len(saved)} it patched, so {len(kept)} (e.g. {kept[0]}) keep the change and the others do not: "
+            "change weights outside the block (tp.functional_call is differentiable), then reload them"
+        )

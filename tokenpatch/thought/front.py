@@ -141,6 +141,7 @@ def thought_patch(
     if norm_steps and distributed:
         raise InputError("norm_steps > 0 needs every calibration position in one process: use distributed=False")
     adapter = adapter_for(model)
+    _check_prompt(prompt, 2 if adapter.traced else 3)
     sampled = None
     if calibration is None:
         if not adapter.traced:
@@ -153,6 +154,7 @@ def thought_patch(
             sampled["start"] = [int(t) for t in torch.as_tensor(start).reshape(-1)]
     elif start is not None:
         raise InputError("thought_patch: start= begins the continuations it samples; calibration was given")
+    _check_calibration(calibration)
     batches = calibration_batches(calibration, batch_size)
     if adapter.traced:  # a language model: token ids, the model's own forward (hf.py)
         fit = fit_lm(
@@ -195,7 +197,42 @@ def thought_patch(
     meta["thought"] = {**meta["thought"], "fits": [f.to_dict() for f in fit.fits]}
     if sampled is not None:
         meta["thought"]["calibration"] = {"self_generated": True, **sampled}
-    return ThoughtPatch(fit.patch.replace(meta=meta), fit.fits)
+    # fitted with the prompt's first token in front of every query: it runs on sequences that begin with it
+    prefix = (int(torch.as_tensor(prompt).reshape(-1)[0]),) if keep_bos else ()
+    return ThoughtPatch(fit.patch.replace(meta=meta, prefix=prefix), fit.fits)
+
+
+def _check_prompt(prompt: Any, ndim: int) -> None:
+    """One prompt, not empty: ``[P, ...]`` or ``[1, P, ...]`` (``ndim``: the batched form's dims)."""
+    if not isinstance(prompt, Tensor):
+        return  # lists and the like: read (and checked) where they are used
+    if prompt.ndim == ndim and prompt.shape[0] != 1:
+        raise InputError(
+            f"thought_patch: one prompt per thought patch ([P] or [1, P]), got {prompt.shape[0]} rows "
+            f"{tuple(prompt.shape)}: call it once per prompt"
+        )
+    if prompt.numel() == 0:
+        raise InputError(
+            f"thought_patch: the prompt is empty (shape {tuple(prompt.shape)}): there is nothing to compress"
+        )
+
+
+def _check_calibration(calibration: Any) -> None:
+    """Calibration inputs as a tensor of at least one query of one position, or batches of them."""
+    if isinstance(calibration, Mapping):
+        raise InputError(
+            "thought_patch: calibration must be inputs [m, T_q] (a tensor, or a list of batches), got a "
+            f"{type(calibration).__name__} with keys {sorted(map(str, calibration))[:3]}: pass tokenizer(...)['input_ids']"
+        )
+    listed = isinstance(calibration, (list, tuple))
+    for batch in calibration if listed else [calibration]:
+        if isinstance(batch, Tensor) and (batch.ndim < 2 or batch.numel() == 0):
+            raise InputError(
+                "thought_patch: calibration must hold at least one query of one position ([m, T_q], m, T_q >= 1), "
+                f"got shape {tuple(batch.shape)}"
+            )
+    if listed and not calibration:
+        raise InputError("thought_patch: calibration is an empty list: pass at least one batch of queries")
 
 
 def compress(model: nn.Module, prompt: Tensor, calibration: Any, **options) -> Patch:
