@@ -74,15 +74,18 @@ class HFInputs(HFModules):
         removed before a kept token; a token alone, or a kept run shifted as a whole, is the same at
         any position). Given position ids are the caller's: with padding they are not the plan's
         positions, so they are not compared. A patch without a plan or static has no positions."""
-        plan = patch.plan
         if "position_ids" not in inspect.signature(model.forward).parameters:
             return  # positions from the attention mask alone (Bloom's ALiBi): the patch's own pass ran so too
         if len(args) > 1:  # arguments by position: in the order of this model's own forward
             kwargs = {**inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments, **kwargs}
         # a cache's length starts the count: positions the adapter cannot see
         given = any(kwargs.get(k) is not None for k in ("position_ids", "cache", "past_key_values"))
-        if plan is None or patch.static or given:
+        if patch.static or given:
             return
+        for plan in patch.made_for():  # each row's plans (a stack or sum of patches of different plans)
+            self._check_plan_positions(model, plan)
+
+    def _check_plan_positions(self, model: nn.Module, plan: Any) -> None:
         kept = list(plan.query if plan.mode == "alone" else plan.kept)
         if self.family(model).position_table is not None:  # absolute positions: every id counts
             wrong = any(p != (0 if plan.mode == "alone" else i) for i, p in enumerate(kept))
