@@ -306,7 +306,9 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
     written into weights; position-specific patches (a chunk removed from the middle of a deep
     model) need ``functional_call``. The delta is materialised here, cast to the weight's dtype.
     Inside the block nothing sees the inputs: run the query at the position id it was made for
-    (``position_ids=`` on a Hugging Face model with absolute positions, GPT-2; ``tp.strip_context``).
+    (``position_ids=`` on a Hugging Face model with absolute positions, GPT-2; ``tp.strip_context``), on
+    the tokens it was made for, after its ``prefix`` (a ``keep_bos`` thought patch's BOS): the checks
+    ``functional_call`` makes of them cannot be made here.
     Weights changed inside the block (an optimizer step) raise ``InputError`` on exit: the patched ones
     are restored whatever happened, so the others would keep a change the patched ones lost.
     """
