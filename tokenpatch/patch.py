@@ -330,7 +330,8 @@ class Patch(Mapping):
     def stack(patches: list[Patch], dim: str = "batch") -> Patch:
         """Concatenate patches of one model with the same keys along ``"batch"`` (same queries,
         same positions) or ``"query"`` (same batch; only patches acting everywhere: patches acting
-        at positions act together and come whole from one ``token_patch`` call)."""
+        at positions act together and come whole from one ``token_patch`` call). Each row keeps the
+        plan it was made for (``plans`` where the rows' differ) and its token fingerprints."""
         if not patches or dim not in ("batch", "query"):
             raise InputError(f"Patch.stack needs at least one patch and dim 'batch' or 'query', got {dim!r}")
         first = patches[0]
