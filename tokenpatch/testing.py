@@ -167,21 +167,23 @@ EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers
 MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "phimoe")  # run with transformers' eager experts
 
 
-def tiny_hf_config(name: str):
-    """The ``transformers`` config of ``TINY_HF[name]`` (needs ``pip install 'tokenpatch[hf]'``)."""
+def tiny_hf_config(name: str, **overrides):
+    """The ``transformers`` config of ``TINY_HF[name]``, ``overrides`` its fields (needs ``pip install 'tokenpatch[hf]'``)."""
     transformers = importlib.import_module("transformers")  # the optional Hugging Face extra
     cls, kwargs = TINY_HF[name]
-    return getattr(transformers, cls)(**kwargs)
+    return getattr(transformers, cls)(**{**kwargs, **overrides})
 
 
-def tiny_hf_model(name: str, seed: int = 0, attn: str | None = None) -> nn.Module:
-    """A tiny random float64 causal LM of ``TINY_HF[name]`` in eval mode, every 1-D parameter (norm
-    weights, biases) moved off its init by ``N(0, 0.3^2)``, greedy generation to full length."""
+def tiny_hf_model(name: str, seed: int = 0, attn: str | None = None, **overrides) -> nn.Module:
+    """A tiny random float64 causal LM of ``TINY_HF[name]`` (config fields ``overrides``) in eval mode, every
+    1-D parameter (norm weights, biases) moved off its init by ``N(0, 0.3^2)``, greedy generation to full length."""
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
     attn = attn or ("eager" if name in EAGER_ONLY else "sdpa")
     extra = {"experts_implementation": "eager"} if name in MOE else {}  # float64 experts on CPU
-    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(name), attn_implementation=attn, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_hf_config(name, **overrides), attn_implementation=attn, **extra
+    )
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 1:  # norm weights and biases

@@ -169,6 +169,12 @@ class Adapter:
         ``n_positions``), or ``None`` where positions are unbounded (rotary, ours)."""
         return None
 
+    def length_scaling(self, model: nn.Module) -> Any:
+        """The model's rotary scaling that changes with the sequence length (``arch.rotary.LengthScaling``:
+        a forward's rotation depends on its length's ``regime``), or ``None``: positions rotate alike
+        in every forward (the default)."""
+        return None
+
     # ------------------------------------------------------------------------- layer by layer
     def embed(self, model: nn.Module, inputs: Any) -> Tensor:
         """The first layer's input ``h^0 [B, T, d]``."""

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from tokenpatch import offload
 from tokenpatch.arch.hf_modules import HFModules
+from tokenpatch.arch.rotary import LengthScaling, length_scaling
 from tokenpatch.errors import InputError
 from tokenpatch.plans import refuse_padded_queries
 
@@ -104,6 +105,10 @@ class HFInputs(HFModules):
             return None
         table = model.base_model.get_submodule(table)  # OPT's ids are offset by 2 into its table
         return table.num_embeddings - getattr(table, "offset", 0)
+
+    def length_scaling(self, model: nn.Module) -> LengthScaling | None:
+        """``rope_parameters`` of type ``longrope`` or ``dynamic`` (``arch.rotary``), or ``None``."""
+        return length_scaling(model.config)
 
     # ------------------------------------------------------------------------- inputs
     def check_inputs(self, model: nn.Module, inputs: Any) -> dict:

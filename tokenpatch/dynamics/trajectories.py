@@ -15,6 +15,16 @@ of the full pass whatever the prefix; only the query's state differs. So each la
 context once and ``N + 1`` *virtual query rows*, row ``i`` reading ``c_1..c_i`` and itself
 (``Adapter.mix_prefixes``): attention reuses the context's keys and values, a recurrent layer
 steps once from its state after ``c_i``. No per-prefix forward pass, no dense matrix.
+
+A language model runs the prefixes as rows of left-padded batches of its own forward. Where the
+rotary scaling changes with the length (``rope_parameters`` of type ``longrope`` or ``dynamic``,
+``arch.rotary``) a key depends on the length of the forward that rotated it, so the prefixes run in
+groups of one rotation regime, each padded to its own longest prefix (longrope: two groups, either
+side of ``original_max_position_embeddings``; dynamic: the prefixes shorter than
+``max_position_embeddings``, then one per longer prefix), and each is exactly ``tp.token_patch`` of
+the prefix. ``transformers`` keeps a dynamic rotation's frequencies from the longest forward since
+the last one shorter than ``max_position_embeddings``: the equality holds for a prefix run on a
+model in that fresh state (after a short forward), as tokenpatch's own passes run.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from torch import Tensor, nn
 
 from tokenpatch import files
 from tokenpatch.arch import adapter_for
+from tokenpatch.arch.rotary import forget_longest
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.lowrank import LowRank
 from tokenpatch.patch import Delta, Patch
@@ -196,42 +207,24 @@ def _traced_trajectory(
     model: nn.Module, adapter, inputs: dict, query: Any, steps: bool, progress, chunk: int = 64
 ) -> Trajectory:
     """``trajectory`` for a language model: prefix ``i`` is the sequence ``[c_1..c_i, x]`` with the query
-    at position ``i``, run by the model's own forward as one row of a left-padded batch (``N + 1`` rows
-    per sequence, ``chunk`` rows per forward pass), and patched by ``token_patch``. The increments
-    (``steps``) are ``token_patch`` of the same rows with ``c_i``, the token right before the query
-    in every row, removed."""
+    at position ``i``, run by the model's own forward as one row of a left-padded batch (``chunk`` rows
+    per forward pass), and patched by ``token_patch``. The increments (``steps``) are ``token_patch`` of
+    the same rows with ``c_i``, the token right before the query in every row, removed.
+
+    A forward's rotation can depend on its length (``Adapter.length_scaling``: longrope, dynamic): a
+    batch of rows then rotates every row as its longest one. So the prefixes run in groups of one
+    rotation ``regime``, each group padded to its own longest prefix (``_regime_groups``): every row is
+    rotated as it would be alone. Without such a scaling there is one group, all ``N + 1`` prefixes."""
     if inputs["attention_mask"] is not None:
         raise InputError("tp.trajectory on a language model takes unpadded sequences (no attention mask)")
     ids = inputs["input_ids"]  # [B, T]
     q = _query_position(query, ids.shape[1])
     batch, n = ids.shape[0], q + 1
-    rows = ids[:, q : q + 1, None].expand(batch, n, n).clone()  # [B, n, n]  padding: the query token, masked
-    mask = torch.zeros_like(rows)
-    for i in range(n):  # row i: c_1..c_i, then x, right-aligned
-        rows[:, i, n - 1 - i : n - 1] = ids[:, :i]
-        mask[:, i, n - 1 - i :] = 1
-    rows, mask = rows.reshape(batch * n, n), mask.reshape(batch * n, n)
-
-    def patches(remove) -> dict[str, Delta]:
-        """Every row's patch, leads ``[B, n]``."""
-        parts = [
-            token_patch(
-                model,
-                {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]},
-                remove=remove,
-                progress=False,
-            )
-            for a in progress_bar(range(0, batch * n, chunk), progress, desc="trajectory", unit="chunk")
-        ]
-        flat = Patch.stack(parts, "batch") if len(parts) > 1 else parts[0]  # [B * n, 1]
-        return {
-            name: LowRank(d.u.reshape(batch, n, *d.u.shape[2:]), d.v.reshape(batch, n, *d.v.shape[2:]))
-            if isinstance(d, LowRank)
-            else d.reshape(batch, n, *d.shape[2:])
-            for name, d in flat.items()
-        }, flat
-
-    deltas, flat = patches(None)
+    scaling = adapter.length_scaling(model)
+    bar = progress_bar(_regime_groups(scaling, n), progress, desc="trajectory", unit="group")
+    parts = [_group_patches(model, ids, q, group, steps, chunk, scaling) for group in bar]
+    deltas = {k: _cat([p[0][k] for p in parts]) for k in parts[0][0]}  # [B, n] each
+    flat = parts[0][2]
     meta = {
         "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
         "batch": batch,
@@ -239,8 +232,76 @@ def _traced_trajectory(
     }
     record = {**meta, "trajectory": {"query": q, "n_context": q}}
     increments = None
-    if steps:  # c_i sits right before the query in every row (row 0: a masked pad; its step is 0)
-        removed = torch.zeros(n, dtype=torch.bool)
-        removed[n - 2] = True
-        increments = Patch(_zero_first(patches(removed)[0]), None, record, readers=flat.readers)
+    if steps:
+        increments = Patch(
+            _zero_first({k: _cat([p[1][k] for p in parts]) for k in parts[0][1]}), None, record, readers=flat.readers
+        )
     return Trajectory(Patch(_zero_first(deltas), None, record, readers=flat.readers), increments, q, meta)
+
+
+def _regime_groups(scaling, n: int) -> list[range]:
+    """The prefixes ``0..n-1`` (lengths ``1..n``) as runs of one rotation regime, shortest first (a
+    regime is a run of lengths: ``arch.rotary``); one run without a length-dependent scaling."""
+    if scaling is None:
+        return [range(n)]
+    groups: list[range] = []
+    for i in range(n):
+        if groups and scaling.regime(groups[-1].start + 1) == scaling.regime(i + 1):
+            groups[-1] = range(groups[-1].start, i + 1)
+        else:
+            groups.append(range(i, i + 1))
+    return groups
+
+
+def _group_patches(model: nn.Module, ids: Tensor, q: int, group: range, steps: bool, chunk: int, scaling):
+    """The patches of the prefixes ``group`` (and, with ``steps``, their increments), leads ``[B, len(group)]``,
+    from rows padded on the left to the group's longest prefix; and one flat ``Patch`` (its readers)."""
+    batch, width = ids.shape[0], group.stop  # prefix i has i + 1 tokens
+    rows = ids[:, q : q + 1, None].expand(batch, len(group), width).clone()  # padding: the query token, masked
+    mask = torch.zeros_like(rows)
+    for j, i in enumerate(group):  # row j: c_1..c_i, then x, right-aligned
+        rows[:, j, width - 1 - i : width - 1] = ids[:, :i]
+        mask[:, j, width - 1 - i :] = 1
+    rows, mask = rows.reshape(-1, width), mask.reshape(-1, width)
+
+    def patches(remove):
+        forget_longest(
+            model, scaling, ids.device
+        )  # a "dynamic" rotation: start from a fresh model's, as each prefix alone
+        parts = [
+            token_patch(
+                model,
+                {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]},
+                remove=remove,
+                progress=False,
+            )
+            for a in range(0, len(rows), chunk)
+        ]
+        flat = Patch.stack(parts, "batch") if len(parts) > 1 else parts[0]  # [B * G, 1]
+        return {name: _unflat(d, batch) for name, d in flat.items()}, flat
+
+    deltas, flat = patches(None)
+    increments = {}
+    if steps and width > 1:  # c_i sits right before the query in every row (prefix 0: a masked pad; its step is 0)
+        removed = torch.zeros(width, dtype=torch.bool)
+        removed[width - 2] = True
+        increments = patches(removed)[0]
+    elif steps:  # prefix 0 alone (its own regime): no token to remove, a zero step
+        increments = _zero_first(deltas)
+    return deltas, increments, flat
+
+
+def _unflat(d: Delta, batch: int) -> Delta:
+    """``[B * G, 1, ...]`` -> ``[B, G, ...]``."""
+    if isinstance(d, LowRank):
+        return LowRank(d.u.reshape(batch, -1, *d.u.shape[2:]), d.v.reshape(batch, -1, *d.v.shape[2:]))
+    return d.reshape(batch, -1, *d.shape[2:])
+
+
+def _cat(parts: list[Delta]) -> Delta:
+    """The groups' deltas joined along the prefix dim."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], LowRank):
+        return LowRank(torch.cat([p.u for p in parts], 1), torch.cat([p.v for p in parts], 1))
+    return torch.cat(parts, 1)

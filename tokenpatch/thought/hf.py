@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from tokenpatch import offload
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
+from tokenpatch.arch.rotary import forget_longest
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import INPUT_SUFFIX, Delta
 from tokenpatch.patching import param_layout
@@ -64,10 +65,14 @@ class _Stop(Exception):
     """Raised by a hook to end a forward once what it needs has been seen."""
 
 
-def _layer_calls(model: nn.Module, layers: nn.ModuleList, ids: Tensor) -> tuple[Tensor, list[tuple]]:
+def _layer_calls(
+    model: nn.Module, layers: nn.ModuleList, ids: Tensor, scaling=None, device=None
+) -> tuple[Tensor, list[tuple]]:
     """The first layer's input and, per layer, the other arguments the model passes it for the
     sequences ``ids`` (attention masks, position embeddings: whatever this model's forward builds),
-    captured in one forward that stops after the last layer's call begins."""
+    captured in one forward that stops after the last layer's call begins (a ``"dynamic"`` rotation
+    as a fresh model's: ``arch.rotary``)."""
+    forget_longest(model, scaling, device)
     calls: list[tuple] = []
     first: list[Tensor] = []
 
@@ -140,6 +145,13 @@ def fit_lm(
             raise InputError(f"token ids must lie in [0, {vocab})")
     device = offload.device(model.get_input_embeddings())  # an offloaded table: where its hook runs it
     batches, valid = _right_padded(batches, max(256, *(q.shape[0] for q in batches)))
+    # a rotation that changes with the length (longrope, dynamic) rotates a whole batch as its longest
+    # row: each batch holds rows of one regime, with the prompt and without (arch.rotary)
+    scaling = adapter.length_scaling(model)
+    if scaling is not None:
+        batches, valid = _by_regime(
+            batches, valid, lambda n: (scaling.regime(p + n), scaling.regime(head.shape[1] + n))
+        )
 
     # the prompt's keys and values, computed once: every calibration query reads them from a copy
     prompt_cache = model.base_model(input_ids=prompt.to(device), use_cache=True).cache
@@ -147,13 +159,22 @@ def fit_lm(
 
     def targets(q: Tensor) -> list[dict[str, Tensor]]:
         """Every layer's with-prompt states at the query positions ``[b, T_q, .]``: the queries run on
-        the prompt's cache (rows at a time, so that the copies stay under ``TARGET_CACHE_BYTES``)."""
+        the prompt's cache (rows at a time, so that the copies stay under ``TARGET_CACHE_BYTES``), or,
+        where the prompt alone is rotated otherwise than prompt and queries (``arch.rotary``), as
+        ``[prompt; q]`` whole, as the model's own forward of them does."""
         parts = []
+        whole = scaling is not None and scaling.regime(p) != scaling.regime(p + q.shape[1])
         for rows in q.to(device).split(max(1, TARGET_CACHE_BYTES // row_bytes)):
-            kv = copy.deepcopy(prompt_cache)
-            kv.batch_repeat_interleave(rows.shape[0])
-            with adapter.recording(model, torch.arange(rows.shape[1], device=device), every=True) as rec:
-                model.base_model(input_ids=rows, cache=kv, use_cache=True)
+            at = torch.arange(p if whole else 0, p + rows.shape[1] if whole else rows.shape[1], device=device)
+            if whole:
+                forget_longest(model, scaling, device)  # a "dynamic" rotation as a fresh model's
+            with adapter.recording(model, at, every=not whole) as rec:
+                if whole:
+                    model.base_model(input_ids=torch.cat([prompt.to(device).expand(len(rows), -1), rows], 1))
+                else:
+                    kv = copy.deepcopy(prompt_cache)
+                    kv.batch_repeat_interleave(rows.shape[0])
+                    model.base_model(input_ids=rows, cache=kv, use_cache=True)
             parts.append([{k: r[k] for k in _TARGET_KEYS if k in r} for r in rec])  # what the fits read of this pass
         return [{k: torch.cat([part[i][k] for part in parts]) for k in parts[0][i]} for i in range(n_layers)]
 
@@ -164,7 +185,7 @@ def fit_lm(
     # rotary embeddings), captured once; a layer's anchors then cost one layer's forward, not i+1
     layers_ = adapter.layers(model)
     alone = [torch.cat([head.to(device).expand(q.shape[0], -1), q.to(device)], 1) for q in batches]  # [b, (1) + T_q]
-    streams, calls = zip(*(_layer_calls(model, layers_, a) for a in alone))
+    streams, calls = zip(*(_layer_calls(model, layers_, a, scaling, device) for a in alone))
     streams = list(streams)
     ats = [torch.arange(head.shape[1], a.shape[1], device=device) for a in alone]  # the query positions
     deltas: dict[str, Delta] = {}
@@ -278,6 +299,20 @@ def _right_padded(batches: list[Tensor], rows: int, waste: float = 0.25) -> tupl
         out.append(ids)
         valid.append(real)
     return out, valid
+
+
+def _by_regime(batches: list[Tensor], valid: list[Tensor], regime) -> tuple[list[Tensor], list[Tensor]]:
+    """Each batch split into rows whose real lengths ``n`` share ``regime(n)``, each part cut to its
+    longest row: a forward of the part is then rotated as each row's own (``arch.rotary``)."""
+    out, real = [], []
+    for ids, v in zip(batches, valid):
+        lengths = v.sum(1).tolist()
+        for key in dict.fromkeys(regime(n) for n in lengths):
+            rows = [b for b, n in enumerate(lengths) if regime(n) == key]
+            width = max(lengths[b] for b in rows)
+            out.append(ids[rows, :width])
+            real.append(v[rows, :width])
+    return out, real
 
 
 def _cache_tensors(cache) -> list[Tensor]:
