@@ -154,3 +154,29 @@ def test_thought_patch_of_ragged_queries_either_side_of_the_threshold(key):
         _fresh(model)
         got = tp.functional_call(model, fit.patch, torch.cat([prompt[None, :1], q], 1)).logits[:, 1:]
         assert float((got - want).abs().max()) <= 1e-12
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("key", [*MODELS, "llama"])
+def test_a_chunk_patch_refuses_position_ids_that_rotate_its_kept_tokens_otherwise(key):
+    """Compacted position ids (0, 1, .. after the removed chunk) change the kept tokens' distances:
+    refused in one line, for any rotary model; a run shifted as a whole keeps them, but moves the
+    longest position, so it is refused only where the rotation changes with the length."""
+    model = build(key) if key in MODELS else tp.testing.tiny_hf_model(key)
+    x = ids(1, 12, seed=4)
+    patch = tp.token_patch(model, x, remove=slice(2, 5))
+    stripped = tp.strip_context(model, x, remove=slice(2, 5))  # kept positions 0, 1, 5..11
+    want = model(x).logits[:, -1]
+    got = tp.functional_call(model, patch, **stripped).logits[:, -1]
+    assert float((got - want).abs().max()) <= 1e-12
+    compact = {**stripped, "position_ids": torch.arange(9)[None]}
+    with pytest.raises(tp.InputError, match=r"kept positions \[0, 1, 5, .*row 0 .*distances") as err:
+        tp.functional_call(model, patch, **compact)
+    assert "\n" not in str(err.value)
+    tail = tp.token_patch(model, x, remove=slice(0, 3))  # kept 3..11: shifted to 0..8, the same distances
+    shifted = {**tp.strip_context(model, x, remove=slice(0, 3)), "position_ids": torch.arange(9)[None]}
+    if key in MODELS:
+        with pytest.raises(tp.InputError, match=r"shifted as a whole, with rope_parameters\['rope_type'\]"):
+            tp.functional_call(model, tail, **shifted)
+    else:  # plain rotary: the same rotation at any offset (to the rotary tables' float32 rounding)
+        tp.functional_call(model, tail, **shifted)

@@ -81,10 +81,50 @@ class HFInputs(HFModules):
             kwargs = {**inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments, **kwargs}
         # a cache's length starts the count: positions the adapter cannot see
         given = any(kwargs.get(k) is not None for k in ("position_ids", "cache", "past_key_values"))
-        if patch.static or given:
+        if patch.static:
+            return
+        if kwargs.get("position_ids") is not None and not any(
+            kwargs.get(k) is not None for k in ("cache", "past_key_values")
+        ):
+            self._check_given_positions(model, patch, kwargs["position_ids"], kwargs.get("attention_mask"))
+        if given:
             return
         for plan in patch.made_for():  # each row's plans (a stack or sum of patches of different plans)
             self._check_plan_positions(model, plan)
+
+    def _check_given_positions(self, model: nn.Module, patch: Any, pos: Any, mask: Any) -> None:
+        """Given position ids for a patch made with a chunk removed (rotary positions): in each row the
+        kept tokens' ids (where ``mask`` is 1) must be the plan's kept positions ``p_j`` shifted as a
+        whole, ``p_j - c`` (a left-padded row starts later), so the distances the patch was made for stay;
+        compacted ids (``0, 1, ..`` after a removed chunk) change them. Where the rotation changes with
+        the length (``arch.rotary``) a row without padding must keep ``p_j`` themselves (a shift moves
+        the longest position). Learned absolute positions and queries alone: the caller's."""
+        plans = patch.made_for()
+        if len(plans) != 1 or plans[0].mode != "chunk" or self.family(model).position_table is not None:
+            return
+        kept = torch.tensor(plans[0].kept)
+        if not isinstance(pos, Tensor) or pos.ndim != 2 or pos.shape[1] != len(kept):
+            return  # not the kept sequence: the forward's own checks say
+        shift = pos.detach().cpu().long() - kept  # [B, K]
+        real = torch.ones_like(shift, dtype=torch.bool)
+        if isinstance(mask, Tensor) and mask.shape == pos.shape:
+            real = mask.detach().cpu() != 0
+        scaling = self.length_scaling(model)
+        for b in range(shift.shape[0]):
+            row = shift[b][real[b]]
+            if not row.numel():
+                continue
+            if bool((row != row[0]).any()):
+                why = "they change the distances between its tokens"
+            elif scaling is not None and bool(real[b].all()) and int(row[0]) != 0:
+                why = f"shifted as a whole, with {scaling.describe()}"
+            else:
+                continue
+            raise InputError(
+                f"this patch was made for the kept positions {list(plans[0].kept)}, but row {b} runs at position "
+                f"ids {pos[b].tolist()} ({why}): pass position_ids= as tp.strip_context gives them "
+                "(**tp.strip_context(model, inputs))"
+            )
 
     def _check_plan_positions(self, model: nn.Module, plan: Any) -> None:
         kept = list(plan.query if plan.mode == "alone" else plan.kept)
