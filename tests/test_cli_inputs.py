@@ -21,7 +21,7 @@ from tokenpatch.workbench.cli.main import main
 NOT_UTF8 = "caf\udce9"  # b"caf\xe9" (Latin-1) as Python hands it over from argv on Linux
 
 
-class Reached(Exception):
+class Reached(BaseException):  # not an Exception: main answers those in one line (exit status 3)
     """The command passed its checks and reached its model or its long work (stubbed here)."""
 
 
@@ -525,3 +525,153 @@ def test_the_demonstrations_separator_is_found():
     assert demonstration_separator("walk -> walked\nrun -> ran\ngo -> went\n") == "\n"  # lines, no label
     assert demonstration_separator("Be concise.") is None
     assert demonstration_separator("walk -> walked\n\nrun -> ran") is None
+
+
+# ------------------------------------------------------------------------------------ issue 41, item 4
+
+
+def test_compress_task_file_refuses_an_over_long_line_before_the_model(inputs, tmp_path, capsys, no_work):
+    """A 2 MB line was read into a prompt and asked the model for 250 GB; it is refused by its number."""
+    path = _pairs_file(tmp_path / "long.tsv", 90, "x\t" + "y" * 2_000_000 + "\n")
+    line = _one_line(*_run(["compress", "--model", LM, "--task-file", str(path), "--out", str(tmp_path / "c")], capsys))
+    assert re.search(r"--task-file .*long\.tsv line 93 is 2,000,002 characters long; .* at most 2,000", line), line
+
+
+def test_compress_queries_refuses_an_over_long_line_before_the_model(inputs, tmp_path, capsys, no_work):
+    queries = tmp_path / "q.txt"
+    queries.write_text("hot\n\n" + "a" * 5000 + "\n")
+    argv = ["compress", "--model", LM, "--prompt", "Opposites.", "--queries", str(queries)]
+    line = _one_line(*_run([*argv, "--out", str(tmp_path / "p")], capsys))
+    assert re.search(r"--queries .*q\.txt line 3 is 5,000 characters long", line), line
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_input(inputs, tmp_path, capsys, no_work, monkeypatch):
+    from tokenpatch.workbench.cli.args import read_text_file
+    from tokenpatch.workbench.report import compress as report_compress
+
+    seen = {}
+
+    def run_model(name, tasks, **kwargs):
+        seen.update(tasks=tasks)
+        raise Reached
+
+    monkeypatch.setattr(report_compress, "run_model", run_model)
+    path = tmp_path / "bom.tsv"
+    path.write_text("\ufeff" + "".join(f"word{i}\tWORD{i}\n" for i in range(90)), encoding="utf-8")
+    status, _, err = _run(["compress", "--model", LM, "--task-file", str(path), "--out", str(tmp_path / "c")], capsys)
+    assert status == "reached", err
+    assert seen["tasks"][0].pairs[0] == ("word0", ("WORD0",))
+    (tmp_path / "q.txt").write_text("\ufeffhot\nbig\n", encoding="utf-8")
+    assert read_text_file(str(tmp_path / "q.txt"), "--queries") == "hot\nbig\n"  # what --queries reads
+
+
+def test_compress_lora_is_checked_against_out_and_model_before_the_work(inputs, tmp_path, capsys, no_work):
+    own = ["compress", "--model", LM, "--prompt", "Q:", "--queries", str(inputs / "queries.txt")]
+    same = str(tmp_path / "x")
+    line = _one_line(*_run([*own, "--out", same, "--lora", same], capsys))
+    assert f"--out {same} would be the --lora folder" in line
+    line = _one_line(*_run([*own, "--out", f"{same}/p.safetensors", "--lora", same], capsys))
+    assert "would be inside the --lora folder" in line
+    line = _one_line(*_run(["compress", "--out", str(tmp_path / "p"), "--lora", str(tmp_path / "l")], capsys))
+    assert "--lora is for a language model: add --model NAME" in line
+    line = _one_line(*_run(["compress", "--out", str(tmp_path / "p"), "--task-file", str(tmp_path / "t")], capsys))
+    assert "--task-file is for a language model" in line
+    assert not any(tmp_path.iterdir())
+
+
+def _lora_folder(path: Path) -> Path:
+    """A folder as ``tp.save_lora`` writes it (its config, and weights with tokenpatch provenance)."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "target_modules": ["up_proj"]}))
+    names = (
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
+        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight",
+    )
+    save_file(
+        {n: torch.zeros(2, 2) for n in names},
+        path / "adapter_model.safetensors",
+        metadata={"format": "pt", "tokenpatch": "{}"},
+    )
+    return path
+
+
+def test_generate_patch_names_a_lora_adapter(tmp_path, capsys, no_work):
+    lora = _lora_folder(tmp_path / "p-lora")
+    for given, what in [(lora / "adapter_model.safetensors", "adapter's weights"), (lora, "adapter folder")]:
+        line = _one_line(*_run(["generate", "--model", LM, "--prompt", "a", "--patch", str(given)], capsys))
+        assert (
+            f"--patch {given} is a peft LoRA {what} (written by compress --lora), not a tokenpatch patch file" in line
+        )
+        assert f"peft.PeftModel.from_pretrained(model, '{lora}')" in line
+
+
+def test_text_that_is_not_utf8_with_line_breaks_is_one_line(capsys, no_work):
+    line = _one_line(*_run(["generate", "--model", LM, "--prompt", "Q: a\nA: " + NOT_UTF8 + "\n"], capsys))
+    assert "'Q: a\\nA: caf\\xe9\\n' is not UTF-8" in line
+
+
+def test_an_unexpected_error_is_one_line_and_the_traceback_needs_debug(capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise TypeError("object of type 'int' has no len()")
+
+    monkeypatch.setattr(cli_lm, "load_pretrained", broken)
+    status, out, err = _run(["generate", "--model", LM, "--prompt", "a"], capsys)
+    assert status == 3 and "Traceback" not in out + err, (status, err)
+    assert err.strip().splitlines() == [
+        "tokenpatch generate: internal error: TypeError: object of type 'int' has no len() (rerun with --debug "
+        "for the traceback, and report it)"
+    ]
+    with pytest.raises(TypeError):
+        main(["generate", "--model", LM, "--prompt", "a", "--debug"])
+
+
+def test_markov_train_reruns_in_the_folder_of_a_run_stopped_before_its_first_checkpoint(tmp_path, capsys, no_work):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "step-0000000.safetensors").write_bytes(b"")  # a run stopped in its first evaluations
+    status, _, err = _run(["markov", "train", "--out", str(run), *TINY_MARKOV], capsys)
+    assert status == 0, err
+    assert (run / "model.safetensors").is_file()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    line = _one_line(*_run(["markov", "train", "--out", str(tmp_path / "mine"), *TINY_MARKOV], capsys))
+    assert "holds files that are not a Markov run (notes.txt); give a new or empty folder" in line
+
+
+def test_a_ctrl_c_during_an_evaluation_is_honoured_at_once_and_resumed(tmp_path, monkeypatch):
+    """The first Ctrl-C waited for the evaluation after the step (tens of seconds early in a run); it cuts it
+    short, the checkpoint is the finished step, and the rerun evaluates that step again: the same run."""
+    import os
+    import signal
+    import time
+
+    import tokenpatch.workbench.train.markov as mk
+
+    task, shape = mk.MarkovTask(length=10, chains=3), mk.MarkovModel(d_model=8)
+    cfg = mk.MarkovTrain(steps=10, evals=5, eval_sequences=8, checkpoint_every=4)  # evaluations 0 1 2 3 6 10
+    full, hist = mk.train_markov(tmp_path / "full", task, shape, cfg, progress=False)
+    real, calls = mk.evaluate, []
+
+    def slow(model, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # the evaluation at step 6: Ctrl-C, then 20 s more of work
+            os.kill(os.getpid(), signal.SIGINT)
+            end = time.monotonic() + 20
+            while time.monotonic() < end:
+                time.sleep(0.01)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(mk, "evaluate", slow)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        mk.train_markov(tmp_path / "cut", task, shape, cfg, progress=False)
+    assert time.monotonic() - start < 10
+    monkeypatch.setattr(mk, "evaluate", real)
+    resumed, hist2 = mk.train_markov(tmp_path / "cut", task, shape, cfg, progress=False)
+    assert all(torch.equal(p, q) for p, q in zip(full.state_dict().values(), resumed.state_dict().values()))
+    assert json.dumps(hist) == json.dumps(hist2)
+    assert sorted(p.name for p in (tmp_path / "cut").glob("step-*")) == [
+        f"step-{s:07d}.safetensors" for s in (0, 1, 2, 3, 6, 10)
+    ]

@@ -48,6 +48,8 @@ __all__ = ["LoraExport", "save_lora", "lora_pieces"]
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # how peft names the wrapped model's modules in its files
+PEFT_MOE_NAMES = ("gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # _peft_retargets
+DUMMY_TARGETS = "dummy-target-modules"  # peft's target_modules when only modules_to_save are written
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,8 @@ def save_lora(
     pieces, biases, whole = lora_pieces(model, patch)
     if not pieces and not whole:
         raise InputError("save_lora: the patch has no deltas")
+    for module in [m for m in pieces if _peft_retargets(model, m)]:  # written whole: W + B A (+ db)
+        whole[module] = _merged(model, module, pieces.pop(module)[0], biases.pop(module, None))
     layouts = {layout for _, layout in pieces.values()}
     if len(layouts) > 1:
         raise UnsupportedModelError(
@@ -220,7 +224,7 @@ def save_lora(
         "r": rank,
         "lora_alpha": rank,  # scaling lora_alpha / r = 1: B A is the update itself
         "lora_dropout": 0.0,
-        "target_modules": sorted(pieces),
+        "target_modules": sorted(pieces) or DUMMY_TARGETS,
         "fan_in_fan_out": layouts == {"in_out"},
         "bias": "none",
         "lora_bias": bool(biases),
@@ -237,6 +241,29 @@ def save_lora(
     )
     _write_folder(folder, {CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode(), WEIGHTS_FILE: data})
     return LoraExport(folder, rank, tuple(sorted(pieces)), tuple(sorted(whole)), bool(biases), len(data))
+
+
+def _peft_retargets(model: nn.Module, module: str) -> bool:
+    """Whether peft would not load a LoRA on ``module``: on a mixture-of-experts model (its config counts
+    experts) peft (0.18 on, with transformers 5) takes a target named like an expert projection (``PEFT_MOE_NAMES``)
+    for the fused experts and drops it, even on a dense layer (a Qwen3-MoE with ``mlp_only_layers``)."""
+    config = getattr(model, "config", None)
+    moe = any(getattr(config, k, None) for k in ("num_experts", "num_local_experts"))
+    return moe and module.rsplit(".", 1)[-1] in PEFT_MOE_NAMES
+
+
+def _merged(model: nn.Module, module: str, parts: list, db: Tensor | None) -> dict[str, Tensor]:
+    """The state of the linear ``module`` with its LoRA pieces ``(B, A)`` and bias change ``db`` added."""
+    state = {
+        n: offload.value(model, f"{module}.{n}", t).detach().to(torch.float64)
+        for n, t in model.get_submodule(module).state_dict(keep_vars=True).items()
+    }
+    for b, a in parts:
+        ba = b.to(torch.float64).cpu() @ a.to(torch.float64).cpu()  # [out, in]
+        state["weight"] = state["weight"] + (ba if weight_layout(model.get_submodule(module)) == "out_in" else ba.T)
+    if db is not None:
+        state["bias"] = state["bias"] + db.to(torch.float64).cpu()
+    return state
 
 
 def _features(model: nn.Module, module: str) -> tuple[int, int]:

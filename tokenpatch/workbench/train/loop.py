@@ -3,6 +3,7 @@ optimisation loop, optimizer state in a checkpoint, and a Ctrl-C that stops at a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -51,9 +52,13 @@ def load_optim(opt: torch.optim.Optimizer, extra: dict[str, torch.Tensor]) -> No
 
 class DeferredInterrupt:
     """Turn the first Ctrl-C into a flag checked between steps, so the checkpoint written on
-    interruption is a consistent step boundary; a second Ctrl-C interrupts at once."""
+    interruption is a consistent step boundary; a second Ctrl-C interrupts at once. Inside
+    ``with stop.cut_short():`` (work after a finished step, e.g. an evaluation, that a checkpoint
+    does not need) the first Ctrl-C also raises ``KeyboardInterrupt`` at once, with ``cut`` set."""
 
     requested = False
+    cut = False
+    _now = False
 
     def __enter__(self):
         self._old = None
@@ -64,6 +69,17 @@ class DeferredInterrupt:
     def _handle(self, signum, frame):
         self.requested = True
         signal.signal(signal.SIGINT, self._old)
+        if self._now:
+            self.cut = True
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def cut_short(self):
+        self._now = True
+        try:
+            yield
+        finally:
+            self._now = False
 
     def __exit__(self, *exc):
         if self._old is not None:
@@ -168,6 +184,8 @@ def run_steps(
     with a progress bar, ``checkpoint(step + 1)`` every ``checkpoint_every`` steps before the last
     (the caller writes the final one, with whatever it adds), and a first Ctrl-C that checkpoints
     at the step boundary and raises ``KeyboardInterrupt``; running the trainer again resumes there.
+    A Ctrl-C during ``after`` cuts it short at once (an evaluation can take seconds): ``after`` must
+    leave what the checkpoint saves whole when cut, and the trainer redo what it missed on resuming.
     """
     bar = progress_bar(None, progress, total=steps, initial=start, desc=desc, unit="step")
     with DeferredInterrupt() as stop:
@@ -179,7 +197,13 @@ def run_steps(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             opt.step()
-            shown = after(step + 1, loss.item())
+            try:  # the step is done: what follows it (an evaluation) is cut short by the first Ctrl-C
+                with stop.cut_short():
+                    shown = after(step + 1, loss.item())
+            except KeyboardInterrupt:
+                if not stop.cut:  # a second Ctrl-C: at once
+                    raise
+                shown = None
             bar.update(1)
             if shown:
                 bar.set_postfix(shown)

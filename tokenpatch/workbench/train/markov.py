@@ -179,15 +179,18 @@ def train_markov(
         }
         save_model(model, path, meta=meta, extra=optim_tensors(opt))
 
-    def record(step: int) -> None:
+    def record(step: int) -> None:  # a Ctrl-C may cut it short (run_steps): the history entry comes last
         model.eval()
-        history.append({"step": step, **evaluate(model, task, data)})
-        model.train()
+        try:
+            entry = {"step": step, **evaluate(model, task, data)}
+        finally:
+            model.train()
         if snapshots:
             save_model(model, out / f"step-{step:07d}.safetensors", meta={"recipe": recipe, "step": step})
+        history.append(entry)
 
-    if start == 0 and not history:
-        record(0)
+    if start in when and (not history or history[-1]["step"] < start):  # new, or its evaluation was cut short
+        record(start)
 
     def loss_at(step: int) -> torch.Tensor:
         batch = task.sample(cfg.batch_size, rng, "train", matrices=chains)
