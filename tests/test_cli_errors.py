@@ -69,7 +69,10 @@ CASES = [  # (argv, what the one line must say); {d} is the fixture folder
     (["markov", "predictors", "--length", "200", "--sequences", "0"], "argument --sequences: 0 is too small"),
     (["markov", "probe", "--run", "{d}/folder"], "--run {d}/folder holds no Markov run"),
     (["markov", "train", "--out", "{d}/notes.txt"], "--out {d}/notes.txt is a file; give a folder for the run"),
-    (["markov", "train", "--out", "{d}"], "--out {d} is a folder with other files in it"),
+    (
+        ["markov", "train", "--out", "{d}"],
+        "--out {d} holds files that are not a Markov run (folder, notes.txt, other.safetensors ...); give a new or empty folder",
+    ),
     (["markov", "report", "--out", "{d}/notes.txt"], "--out {d}/notes.txt is a file; give a folder for the report"),
     (["markov", "sweep"], "argument markov_command: invalid choice: 'sweep'"),
     (
