@@ -178,7 +178,7 @@ def test_bad_inputs_are_one_clear_error():
     model, prompt, q = _setup()
     with pytest.raises(InputError, match="one-shot iterator"):
         tp.thought_patch(model, prompt, iter(q.split(2)))
-    with pytest.raises(InputError, match=r"prompt must be a tensor \[P, ...\]"):
+    with pytest.raises(InputError, match=r"one prompt per thought patch .* got 2 rows"):
         tp.thought_patch(model, prompt[None].expand(2, -1, -1), q)
     with pytest.raises(InputError, match="the model reads width 3"):
         tp.thought_patch(model, prompt, torch.zeros(2, 1, 5, dtype=torch.float64))
