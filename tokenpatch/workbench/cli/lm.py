@@ -222,7 +222,9 @@ def generate_with_patch(args) -> int:
 
     patch = load_patch(args.patch)
     model, tokenizer = pretrained_for(args)
-    lead = leading_tokens(tokenizer) if patch.meta.get("thought", {}).get("keep_bos") else []
+    lead = list(patch.prefix)  # a keep_bos thought patch's BOS, which it needs in front of every input
+    if not lead and patch.meta.get("thought", {}).get("keep_bos"):  # a file written before Patch.prefix
+        lead = leading_tokens(tokenizer)
     ids = torch.tensor([lead + tokenizer(args.prompt, add_special_tokens=False)["input_ids"]])
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
     with torch.no_grad():
