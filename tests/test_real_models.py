@@ -307,7 +307,8 @@ def test_cli_compress_a_prompt_alone(name, fixture, request, pretrained_cache_di
     assert main(argv) == 0
     said = capsys.readouterr().out
     assert "from 16 continuations it wrote itself (each begun 'Q:')" in said and out.stat().st_size > 0
-    assert tp.load_patch(out).meta["thought"]["keep_bos"] is True
+    saved = tp.load_patch(out)
+    assert saved.meta["thought"]["keep_bos"] is True and len(saved.prefix) == 1  # the BOS generate puts in front
     argv = ["generate", "--model", name, "--patch", str(out), "--prompt", "Q: eat\nA:", "--max-new-tokens", "3"]
     assert main([*argv, "--json", "--quiet"]) == 0
     shown = json.loads(capsys.readouterr().out)
