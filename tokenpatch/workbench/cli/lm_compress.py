@@ -25,9 +25,6 @@ __all__ = ["check_compress", "compress_lm", "LINE_LIMIT"]
 # The longest line --task-file and --queries take, in characters: a word pair or a calibration query, which
 # the prompt and the model read whole (a 2 MB line would ask the model for hundreds of GB).
 LINE_LIMIT = 2000
-# The ridge of a --prompt patch whose calibration is too few queries to choose it on held-out ones (the
-# middle of choose_ridge's grid); --ridge sets it.
-FEW_ROWS_RIDGE = 1.0
 
 
 def _tasks(args) -> list[str] | None:
@@ -198,7 +195,7 @@ def _compress_prompt(args) -> int:
         sample_calibration,
     )
     from tokenpatch.thought.front import thought_patch
-    from tokenpatch.thought.held_out import MIN_ROWS, choose_ridge
+    from tokenpatch.thought.held_out import MIN_ROWS, RIDGE_GRID, choose_ridge
     from tokenpatch.workbench.methods import leading_tokens
 
     lines = _query_lines(args.queries) if args.queries else None
@@ -239,7 +236,7 @@ def _compress_prompt(args) -> int:
     queries = batched(rows)  # [b, T] batches, one per length
     ridge, how = args.ridge, ""
     if ridge is None and len(rows) < MIN_ROWS:  # too few to hold a quarter out: the grid's middle
-        ridge = FEW_ROWS_RIDGE
+        ridge = RIDGE_GRID[len(RIDGE_GRID) // 2]  # the middle of the grid choose_ridge would search (1.0)
         how = (
             f" ({len(rows)} calibration queries are too few to choose it on a held-out quarter of them, "
             f"{MIN_ROWS} at least; --ridge sets it)"
