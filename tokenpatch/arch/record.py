@@ -1,0 +1,61 @@
+"""``LayerRecord``: what one layer's pass recorded, at the positions asked for, as named fields.
+
+The names follow ``docs/patch-theorem.md``: a layer reads ``h``, its mixer (attention) gives the
+residual value ``m`` the MLP output is added to, the MLP reads ``s`` (the MLP input, after its norm),
+its output matrix reads ``hidden``, and the layer gives ``out``. Where a layer's output side needs
+more, the record has it: ``p`` (the output matrix's output ``W hidden``, before a norm after the MLP),
+``gate`` (a shared expert's gate logit), ``v`` (the attention's values, every position: the lone
+token's anchor reads them), ``sum`` (the input of a norm after the MLP's add), ``first`` (``[B, Q]``,
+whether a query is the first real token of its row). Every field is ``[B, Q, .]`` unless said.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__ = ["LayerRecord", "FIELDS"]
+
+
+@dataclass
+class LayerRecord:
+    """One layer's recorded states (module docstring); a field not recorded is ``None``."""
+
+    h: Tensor | None = None
+    m: Tensor | None = None
+    s: Tensor | None = None
+    hidden: Tensor | None = None
+    out: Tensor | None = None
+    p: Tensor | None = None
+    gate: Tensor | None = None
+    v: Tensor | None = None
+    sum: Tensor | None = None
+    first: Tensor | None = None
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The recorded fields by name (those not ``None``)."""
+        return {f.name: t for f in dataclasses.fields(self) if (t := getattr(self, f.name)) is not None}
+
+    def replace(self, **changes) -> LayerRecord:
+        """A copy with ``changes`` (field -> tensor)."""
+        return dataclasses.replace(self, **changes)
+
+    # Transitional (issue 42): the string-keyed reads of the dicts this record replaces. Removed once
+    # every reader uses the fields.
+    def __getitem__(self, key: str) -> Tensor:
+        value = getattr(self, key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def get(self, key: str, default=None):
+        value = getattr(self, key, None)
+        return default if value is None else value
+
+    def __contains__(self, key: str) -> bool:
+        return getattr(self, key, None) is not None
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(LayerRecord))
