@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.arch.sites import by_class
+from tokenpatch.arch.layouts import by_class
 from tokenpatch.errors import UnsupportedModelError
 from tokenpatch.offload import value
 

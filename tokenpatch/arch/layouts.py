@@ -1,0 +1,42 @@
+"""How a module applies its weight to an input (``weight_layout``), and lookups by class name
+(``by_class``), so that optional libraries need not be imported."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from tokenpatch.errors import UnsupportedModelError
+
+__all__ = ["WEIGHT_LAYOUTS", "by_class", "weight_layout"]
+
+# How a module applies its ``weight`` to an input: "out_in" means ``y = x @ W.T`` (W stored
+# [out, in], torch's nn.Linear); "in_out" means ``y = x @ W`` (W stored [in, out], GPT-2's Conv1D).
+# Keyed by class name so optional libraries need not be imported.
+WEIGHT_LAYOUTS: dict[str, str] = {
+    "Linear": "out_in",
+    "Conv1D": "in_out",
+    # mixture-of-experts routers: a weight [experts, d] applied with F.linear
+    "Qwen2MoeTopKRouter": "out_in",
+    "MixtralTopKRouter": "out_in",
+    "Qwen3MoeTopKRouter": "out_in",
+    "OlmoeTopKRouter": "out_in",
+}
+
+
+def by_class(table: dict[str, Any], module: nn.Module) -> Any:
+    """The entry of ``table`` (keyed by class name, so optional libraries need not be imported) for
+    ``module``'s class or the nearest base class listed; ``None`` if none is."""
+    return next((table[cls.__name__] for cls in type(module).__mro__ if cls.__name__ in table), None)
+
+
+def weight_layout(module: nn.Module, name: str = "") -> str:
+    """``"out_in"`` or ``"in_out"`` for ``module``'s weight, from its type (never its shape)."""
+    layout = by_class(WEIGHT_LAYOUTS, module)
+    if layout is not None:
+        return layout
+    raise UnsupportedModelError(
+        f"cannot patch {name or 'module'} of type {type(module).__name__}: its weight layout is unknown "
+        f"(known: {sorted(WEIGHT_LAYOUTS)}); add it to tokenpatch.arch.WEIGHT_LAYOUTS"
+    )
