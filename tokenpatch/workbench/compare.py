@@ -26,34 +26,16 @@ from tokenpatch.errors import InputError
 from tokenpatch.progress import progress_bar
 from tokenpatch.stats import wilson
 from tokenpatch.tasks.wordpairs import Format, WordPairs, is_correct
-from tokenpatch.workbench.extract import extract, timed
+from tokenpatch.workbench.extract import timed
 from tokenpatch.workbench.methods import Encoded, Method, answer_logits, greedy, on_device, single_token_answers
+from tokenpatch.workbench.registry import REGISTRY, Compared, closed_form, extract, names, wanted
 
-# key (snake_case, as in the results) -> the name shown; the parametric rows are
-# "thought_patch_sampled_N" (N self-written continuations) and "prompt_baking_Kx" (K times the fit's time)
-METHODS = {
-    "zero_shot": "zero-shot",
-    "icl": "ICL",
-    "thought_patch": "thought patch",
-    "thought_patch_rank": "thought patch (rank r)",
-    "thought_patch_gcv": "thought patch (GCV ridge)",
-    "thought_patch_norm": "thought patch (Gauss-Newton through the norm)",
-    "thought_patch_sampled": "thought patch (self-written calibration)",
-    "thought_patch_baked": "thought patch + baking",
-    "prompt_baking": "prompt baking (LoRA)",
-    "thought_vector": "thought vector",
-    "attention_shift": "attention shift",
-    "task_vector": "task vector",
-    "function_vector": "function vector",
-    "in_context_vector": "in-context vector",
-}
+__all__ = ["compare", "evaluate", "closed_form", "METHODS"]
 
-
-def closed_form(key: str) -> bool:
-    """Whether the row ``key`` is a thought patch without gradient steps (the goal's candidates)."""
-    return key in ("thought_patch", "thought_patch_rank", "thought_patch_gcv", "thought_patch_norm") or key.startswith(
-        "thought_patch_sampled_"
-    )
+# key (snake_case, as in the results) -> the name shown, read from the registry (``registry.py``); the
+# parametric rows are "thought_patch_sampled_N" (N self-written continuations) and "prompt_baking_Kx" (K
+# times the fit's time), their names templates of those fields
+METHODS = names()
 
 
 def _prefill_seconds(model: nn.Module, batch: dict, method: Method, repeats: int = 2) -> float:
@@ -144,9 +126,10 @@ def compare(
     norm_steps: tuple[int, ...] = (),
     methods: tuple[str, ...] | None = None,
     progress: bool | None = None,
+    registry: tuple[Compared, ...] = REGISTRY,
 ) -> dict:
-    """Every method on one task (``extract`` then ``evaluate`` on the test split). Returns a JSON-able
-    dict (methods keyed as in ``METHODS``) but for ``"patches"``: the fitted thought patches
+    """Every method of ``registry`` on one task (``extract`` then ``evaluate`` on the test split). Returns a JSON-able
+    dict (methods keyed as in the registry, ``METHODS``) but for ``"patches"``: the fitted thought patches
     (``tp.save_patch`` them; ``json.dumps`` the rest). ``ridge``: a number, ``"gcv"``, or several to
     choose from on the dev split by the KL to ICL. ``lead``: the token ids every sequence starts
     with (default: the tokenizer's BOS, ``leading_tokens``). ``sampled``, ``bake_times``, ``hybrid``,
@@ -160,11 +143,9 @@ def compare(
         raise InputError(f"timing_rows must be at least 1 query, got {timing_rows}")
     if test is not None and test < 1:
         raise InputError(f"test must be at least 1 pair (or None: all that are left), got {test}")
-    if shots < 2 and (methods is None or "function_vector" in methods):
-        raise InputError(
-            "the function vector's corrupted prompts shuffle the answers of the demonstrations: "
-            f"it needs shots >= 2, got {shots}"
-        )
+    for entry in wanted(methods, registry):
+        if shots < entry.min_shots:
+            raise InputError(f"{entry.why_shots}: it needs shots >= {entry.min_shots}, got {shots}")
     splits = task.split(seed, demos=max(shots, 10), calibration=calibration, dev=dev, test=test)
     enc = Encoded(tokenizer, splits, shots, fmt, lead)
     if not bool(torch.isfinite(answer_logits(model, enc.batch("dev", True), Method("ICL", prompted=True))).all()):
@@ -184,6 +165,7 @@ def compare(
         norm_steps=norm_steps,
         methods=methods,
         progress=progress,
+        registry=registry,
     )
     rows = evaluate(model, enc, built, progress=progress, timing_rows=timing_rows)
     for name, m in built.items():
@@ -209,7 +191,7 @@ def compare(
         "lead": enc.prefix,
         "format": {"query": fmt.query, "answer": fmt.answer, "separator": fmt.separator},
         "closed_form_choice": min(
-            (k for k in rows if closed_form(k) and rows[k].get("dev_kl") is not None),
+            (k for k in rows if closed_form(k, registry) and rows[k].get("dev_kl") is not None),
             key=lambda k: rows[k]["dev_kl"],
             default=None,
         ),

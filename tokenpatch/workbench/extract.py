@@ -1,6 +1,8 @@
-"""The compared methods, extracted from one task's prompt and splits (``docs/prompt-compression.md``
-§2): every method becomes a ``Method`` (how it runs a batch of queries) whose settings were chosen
-on the dev split, never on test. ``compare.py`` scores them.
+"""How each compared method is extracted from one task's prompt and splits (``docs/prompt-compression.md``
+§2): one function per entry of ``registry.py`` (``extract_<key>``, called ``(Extraction, Compared)``,
+returning its rows as ``Method``s, how each runs a batch of queries), whose settings were chosen on
+the dev split, never on test, and the ``Extraction`` they share (the settings, the rows so far, the
+ridge chosen on dev). ``registry.extract`` runs them; ``compare.py`` scores them.
 
 Vectors (``tokenpatch.baselines``): the task vector and the function vector (a layer chosen on
 dev), the in-context vector (a strength chosen on dev), the thought vector and the attention shift.
@@ -15,9 +17,10 @@ and the hybrid (the thought patch, then baking on top).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -25,7 +28,7 @@ from torch import nn
 
 from tokenpatch.arch import adapter_for
 from tokenpatch.baselines.baking import bake
-from tokenpatch.baselines.steering import Steering, steer
+from tokenpatch.baselines.steering import Steering
 from tokenpatch.baselines.vectors import (
     attention_shift,
     function_vectors,
@@ -33,13 +36,13 @@ from tokenpatch.baselines.vectors import (
     task_vectors,
     thought_vector,
 )
-from tokenpatch.errors import InputError
 from tokenpatch.patch import Patch
 from tokenpatch.progress import progress_bar
-from tokenpatch.run import apply
 from tokenpatch.thought.calibration import batched, demonstration_start, demonstrations, sample_calibration
 from tokenpatch.thought.front import thought_patch
-from tokenpatch.workbench.methods import Encoded, Method, answer_logits
+from tokenpatch.workbench.methods import Encoded, Method, answer_logits, patched, steered
+
+__all__ = ["Extraction", "RidgeChoice", "timed", "choose", "dev_kl", "patched", "steered"]
 
 ICV_STRENGTHS = (0.01, 0.03, 0.1, 0.3, 1.0)  # the in-context vector's lambda, chosen on dev
 # and its demonstration pairs, chosen with it: each query read alone against it with its answer, or (the
@@ -57,27 +60,6 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def steered(model: nn.Module, name: str, s: Steering, seconds: float, skip: int, info: dict | None = None) -> Method:
-    """Steering in the queries' forward (every position but the ``skip`` leading tokens, or the last
-    one) and, for every-position steering, in each generated token's (a last-position edit lives on
-    in the KV cache)."""
-
-    def prefill(batch: dict):
-        return steer(model, s, (batch["position_ids"] >= skip) & (batch["attention_mask"] > 0))
-
-    every = s.position == "all"
-    return Method(
-        name, False, prefill, (lambda: steer(model, s)) if every else contextlib.nullcontext, seconds, s.nbytes, info
-    )
-
-
-def patched(model: nn.Module, name: str, patch: Patch, seconds: float, info: dict) -> Method:
-    nbytes = sum(
-        t.numel() * t.element_size() for d in patch.values() for t in ((d.u, d.v) if hasattr(d, "u") else (d,))
-    )
-    return Method(name, False, lambda batch: apply(model, patch), lambda: apply(model, patch), seconds, nbytes, info)
-
-
 def choose(
     model: nn.Module, enc: Encoded, candidates: dict[Any, Steering], name: str, progress: bool | None
 ) -> tuple[Any, list]:
@@ -86,7 +68,7 @@ def choose(
     batch, first = enc.batch("dev", False), enc.first("dev")
     scores = []
     for key in progress_bar(list(candidates), progress, desc=f"{name} on dev", unit="candidate"):
-        logp = answer_logits(model, batch, steered(model, name, candidates[key], 0.0, len(enc.prefix))).cpu()
+        logp = answer_logits(model, batch, steered(model, name, candidates[key], skip=len(enc.prefix))).cpu()
         hits = int((logp.argmax(-1) == first).sum())
         scores.append((key, hits, float(logp.gather(1, first[:, None]).mean())))
     best = max(scores, key=lambda s: (s[1], s[2]))
@@ -99,235 +81,276 @@ def dev_kl(model: nn.Module, enc: Encoded, method: Method, reference) -> float:
     return float((reference.exp() * (reference - logp)).sum(-1).mean())
 
 
-def _vectors(
-    model: nn.Module, enc: Encoded, want, seed: int, n_heads: int, effect_prompts: int | None, progress
-) -> dict[str, Method]:
-    out: dict[str, Method] = {}
-    skip = len(enc.prefix)
-    prompted, plain = enc.batch("calibration", True, answers=True), enc.batch("calibration", False, answers=True)
-    n_q = enc.n_query("calibration", answers=True)
-    if want("thought_vector"):
-        s, secs = timed(lambda: thought_vector(model, prompted, plain, n_q, skip))
-        out["thought_vector"] = steered(model, "thought vector", s, secs, skip)
-    if want("attention_shift"):
-        s, secs = timed(lambda: attention_shift(model, prompted, plain, n_q))
-        out["attention_shift"] = steered(model, "attention shift", s, secs, skip)
-    dummy = enc.batch("calibration", True)  # the prompt and a dummy query, the answer to come
-    if want("task_vector"):
-        tv, secs = timed(lambda: task_vectors(model, dummy))
-        (layer, scores), pick = timed(
-            lambda: choose(model, enc, {i: tv.only(i) for i in tv.vectors}, "task vector", progress)
-        )
-        info = {"layer": layer, "dev_scores": scores, "selection_s": pick}
-        out["task_vector"] = steered(model, "task vector", tv.only(layer), secs, skip, info)
-    if want("function_vector"):
-        corrupted = enc.batch("calibration", True, demos=enc.shuffled_demos(seed))
-        first = enc.first("calibration")
-        if effect_prompts is not None:  # the heads' effects measured on the first prompts only
-            corrupted, first = {k: v[:effect_prompts] for k, v in corrupted.items()}, first[:effect_prompts]
-        fv, secs = timed(lambda: function_vectors(model, dummy, corrupted, first, n_heads, progress))
-        (layer, scores), pick = timed(
-            lambda: choose(model, enc, {i: fv.only(i) for i in fv.vectors}, "function vector", progress)
-        )
-        info = {"layer": layer, "dev_scores": scores, "selection_s": pick, "heads": fv.meta["heads"]}
-        out["function_vector"] = steered(model, "function vector", fv.only(layer), secs, skip, info)
-    if want("in_context_vector"):
-        ones, secs = timed(
-            lambda: {k: in_context_vectors(model, *pairs(enc), 1.0) for k, pairs in ICV_PAIRINGS.items()}
-        )
-        options = {
-            (pairing, lam): Steering(one.site, {i: lam * v for i, v in one.vectors.items()}, one.mode, one.position)
-            for pairing, one in ones.items()
-            for lam in ICV_STRENGTHS
-        }
-        ((pairing, lam), scores), pick = timed(lambda: choose(model, enc, options, "in-context vector", progress))
-        info = {"pairing": pairing, "strength": lam, "dev_scores": scores, "selection_s": pick}
-        out["in_context_vector"] = steered(model, "in-context vector", options[pairing, lam], secs, skip, info)
-    return out
+@dataclass
+class RidgeChoice:
+    """The thought patch's ridge chosen on dev: ``chosen`` (the lowest KL to ICL on the dev split of
+    several, else the one given), the full-rank fits the choice made (ridge -> ``(patch, seconds)``),
+    their dev KL (ridge -> nats) and the seconds it took (every fit and dev run; 0 without a choice)."""
+
+    chosen: Any
+    fits: dict
+    dev_kl: dict
+    seconds: float
+
+
+class Extraction:
+    """One task's extraction under way: the model, the encoded task, ``extract``'s ``settings``, the
+    rows extracted so far (``rows``: prompt baking reads the thought patch's time), and what several
+    methods share, each computed once when first asked for: the ICL reference on dev, the ridge
+    chosen on dev, the calibration batches."""
+
+    def __init__(self, model: nn.Module, enc: Encoded, settings: dict):
+        self.model, self.enc, self.settings = model, enc, settings
+        self.rows: dict[str, Method] = {}
+        self.skip = len(enc.prefix)
+        self.prompt = torch.tensor(enc.prefix + enc.demos)
+        self.keep_bos = bool(enc.prefix)
+
+    @cached_property
+    def queries(self) -> list:
+        """The calibration split's queries with their answers, batched by length."""
+        return batched([q + a for q, a in zip(self.enc.query["calibration"], self.enc.answer["calibration"])])
+
+    @cached_property
+    def reference(self):
+        """ICL's next-token log-probabilities at the dev queries' answer position."""
+        return answer_logits(self.model, self.enc.batch("dev", True), Method("ICL", prompted=True))
+
+    def fit(self, rank, ridge, calibration, norm_steps: int = 0) -> Patch:
+        """The thought patch of the prompt on ``calibration`` (affine output side)."""
+        return thought_patch(
+            self.model,
+            self.prompt,
+            calibration,
+            ridge=ridge,
+            rank=rank,
+            output="affine",
+            keep_bos=self.keep_bos,
+            layers=self.settings["layers"],
+            norm_steps=norm_steps,
+            progress=self.settings["progress"],
+        ).patch
+
+    def dev_kl(self, method: Method) -> float:
+        return dev_kl(self.model, self.enc, method, self.reference)
+
+    @cached_property
+    def ridge(self) -> RidgeChoice:
+        """The ridge with the lowest KL to ICL on the dev split, of several given (one: that one)."""
+        ridge = self.settings["ridge"]
+        ridges = [ridge] if isinstance(ridge, (int, float, str)) else list(ridge)
+        fits, by_ridge, start = {}, {}, time.perf_counter()
+        if len(ridges) > 1:
+            for lam in ridges:
+                fits[lam] = timed(lambda: self.fit(None, lam, self.queries))
+                by_ridge[lam] = self.dev_kl(patched(self.model, "", fits[lam][0]))
+        chosen = min(by_ridge, key=by_ridge.get) if by_ridge else ridges[0]
+        return RidgeChoice(chosen, fits, by_ridge, time.perf_counter() - start if by_ridge else 0.0)
+
+    def full_rank(self, ridge) -> tuple[Patch, float]:
+        """The full-rank fit at ``ridge`` and its seconds (the ridge choice's, when it made one)."""
+        made = self.ridge.fits
+        return made[ridge] if ridge in made else timed(lambda: self.fit(None, ridge, self.queries))
+
+    def fitted(
+        self, entry, patch: Patch, seconds: float, rank, ridge, more: dict, fields: dict | None = None
+    ) -> dict[str, Method]:
+        """A thought patch's row (``fields``: those of its name and key): its rank, ridge, per-layer
+        fits and ``more``, and its dev KL to ICL."""
+        fields = fields or {}
+        info = {"rank": rank, "ridge": ridge, "fits": patch.meta["thought"]["fits"], "patch": patch, **more}
+        row = entry.method(self.model, patch, seconds, info, **fields)
+        known = {**dict(more.get("dev_kl_by_ridge", ())), **({ridge: more["dev_kl"]} if "dev_kl" in more else {})}
+        row.info["dev_kl"] = known[ridge] if ridge in known else self.dev_kl(row)
+        return {entry.key_of(**fields): row}
+
+    @cached_property
+    def calibration_pairs(self) -> tuple[dict, dict, Any]:
+        """The calibration queries with their answers, after the prompt and alone, and their lengths."""
+        enc = self.enc
+        plain = enc.batch("calibration", False, answers=True)
+        return enc.batch("calibration", True, answers=True), plain, enc.n_query("calibration", answers=True)
+
+    @cached_property
+    def dummy(self) -> dict:
+        """The prompt and a dummy query, the answer to come."""
+        return self.enc.batch("calibration", True)
+
+    def steering(self, entry, s: Steering, seconds: float, info: dict | None = None) -> dict[str, Method]:
+        return {entry.key_of(): entry.method(self.model, s, seconds, info, self.skip)}
+
+
+# --------------------------------------------------------------------------- one function per entry
+
+
+def extract_unchanged(x: Extraction, entry) -> dict[str, Method]:
+    """Zero-shot and ICL: nothing to extract."""
+    return {entry.key_of(): entry.method(x.model)}
+
+
+def extract_thought_patch(x: Extraction, entry) -> dict[str, Method]:
+    """The thought patch at full rank, at the ridge chosen on dev."""
+    choice = x.ridge
+    patch, secs = x.full_rank(choice.chosen)
+    more = {"selection_s": choice.seconds, "dev_kl_by_ridge": [[k, v] for k, v in choice.dev_kl.items()]}
+    return x.fitted(entry, patch, secs, None, choice.chosen, more)
+
+
+def extract_thought_patch_rank(x: Extraction, entry) -> dict[str, Method]:
+    """The thought patch at rank ``rank``, at the ridge chosen on dev."""
+    rank, lam = x.settings["rank"], x.ridge.chosen
+    patch, secs = timed(lambda: x.fit(rank, lam, x.queries))
+    return x.fitted(entry, patch, secs, rank, lam, {}, {"rank": rank})
+
+
+def extract_thought_patch_gcv(x: Extraction, entry) -> dict[str, Method]:
+    """The thought patch at full rank, each layer's ridge chosen by GCV from the fit's own sums."""
+    patch, secs = x.full_rank("gcv")
+    return x.fitted(entry, patch, secs, None, "gcv", {})
 
 
 def _post_mlp_norm(model: nn.Module) -> bool:
     """Whether some layer's output side goes through a norm after the MLP (Gemma 2/3)."""
     adapter = adapter_for(model)
     sites = (adapter.sites(model, i).output for i in range(adapter.n_layers(model)))
-    return any(site is not None and site.kind == "matrix+scale" for site in sites)
+    return any(site is not None and site.norm is not None for site in sites)
 
 
-def _patches(
-    model: nn.Module,
-    enc: Encoded,
-    want,
-    *,
-    rank,
-    ridge,
-    layers,
-    sampled,
-    bake_times,
-    hybrid,
-    norm_steps,
-    seed,
-    progress,
-) -> dict[str, Method]:
-    out: dict[str, Method] = {}
-    queries = batched([q + a for q, a in zip(enc.query["calibration"], enc.answer["calibration"])])
-    prompt = torch.tensor(enc.prefix + enc.demos)
-    keep_bos = bool(enc.prefix)
+def extract_thought_patch_norm(x: Extraction, entry) -> dict[str, Method]:
+    """The fit refined through a post-MLP norm (only on a model with one), its Gauss-Newton steps
+    chosen on dev from ``norm_steps``, at the ridge chosen on dev."""
+    steps = x.settings["norm_steps"]
+    if not steps or not _post_mlp_norm(x.model):
+        return {}
+    chosen = x.ridge.chosen
+    start = time.perf_counter()
+    tried = {k: timed(lambda: x.fit(None, chosen, x.queries, k)) for k in steps}
+    by_steps = {k: x.dev_kl(patched(x.model, "", p)) for k, (p, _) in tried.items()}
+    best = min(by_steps, key=by_steps.get)
+    info = {
+        "norm_steps": best,
+        "dev_kl": by_steps[best],
+        "dev_kl_by_norm_steps": [[k, v] for k, v in by_steps.items()],
+        "selection_s": time.perf_counter() - start,
+    }
+    return x.fitted(entry, tried[best][0], tried[best][1], None, chosen, info)
 
-    def fit(r, lam, calibration, steps=0):
-        return thought_patch(
-            model,
-            prompt,
-            calibration,
-            ridge=lam,
-            rank=r,
-            output="affine",
-            keep_bos=keep_bos,
-            layers=layers,
-            norm_steps=steps,
-            progress=progress,
-        ).patch
 
-    reference = answer_logits(model, enc.batch("dev", True), Method("ICL", prompted=True))
-    ridges = [ridge] if isinstance(ridge, (int, float, str)) else list(ridge)
-
-    full, by_ridge, start = {}, {}, time.perf_counter()
-    if len(ridges) > 1:  # the ridge with the lowest KL to ICL on the dev split
-        for lam in ridges:
-            full[lam] = timed(lambda: fit(None, lam, queries))
-            by_ridge[lam] = dev_kl(model, enc, patched(model, "", full[lam][0], 0.0, {}), reference)
-    chosen = min(by_ridge, key=by_ridge.get) if by_ridge else ridges[0]
-    search = time.perf_counter() - start if by_ridge else 0.0  # every ridge's fit and dev run
-    fits = {}  # key: (name, patch, seconds, rank, ridge, info)
-    for key, name, r, lam in (
-        ("thought_patch", "thought patch", None, chosen),
-        ("thought_patch_rank", f"thought patch (rank {rank})", rank, chosen),
-        ("thought_patch_gcv", "thought patch (GCV ridge)", None, "gcv"),
-    ):
-        if not want(key):
-            continue
-        if r is None and lam in full:  # the ridge sweep fitted it already
-            patch, secs = full[lam]
-        else:
-            patch, secs = timed(lambda: fit(r, lam, queries))
-        swept_here = key == "thought_patch"
-        info = {"selection_s": search, "dev_kl_by_ridge": [[k, v] for k, v in by_ridge.items()]} if swept_here else {}
-        fits[key] = (name, patch, secs, r, lam, info)
-    if norm_steps and want("thought_patch_norm") and _post_mlp_norm(model):  # steps chosen on dev, the ridge above
-        start = time.perf_counter()
-        tried = {k: timed(lambda: fit(None, chosen, queries, k)) for k in norm_steps}
-        by_steps = {k: dev_kl(model, enc, patched(model, "", p, 0.0, {}), reference) for k, (p, _) in tried.items()}
-        best = min(by_steps, key=by_steps.get)
-        info = {
-            "norm_steps": best,
-            "dev_kl": by_steps[best],
-            "dev_kl_by_norm_steps": [[k, v] for k, v in by_steps.items()],
-            "selection_s": time.perf_counter() - start,
-        }
-        name = "thought patch (Gauss-Newton through the norm)"
-        fits["thought_patch_norm"] = (name, tried[best][0], tried[best][1], None, chosen, info)
-    text = enc.fmt.demos(enc.demo_pairs)
-    begin = demonstration_start(text)
+def extract_thought_patch_sampled(x: Extraction, entry) -> dict[str, Method]:
+    """One row per number of continuations in ``sampled``: the fit on the demonstrations the prompted
+    model writes itself (no labels), at the ridge chosen on dev."""
+    enc, out = x.enc, {}
+    begin = demonstration_start(enc.fmt.demos(enc.demo_pairs))
     start_ids = enc.tokenizer(begin, add_special_tokens=False)["input_ids"] if begin else None
-    for n in sampled if want("thought_patch_sampled") else ():
-        rows, s_secs = timed(lambda: sample_calibration(model, prompt, n, SAMPLE_LENGTH, start=start_ids, seed=seed))
+    for n in x.settings["sampled"]:
+        rows, s_secs = timed(
+            lambda: sample_calibration(x.model, x.prompt, n, SAMPLE_LENGTH, start=start_ids, seed=x.settings["seed"])
+        )
         pieces = demonstrations(enc.tokenizer, rows, enc.fmt.separator)
         cal = batched(pieces) if pieces else [rows]  # no whole demonstration written: the continuations
-        patch, secs = timed(lambda: fit(None, chosen, cal))  # the ridge chosen on dev above
+        lam = x.ridge.chosen
+        patch, secs = timed(lambda: x.fit(None, lam, cal))
         info = {"continuations": n, "demonstrations": len(pieces), "sampling_s": s_secs}
-        name = f"thought patch (self-written: {n} continuations, their demonstrations)"
-        fits[f"thought_patch_sampled_{n}"] = (name, patch, s_secs + secs, None, chosen, info)
-    for key, (name, patch, secs, r, lam, more) in fits.items():
-        info = {"rank": r, "ridge": lam, "fits": patch.meta["thought"]["fits"], "patch": patch, **more}
-        out[key] = patched(model, name, patch, secs, info)
-        known = {**dict(more.get("dev_kl_by_ridge", ())), **({lam: more["dev_kl"]} if "dev_kl" in more else {})}
-        out[key].info["dev_kl"] = known[lam] if lam in known else dev_kl(model, enc, out[key], reference)
-    base = out.get("thought_patch")
-    budget = base.extraction_s if base is not None else None
-    if budget and bake_times and want("prompt_baking"):
-        baked = bake(
-            model,
-            prompt,
-            queries,
-            seconds=[k * budget for k in bake_times],
-            rank=rank,
-            keep_bos=keep_bos,
-            seed=seed,
-            progress=progress,
-        )
-        for k, b in zip(sorted(bake_times), baked):
-            key = f"prompt_baking_{k:g}x"
-            out[key] = patched(
-                model,
-                f"prompt baking (LoRA rank {rank}, {k:g}x time)",
-                b.patch,
-                b.seconds,
-                {"steps": b.steps, "kl_calibration": b.losses[-1], "patch": b.patch},
-            )
-    if budget and hybrid and want("thought_patch_baked"):
-        (b,) = bake(
-            model,
-            prompt,
-            queries,
-            seconds=hybrid * budget,
-            rank=rank,
-            keep_bos=keep_bos,
-            base=base.info["patch"],
-            seed=seed,
-            progress=progress,
-        )
-        out["thought_patch_baked"] = patched(
-            model,
-            f"thought patch + baking ({hybrid:g}x time)",
-            b.patch,
-            budget + b.seconds,
-            {"steps": b.steps, "kl_calibration": [b.losses[0], b.losses[-1]], "patch": b.patch},
-        )
+        out.update(x.fitted(entry, patch, s_secs + secs, None, lam, info, {"n": n}))
     return out
 
 
-def extract(
-    model: nn.Module,
-    enc: Encoded,
-    *,
-    rank: int = 4,
-    ridge: Any = 0.0,
-    layers: Any = None,
-    n_heads: int = 10,
-    effect_prompts: int | None = None,
-    seed: int = 0,
-    sampled: tuple[int, ...] = (),
-    bake_times: tuple[float, ...] = (),
-    hybrid: float | None = None,
-    norm_steps: tuple[int, ...] = (),
-    methods: tuple[str, ...] | None = None,
-    progress: bool | None = None,
-) -> dict[str, Method]:
-    """Every method (``methods``: only those keys, ``"thought_patch_sampled"`` and ``"prompt_baking"``
-    naming their rows), extracted from the prompt and the calibration split and placed on the dev split.
-    ``sampled``: numbers of self-written continuations; ``bake_times``: prompt-baking budgets as
-    multiples of the thought patch's fit time; ``hybrid``: the hybrid's budget (the same unit);
-    ``norm_steps``: the Gauss-Newton step counts the row that refines the fit through a post-MLP norm
-    chooses from on dev (at the ridge chosen on dev; only on a model with such a norm). ``effect_prompts``:
-    the function vector's head effects on that many of the calibration prompts (None: all)."""
-    if effect_prompts is not None and effect_prompts < 1:
-        raise InputError(f"effect_prompts must be at least 1 prompt (or None: all), got {effect_prompts}")
-    want = lambda name: methods is None or name in methods  # noqa: E731
-    out = {"zero_shot": Method("zero-shot"), "icl": Method("ICL", prompted=True)}
-    out.update(
-        _patches(
-            model,
-            enc,
-            want,
-            rank=rank,
-            ridge=ridge,
-            layers=layers,
-            sampled=sampled,
-            bake_times=bake_times,
-            hybrid=hybrid,
-            norm_steps=norm_steps,
-            seed=seed,
-            progress=progress,
-        )
+def _budget(x: Extraction) -> float | None:
+    """The thought patch's fit time (the gradient rows' unit; None without that row)."""
+    base = x.rows.get("thought_patch")
+    return base.extraction_s if base is not None else None
+
+
+def extract_prompt_baking(x: Extraction, entry) -> dict[str, Method]:
+    """Prompt baking (a LoRA of rank ``rank`` trained on KL to the prompted model), one row per
+    multiple of the thought patch's fit time in ``bake_times``."""
+    budget, times, rank = _budget(x), x.settings["bake_times"], x.settings["rank"]
+    if not (budget and times):
+        return {}
+    baked = bake(
+        x.model,
+        x.prompt,
+        x.queries,
+        seconds=[k * budget for k in times],
+        rank=rank,
+        keep_bos=x.keep_bos,
+        seed=x.settings["seed"],
+        progress=x.settings["progress"],
     )
-    out.update(_vectors(model, enc, want, seed, n_heads, effect_prompts, progress))
+    out = {}
+    for k, b in zip(sorted(times), baked):
+        info = {"steps": b.steps, "kl_calibration": b.losses[-1], "patch": b.patch}
+        out[entry.key_of(k=k)] = entry.method(x.model, b.patch, b.seconds, info, rank=rank, k=k)
     return out
+
+
+def extract_thought_patch_baked(x: Extraction, entry) -> dict[str, Method]:
+    """The hybrid: the thought patch, then baking on top for ``hybrid`` times its fit time."""
+    budget, hybrid = _budget(x), x.settings["hybrid"]
+    if not (budget and hybrid):
+        return {}
+    (b,) = bake(
+        x.model,
+        x.prompt,
+        x.queries,
+        seconds=hybrid * budget,
+        rank=x.settings["rank"],
+        keep_bos=x.keep_bos,
+        base=x.rows["thought_patch"].info["patch"],
+        seed=x.settings["seed"],
+        progress=x.settings["progress"],
+    )
+    info = {"steps": b.steps, "kl_calibration": [b.losses[0], b.losses[-1]], "patch": b.patch}
+    return {entry.key_of(): entry.method(x.model, b.patch, budget + b.seconds, info, hybrid=hybrid)}
+
+
+def extract_thought_vector(x: Extraction, entry) -> dict[str, Method]:
+    prompted, plain, n_q = x.calibration_pairs
+    s, secs = timed(lambda: thought_vector(x.model, prompted, plain, n_q, x.skip))
+    return x.steering(entry, s, secs)
+
+
+def extract_attention_shift(x: Extraction, entry) -> dict[str, Method]:
+    prompted, plain, n_q = x.calibration_pairs
+    s, secs = timed(lambda: attention_shift(x.model, prompted, plain, n_q))
+    return x.steering(entry, s, secs)
+
+
+def extract_task_vector(x: Extraction, entry) -> dict[str, Method]:
+    """The task vector at the layer chosen on dev."""
+    model, progress = x.model, x.settings["progress"]
+    tv, secs = timed(lambda: task_vectors(model, x.dummy))
+    (layer, scores), pick = timed(
+        lambda: choose(model, x.enc, {i: tv.only(i) for i in tv.vectors}, entry.name, progress)
+    )
+    return x.steering(entry, tv.only(layer), secs, {"layer": layer, "dev_scores": scores, "selection_s": pick})
+
+
+def extract_function_vector(x: Extraction, entry) -> dict[str, Method]:
+    """The function vector of the ``n_heads`` heads with the largest effects (on ``effect_prompts``
+    of the calibration prompts), at the layer chosen on dev."""
+    model, enc, s = x.model, x.enc, x.settings
+    corrupted = enc.batch("calibration", True, demos=enc.shuffled_demos(s["seed"]))
+    first = enc.first("calibration")
+    if s["effect_prompts"] is not None:  # the heads' effects measured on the first prompts only
+        corrupted, first = {k: v[: s["effect_prompts"]] for k, v in corrupted.items()}, first[: s["effect_prompts"]]
+    fv, secs = timed(lambda: function_vectors(model, x.dummy, corrupted, first, s["n_heads"], s["progress"]))
+    (layer, scores), pick = timed(
+        lambda: choose(model, enc, {i: fv.only(i) for i in fv.vectors}, entry.name, s["progress"])
+    )
+    info = {"layer": layer, "dev_scores": scores, "selection_s": pick, "heads": fv.meta["heads"]}
+    return x.steering(entry, fv.only(layer), secs, info)
+
+
+def extract_in_context_vector(x: Extraction, entry) -> dict[str, Method]:
+    """The in-context vector at the pairing and strength chosen on dev (``ICV_PAIRINGS``, ``ICV_STRENGTHS``)."""
+    model, enc = x.model, x.enc
+    ones, secs = timed(lambda: {k: in_context_vectors(model, *pairs(enc), 1.0) for k, pairs in ICV_PAIRINGS.items()})
+    options = {
+        (pairing, lam): Steering(one.site, {i: lam * v for i, v in one.vectors.items()}, one.mode, one.position)
+        for pairing, one in ones.items()
+        for lam in ICV_STRENGTHS
+    }
+    ((pairing, lam), scores), pick = timed(lambda: choose(model, enc, options, entry.name, x.settings["progress"]))
+    info = {"pairing": pairing, "strength": lam, "dev_scores": scores, "selection_s": pick}
+    return x.steering(entry, options[pairing, lam], secs, info)

@@ -1,6 +1,8 @@
 """A compared method and how it answers (``docs/prompt-compression.md``): ``Method`` (a patch or a steering
-vector, and whether it reads the prompt), the encoded word-pair prompts (``Encoded``), and the two
-ways a method is scored: the answer's log-probabilities and greedy decoding."""
+vector, and whether it reads the prompt), the four ways a row is built (``unprompted``, ``prompted``,
+``steered``, ``patched``: a registry entry's ``answers``, ``registry.py``), the encoded word-pair
+prompts (``Encoded``), and the two ways a method is scored: the answer's log-probabilities and
+greedy decoding."""
 
 from __future__ import annotations
 
@@ -13,11 +15,26 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tokenpatch.baselines.steering import Steering, steer
 from tokenpatch.baselines.vectors import pad_left
 from tokenpatch.errors import InputError
+from tokenpatch.patch import Patch
+from tokenpatch.run import apply
 from tokenpatch.tasks.wordpairs import Format, WordPairs
 
-__all__ = ["Method", "Encoded", "leading_tokens", "single_token_answers", "on_device", "answer_logits", "greedy"]
+__all__ = [
+    "Method",
+    "unprompted",
+    "prompted",
+    "steered",
+    "patched",
+    "Encoded",
+    "leading_tokens",
+    "single_token_answers",
+    "on_device",
+    "answer_logits",
+    "greedy",
+]
 
 
 @dataclass
@@ -32,6 +49,45 @@ class Method:
     extraction_s: float = 0.0
     nbytes: int = 0
     info: dict | None = None
+
+
+# How a row answers, one function each, all called ``(model, name, what, seconds, info, skip)``: ``what``
+# is what the extraction produced (nothing, a ``Steering``, a ``Patch``), ``seconds`` its extraction
+# time, ``info`` what the results report beside the scores, ``skip`` the leading tokens (a BOS) a
+# steering vector leaves alone.
+
+
+def unprompted(model: nn.Module, name: str, what=None, seconds: float = 0.0, info=None, skip: int = 0) -> Method:
+    """The query alone, the model unchanged (zero-shot, the floor)."""
+    return Method(name, False, extraction_s=seconds, info=info)
+
+
+def prompted(model: nn.Module, name: str, what=None, seconds: float = 0.0, info=None, skip: int = 0) -> Method:
+    """The prompt in front of the query (ICL, the ceiling)."""
+    return Method(name, True, extraction_s=seconds, info=info)
+
+
+def steered(model: nn.Module, name: str, s: Steering, seconds: float = 0.0, info=None, skip: int = 0) -> Method:
+    """Steering in the queries' forward (every position but the ``skip`` leading tokens, or the last
+    one) and, for every-position steering, in each generated token's (a last-position edit lives on
+    in the KV cache)."""
+
+    def prefill(batch: dict):
+        return steer(model, s, (batch["position_ids"] >= skip) & (batch["attention_mask"] > 0))
+
+    every = s.position == "all"
+    return Method(
+        name, False, prefill, (lambda: steer(model, s)) if every else contextlib.nullcontext, seconds, s.nbytes, info
+    )
+
+
+def patched(model: nn.Module, name: str, patch: Patch, seconds: float = 0.0, info=None, skip: int = 0) -> Method:
+    """The patch written into the weights for the queries' forward and every generated token's; its
+    bytes are its factors' (``u``, ``v`` of a low-rank delta, else the dense delta)."""
+    nbytes = sum(
+        t.numel() * t.element_size() for d in patch.values() for t in ((d.u, d.v) if hasattr(d, "u") else (d,))
+    )
+    return Method(name, False, lambda batch: apply(model, patch), lambda: apply(model, patch), seconds, nbytes, info)
 
 
 class Encoded:

@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from tokenpatch.tasks.wordpairs import MAIN_TASKS, RESERVE_TASKS, Format, WordPa
 from tokenpatch.thought.held_out import RIDGE_GRID
 from tokenpatch.workbench.compare import compare
 from tokenpatch.workbench.methods import Encoded, Method, answer_logits, leading_tokens
+from tokenpatch.workbench.registry import REGISTRY, Compared, entry_of
 from tokenpatch.workbench.report.compress_page import figure, markdown
 from tokenpatch.workbench.report.section import Section, differences, part_inputs, read_part, write_part
 from tokenpatch.workbench.zoo import pretrained
@@ -42,7 +44,7 @@ RIDGES = RIDGE_GRID
 # dev split chooses from RIDGES for its task and model (one fit where the choice makes one per ridge), the
 # function vector's head effects on 16 of the 40 calibration prompts, the prefill timed on 8 queries.
 REDUCED = {"ridge": 0.01, "effect_prompts": 16, "timing_rows": 8}
-BASELINES = ("task_vector", "function_vector", "attention_shift")
+BASELINES = tuple(e.key for e in REGISTRY if e.baseline)  # the goal's accuracy check (the registry's baselines)
 # The prompt formats tried on dev (with each candidate first token): Todd et al.'s "Q: x\nA: y" blocks,
 # and one pair per line with an arrow.
 FORMATS = {"qa": Format(), "arrow": Format("{x} ->", " {y}", "\n")}
@@ -274,13 +276,13 @@ def goal(results: dict[str, dict]) -> dict:
         key = results[t].get("closed_form_choice") or "thought_patch"
         choices[t] = key
         mine = m[key]
-        others = {k: v["kl"] for k, v in m.items() if k != "icl" and not k.startswith("thought_patch")}
+        others = {k: v["kl"] for k, v in m.items() if _rival(k)}
         if mine["kl"] <= min(others.values()):
             lowest_kl.append(t)
         if all(mine["correct"] >= m[b]["correct"] for b in BASELINES if b in m):
             at_least.append(t)
         shares.append(mine["gain_recovered"])
-        baking = sorted((v["extraction_s"], k) for k, v in m.items() if k.startswith("prompt_baking_"))
+        baking = sorted((v["extraction_s"], k) for k, v in m.items() if _part(k, lambda e: e.equal_time))
         if baking:
             later = [k for s_, k in baking if s_ >= mine["extraction_s"]]
             rival = later[0] if later else baking[-1][1]
@@ -300,6 +302,18 @@ def goal(results: dict[str, dict]) -> dict:
         and bool(closer)
         and all(ok for _, _, ok in closer),
     }
+
+
+def _part(key: str, part: Callable[[Compared], bool]) -> bool:
+    """Whether the row ``key``'s registry entry plays ``part`` (one of ``Compared``'s report fields)."""
+    entry = entry_of(key)
+    return entry is not None and part(entry)
+
+
+def _rival(key: str) -> bool:
+    """Whether the row ``key`` is one the thought patch must beat in KL: neither the reference (ICL)
+    nor a thought patch or its variant."""
+    return not _part(key, lambda e: e.reference or e.ours)
 
 
 def compression_section(

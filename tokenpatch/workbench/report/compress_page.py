@@ -6,14 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenpatch.workbench.registry import REGISTRY, entry_of
 from tokenpatch.workbench.report.plots import plt
 
-# Hendel et al. 2023, "In-Context Learning Creates Task Vectors", Pythia-2.8B: zero-shot / task vector / ICL.
+# Hendel et al. 2023, "In-Context Learning Creates Task Vectors", Pythia-2.8B: zero-shot / task vector / ICL
+# (the registry's entries with ``published`` 0, 1, 2).
 HENDEL_PYTHIA_2_8B = {
     "antonym": (0.37, 0.68, 0.76),
     "country_capital": (0.18, 0.70, 0.76),
     "english_french": (0.16, 0.28, 0.60),
 }
+
+
+PUBLISHED = tuple(e.key for e in sorted((e for e in REGISTRY if e.published is not None), key=lambda e: e.published))
 
 
 def _cell(v: dict) -> str:
@@ -97,7 +102,7 @@ def markdown(run: dict) -> str:
         ]
         for t in hendel:
             m = tasks[t]["methods"]
-            ours = " / ".join(f"{m[k]['accuracy']:.2f}" for k in ("zero_shot", "task_vector", "icl") if k in m)
+            ours = " / ".join(f"{m[k]['accuracy']:.2f}" for k in PUBLISHED if k in m)
             lines.append(f"| {t} | {' / '.join(f'{x:.2f}' for x in HENDEL_PYTHIA_2_8B[t])} | {ours} |")
     return "\n".join(lines)
 
@@ -125,21 +130,29 @@ def _residuals(tasks: dict) -> list[str]:
     ]
 
 
+def drawn(run: dict) -> list[tuple[str, str, bool]]:
+    """What ``figure`` draws, in its order: per method of the run, its key, its legend label and
+    whether it has a KL bar (all but the registry's reference, which the KL is to)."""
+    first = next(iter(run["tasks"].values()))["methods"]
+    reference = lambda key: (entry := entry_of(key)) is not None and entry.reference  # noqa: E731
+    return [(key, row["name"], not reference(key)) for key, row in first.items()]
+
+
 def figure(run: dict, path: Path) -> Path:
-    """Accuracy with 95% intervals (top) and KL to ICL (bottom, log scale), task by method."""
+    """Accuracy with 95% intervals (top) and KL to ICL (bottom, log scale), task by method (``drawn``)."""
     tasks = list(run["tasks"])
-    methods = list(run["tasks"][tasks[0]]["methods"])
+    methods = drawn(run)
     fig, axes = plt.subplots(2, 1, figsize=(max(9, 2.0 * len(tasks)), 7.5), sharex=True)
     width = 0.85 / len(methods)
     colors = plt.get_cmap("tab20")
-    for j, method in enumerate(methods):
+    for j, (method, label, kl) in enumerate(methods):
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(tasks))]
         rows = [run["tasks"][t]["methods"][method] for t in tasks]
         acc = [r["accuracy"] for r in rows]
         ivs = [r["accuracy_interval"] for r in rows]
         err = [[a - iv["lo"] for a, iv in zip(acc, ivs)], [iv["hi"] - a for a, iv in zip(acc, ivs)]]
-        axes[0].bar(xs, acc, width, yerr=err, capsize=1.5, label=rows[0]["name"], color=colors(j % 20))
-        if method != "icl":
+        axes[0].bar(xs, acc, width, yerr=err, capsize=1.5, label=label, color=colors(j % 20))
+        if kl:
             axes[1].bar(xs, [max(r["kl"], 1e-3) for r in rows], width, color=colors(j % 20))
     axes[0].set_ylabel("test accuracy (95% CI)")
     axes[0].legend(ncol=4, fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, 1.36))
