@@ -14,6 +14,7 @@ from conftest import build, ids, random_model
 import tokenpatch as tp
 from tokenpatch import arch
 from tokenpatch.arch import Adapter, ICLAdapter, OutputSite, Sites
+from tokenpatch.arch.outputs import KINDS
 from tokenpatch.baselines import site_modules
 from tokenpatch.interp.ablation import ablate_heads, head_sites
 from tokenpatch.interp.head_patches import head_patches
@@ -81,7 +82,7 @@ class Basics(Adapter):
 
     def sites(self, model, i):
         s = _ICL.sites(model.inner, i)
-        return Sites(tuple(f"inner.{n}" for n in s.inputs), OutputSite(s.output.kind, f"inner.{s.output.name}"))
+        return Sites(tuple(f"inner.{n}" for n in s.inputs), type(s.output)(f"inner.{s.output.name}"))
 
     def run(self, model, inputs):
         return model(inputs, return_hidden=True)
@@ -248,7 +249,7 @@ def test_hf_output_sites_are_typed(name, kinds):
     seen = set()
     for i in range(adapter.n_layers(model)):
         out = adapter.sites(model, i).output
-        assert type(out) is OutputSite
+        assert isinstance(out, OutputSite) and type(out) is KINDS[out.kind]  # one class per kind
         seen.add(out.kind)
         assert all(n in params for n in out.names)
         assert (out.norm is not None) == (out.kind == "matrix+scale")

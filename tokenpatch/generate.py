@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from tokenpatch import offload
 from tokenpatch.arch import adapter_for
+from tokenpatch.arch.record import LayerRecord
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank, norm_of
 from tokenpatch.patch import INPUT_SUFFIX, Patch
@@ -146,7 +147,12 @@ def generate(
         lone = {"input_ids": step_ids[:, -1:], "position_ids": step_pos[:, -1:], "attention_mask": None}
         anchors = adapter.anchors(model, lone, [0], rec)
         patch = assemble(
-            model, adapter, traced_deltas(model, adapter, rec, anchors, [0]), plan, batch, rec[0]["out"].dtype
+            model,
+            adapter,
+            traced_deltas(model, adapter, rec, anchors, [0]),
+            plan,
+            batch,
+            LayerRecord.of(rec[0]).out.dtype,
         )
         got = functional_call(
             model, patch, input_ids=lone["input_ids"], position_ids=lone["position_ids"], logits_to_keep=1

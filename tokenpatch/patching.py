@@ -31,9 +31,10 @@ from torch import Tensor, nn
 
 from tokenpatch import files, offload, solve
 from tokenpatch.arch import Sites, adapter_for, weight_layout
-from tokenpatch.arch.norms import norm_eps, scale_norm
+from tokenpatch.arch.outputs import stored
+from tokenpatch.arch.record import LayerRecord
 from tokenpatch.errors import InputError, UnsupportedModelError, ZeroAnchorError
-from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
+from tokenpatch.patch import INPUT_SUFFIX, Delta, Patch
 from tokenpatch.plans import Plan, at_queries, made_on, make_plan, refuse_padded_queries, strip
 from tokenpatch.progress import progress_bar
 
@@ -85,17 +86,6 @@ def take(t: Tensor, positions: list[int]) -> Tensor:
     return t if positions == list(range(t.shape[1])) else t[:, positions]
 
 
-def _math_weight(model: nn.Module, name: str) -> tuple[Tensor, str]:
-    """A weight as stored, and its layout (``"out_in"``: applied as ``W @ x``; ``"in_out"``: ``x @ W``)."""
-    module = model.get_submodule(name.rpartition(".")[0])
-    return offload.value(model, name), weight_layout(module, name)  # an offloaded weight: its data
-
-
-def _stored(delta: LowRank, layout: str) -> LowRank:
-    """Factors ``(out-side, in-side)`` of the math, in the parameter's storage layout."""
-    return delta if layout == "out_in" else LowRank(delta.v, delta.u)
-
-
 def layer_patch(
     model,
     sites: Sites,
@@ -107,13 +97,18 @@ def layer_patch(
     gate_c: Tensor | None = None,
     down_c: Tensor | None = None,
 ) -> dict[str, Delta]:
-    """The layer's deltas from with-context ``ctx = (m, s, hidden)`` and ``anchor = (m, s)``,
-    each ``[batch, query, ...]``; ``labels[q]`` names query ``q`` in errors (its position).
-    ``out_c``: the with-context layer output, needed by a ``"matrix+scale"`` output site, and
-    ``down_c``: its output matrix's output ``W hidden`` as the pass computed it (recorded; without it,
-    computed again: a matrix-vector product per query as large as the matrix);
-    ``gate_c``: the with-context gate logit of a ``"gated"`` one."""
-    (m_c, s_c, hidden_c), (m_0, s_0) = ctx, anchor
+    """The layer's deltas from its with-context record ``ctx`` (``LayerRecord`` at the queries: ``m, s,
+    hidden``, and what the output kind ``needs``: ``out``, ``gate``, ``p``) and ``anchor = (m_0, s_0)``,
+    each ``[batch, query, ...]``; ``labels[q]`` names query ``q`` in errors (its position). The input
+    side is the minimal change of the MLP input (``Sites.input_site``) or a rank-1 patch of each matrix
+    reading it; the output side is the output kind's own (``OutputSite.token_deltas``, ``arch.outputs``).
+    A tuple ``(m, s, hidden)`` with ``out_c``, ``gate_c`` and ``down_c`` is read as that record."""
+    rec = (
+        ctx
+        if isinstance(ctx, LayerRecord)
+        else LayerRecord(m=ctx[0], s=ctx[1], hidden=ctx[2], out=out_c, gate=gate_c, p=down_c)
+    )
+    m_c, s_c, (m_0, s_0) = rec.m, rec.s, anchor
     deltas: dict[str, Delta] = {}
     acts_on = "the MLP input without context"
     name = ""
@@ -123,34 +118,13 @@ def layer_patch(
             dtype = solve.work_dtype(s_c, s_0)
             deltas[name] = solve.minimal_patch(s_c.to(dtype) - s_0.to(dtype), s_0)
         for name in () if sites.input_site is not None else sites.inputs:
-            w, layout = _math_weight(model, name)
-            deltas[name] = _stored(solve.input_patch(w, s_c, s_0, layout=layout), layout)
+            module = model.get_submodule(name.rpartition(".")[0])
+            layout = weight_layout(module, name)
+            w = offload.value(model, name)  # an offloaded weight: its data
+            deltas[name] = stored(solve.input_patch(w, s_c, s_0, layout=layout), layout)
         if sites.output is not None:
-            kind, name = sites.output.kind, sites.output.name
-            if kind == "bias":
-                deltas[name] = solve.output_shift(m_c, m_0, sites.output.scale)
-            elif kind == "gated":  # a matrix whose output is scaled by sigmoid(gate) (a shared expert)
-                acts_on = "the MLP hidden state with context"
-                gate = torch.sigmoid(gate_c.to(solve.work_dtype(m_c, gate_c)))  # [B, Q, 1]
-                shift = solve.output_shift(m_c, m_0) / (gate * sites.output.scale)
-                deltas[name] = _stored(solve.minimal_patch(shift, hidden_c), _math_weight(model, name)[1])
-            elif kind == "matrix+scale":
-                acts_on = "the MLP hidden state with context"
-                w, layout = _math_weight(model, name)
-                norm_name = sites.output.norm
-                norm = model.get_submodule(norm_name.rpartition(".")[0])
-                offset = scale_norm(norm, norm_name)[1]
-                scale = offset + offload.value(model, norm_name).detach()
-                if down_c is None:
-                    down_c = solve.apply_weight(w, hidden_c, layout)
-                down, dscale = solve.output_patch_scaled(out_c, m_c, m_0, down_c, hidden_c, scale, norm_eps(norm))
-                deltas[name] = _stored(down, layout)
-                deltas[norm_name] = dscale
-            else:  # "matrix", or "experts": the stacked output matrices as one (arch.experts)
-                acts_on = "the MLP hidden state with context"
-                shift = solve.output_shift(m_c, m_0, sites.output.scale)
-                layout = "out_in" if kind == "experts" else _math_weight(model, name)[1]
-                deltas[name] = _stored(solve.minimal_patch(shift, hidden_c), layout)
+            acts_on, name = sites.output.acts_on, sites.output.name
+            deltas.update(sites.output.token_deltas(model, m_c, m_0, rec))
     except ZeroAnchorError as exc:
         where = [(b, labels[q]) for b, q in exc.index]
         raise ZeroAnchorError(
@@ -222,7 +196,7 @@ def token_patch(
             m_0, s_0 = adapter.mix(model, i, h0)
             anchor = (at_queries(m_0, plan, batch), at_queries(s_0, plan, batch))
         hidden_c, out_c = adapter.finish(model, i, m_c, s_c)
-        ctx = (take(m_c, q), take(s_c, q), take(hidden_c, q))  # each [B, Q, .]
+        ctx = LayerRecord(m=take(m_c, q), s=take(s_c, q), hidden=take(hidden_c, q))  # each [B, Q, .]
         deltas.update(layer_patch(model, adapter.sites(model, i), ctx, anchor, i, plan.query))
         if plan.mode == "chunk" and i + 1 < n_layers:
             # next no-context states: unpatched at context positions, with-context at the queries
@@ -288,7 +262,7 @@ def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress)
 
         def on_layer(i: int, states: dict) -> None:
             deltas.update(recorded_patch(model, adapter, i, states, alone(i, states), plan.query))
-            dtypes.append(states["out"].dtype)
+            dtypes.append(LayerRecord.of(states).out.dtype)
             next(bar, None)
 
         adapter.trace(model, inputs, q, on_layer)
@@ -299,22 +273,12 @@ def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress)
     kept = list(plan.kept) if plan.mode == "chunk" else None
     anchors = adapter.anchors(model, inputs, q, rec, kept)  # per layer (m_0, s_0)  [B, Q, .]
     deltas = traced_deltas(model, adapter, rec, anchors, plan.query, progress)
-    return assemble(model, adapter, deltas, plan, batch, rec[0]["out"].dtype)
+    return assemble(model, adapter, deltas, plan, batch, LayerRecord.of(rec[0]).out.dtype)
 
 
-def recorded_patch(model: nn.Module, adapter, i: int, states: dict, anchor, labels) -> dict[str, Delta]:
+def recorded_patch(model: nn.Module, adapter, i: int, states: LayerRecord, anchor, labels) -> dict[str, Delta]:
     """Layer ``i``'s deltas from its recorded with-context ``states`` and its ``anchor`` (``[B, Q, .]``)."""
-    return layer_patch(
-        model,
-        adapter.sites(model, i),
-        (states["m"], states["s"], states["hidden"]),
-        anchor,
-        i,
-        labels,
-        out_c=states["out"],
-        gate_c=states.get("gate"),
-        down_c=states.get("p"),
-    )
+    return layer_patch(model, adapter.sites(model, i), LayerRecord.of(states), anchor, i, labels)
 
 
 def traced_deltas(

@@ -240,7 +240,7 @@ class Adapter:
     ) -> list[tuple[Tensor, Tensor]]:
         """The no-context pass: per layer ``(m_0, s_0)`` at the queries ``[B, Q, d]``, each query alone
         (``kept=None``) or the kept positions as one sequence (a chunk removed); the input of layer
-        ``i > 0`` at a query is its with-context state ``rec[i]["h"]``."""
+        ``i > 0`` at a query is its with-context state ``rec[i].h``."""
         self._missing("anchors")
 
     # ------------------------------------------------------------------------- the module map

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.float64 import linear64, norm64
 from tokenpatch.arch.hooks import registered_hooks
-from tokenpatch.arch.sites import OutputSite, Sites
+from tokenpatch.arch.outputs import BiasOutput, MatrixOutput
+from tokenpatch.arch.sites import Sites
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.models.icl import Block, ICLTransformer, check_inputs
 from tokenpatch.solve import block_values
@@ -86,9 +87,9 @@ class ICLAdapter(Adapter):
         if not block.residual:
             output = None
         elif block.mlp.fc_out.bias is not None:
-            output = OutputSite("bias", f"{p}mlp.fc_out.bias")
+            output = BiasOutput(f"{p}mlp.fc_out.bias")
         else:
-            output = OutputSite("matrix", f"{p}mlp.fc_out.weight")
+            output = MatrixOutput(f"{p}mlp.fc_out.weight")
         return Sites(inputs=(f"{p}mlp.fc_in.weight",), output=output)
 
     def run(self, model, inputs: Tensor) -> tuple[Tensor, list[Tensor]]:

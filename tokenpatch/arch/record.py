@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 __all__ = ["LayerRecord", "FIELDS"]
@@ -41,6 +42,25 @@ class LayerRecord:
     def replace(self, **changes) -> LayerRecord:
         """A copy with ``changes`` (field -> tensor)."""
         return dataclasses.replace(self, **changes)
+
+    def only(self, names) -> LayerRecord:
+        """A record of the fields ``names`` only (those recorded)."""
+        return LayerRecord(**{n: getattr(self, n) for n in names})
+
+    def map(self, fn) -> LayerRecord:
+        """``fn`` applied to every recorded field."""
+        return LayerRecord(**{n: fn(t) for n, t in self.tensors().items()})
+
+    @classmethod
+    def cat(cls, records, dim: int = 0) -> LayerRecord:
+        """The fields of ``records`` (each recording the same fields) joined along ``dim``."""
+        names = records[0].tensors()
+        return cls(**{n: torch.cat([getattr(r, n) for r in records], dim) for n in names})
+
+    @classmethod
+    def of(cls, states) -> LayerRecord:
+        """``states`` as a record: a record as it is, a dict of fields (transitional) read by name."""
+        return states if isinstance(states, LayerRecord) else cls(**{k: states[k] for k in states if k in FIELDS})
 
     # Transitional (issue 42): the string-keyed reads of the dicts this record replaces. Removed once
     # every reader uses the fields.

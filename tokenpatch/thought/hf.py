@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from tokenpatch import offload
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
+from tokenpatch.arch.record import LayerRecord
 from tokenpatch.arch.rotary import forget_longest
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import INPUT_SUFFIX, Delta
@@ -157,7 +158,7 @@ def fit_lm(
     prompt_cache = model.base_model(input_ids=prompt.to(device), use_cache=True).cache
     row_bytes = sum(t.numel() * t.element_size() for t in _cache_tensors(prompt_cache)) or 1
 
-    def targets(q: Tensor) -> list[dict[str, Tensor]]:
+    def targets(q: Tensor) -> list[LayerRecord]:
         """Every layer's with-prompt states at the query positions ``[b, T_q, .]``: the queries run on
         the prompt's cache (rows at a time, so that the copies stay under ``TARGET_CACHE_BYTES``), or,
         where the prompt alone is rotated otherwise than prompt and queries (``arch.rotary``), as
@@ -175,8 +176,8 @@ def fit_lm(
                     kv = copy.deepcopy(prompt_cache)
                     kv.batch_repeat_interleave(rows.shape[0])
                     model.base_model(input_ids=rows, cache=kv, use_cache=True)
-            parts.append([{k: r[k] for k in _TARGET_KEYS if k in r} for r in rec])  # what the fits read of this pass
-        return [{k: torch.cat([part[i][k] for part in parts]) for k in parts[0][i]} for i in range(n_layers)]
+            parts.append([LayerRecord.of(r).only(_TARGET_KEYS) for r in rec])  # what the fits read of this pass
+        return [LayerRecord.cat([part[i] for part in parts]) for i in range(n_layers)]
 
     # the targets do not depend on the fit: computed once and kept (m x T_q x layers x 2 d numbers)
     cache = [targets(q) for q in batches]
@@ -214,8 +215,8 @@ def fit_lm(
                     yield out
                     continue
                 if kept is not None:
-                    kept.append(({k: rec[i][k] for k in STREAM_KEYS if k in rec[i]}, out))
-                at = {k: t[:, head.shape[1] :] for k, t in rec[i].items()}  # [b, T_q, .]  the query positions
+                    kept.append((LayerRecord.of(rec[i]).only(STREAM_KEYS), out))
+                at = LayerRecord.of(rec[i]).map(lambda t: t[:, head.shape[1] :])  # [b, T_q, .]  the query positions
                 yield cache[b][i], at, v.to(device)
 
         anchors = lambda current: run(current, True)  # noqa: E731
@@ -226,9 +227,7 @@ def fit_lm(
             fit: dict[str, Any] = {"layer": i, "ridge": ridge_setting(ridge)}
             if inputs and sites.input_site is not None:
                 key = f"{sites.input_site}{INPUT_SUFFIX}"
-                acc = accumulate(
-                    ((r0["s"][v], (rc["s"] - r0["s"])[v]) for rc, r0, v in anchors(mine)), distributed, solver
-                )
+                acc = accumulate(((r0.s[v], (rc.s - r0.s)[v]) for rc, r0, v in anchors(mine)), distributed, solver)
                 d, solved_rank, cond, lam, parts = solve(acc, ridge, False, f"layer {i} input side")
                 fit.update(
                     n=acc.n,
@@ -242,11 +241,11 @@ def fit_lm(
             if output is not None and sites.output is not None:
                 site, kept = sites.output, ([] if i < fitted[-1] else None)
                 pairs = run(mine, True, kept)
-                if site.kind == "matrix+scale":  # read twice: the fit, then the norm's scale on its directions
+                if site.norm is not None:  # read twice: the fit, then the norm's scale on its directions
                     pairs = list(pairs)
                 fit.update(fit_output(model, i, site, pairs, mine, output, ridge, distributed, solver))
                 mine.update(cut_rank(mine, rank))
-                if site.kind == "matrix+scale":
+                if site.norm is not None:  # a norm after the MLP: its scale, fitted on the directions
                     fit.update(fit_norm(model, site, pairs, mine, fit["output_ridge"], norm_steps, rank, distributed))
                 if kept is not None:  # the next layer's input from the output side's pass: no third pass
                     streams, moved = next_streams(model, site, mine, kept, sites.sum_norm), True

@@ -194,20 +194,20 @@ def _fit_output(
     solver: str,
 ) -> dict:
     """The output side of layer ``i`` on top of its fitted input side: adds to ``deltas``, returns diagnostics."""
-    kind, name = site.kind, site.name
-    if kind not in ("bias", "matrix"):
+    name = site.name
+    if not site.plain:
         raise UnsupportedModelError(
-            f"layer {i}: a {kind!r} output site ({name}) is fitted on language models only "
+            f"layer {i}: a {site.kind!r} output site ({name}) is fitted on language models only "
             "(tp.thought_patch with a traced adapter)"
         )
-    module_name = name.rpartition(".")[0]
+    module_name = site.module
     module = model.get_submodule(module_name)
-    if output == "vector" and kind != "bias":
+    if output == "vector" and not site.affine:
         raise InputError(
             f"layer {i}: {name} is an output matrix without a bias; a thought vector needs a bias to "
             "live in: use output='affine'"
         )
-    affine = kind == "bias"
+    affine = site.affine
     current = Patch(deltas) if deltas else None
 
     def pairs():

@@ -5,7 +5,7 @@ With the input change in place, ``dW h' (+ db) ~ t``: ``t = out_C - out_0``, wha
 misses, on the output matrix (and its bias, affine); a shared expert's output is scaled by
 ``sigmoid(gate)``, so ``t / sigmoid(gate)`` is fitted. A norm after the MLP (Gemma 2/3: ``out = m +
 g * unit(W h')``) makes the output nonlinear in ``W``: there ``dW`` aims the norm's input ``p = W h'``
-at the direction the norm must output, ``unit((out_C - m_0) / g) rms(p)`` (``norm_target``), and the
+at the direction the norm must output, ``unit((out_C - m_0) / g) rms(p)`` (``arch.outputs.norm_target``), and the
 norm's scale is then fitted per channel (``fit_norm``; ``docs/prompt-compression.md`` §2), after
 Gauss-Newton steps on the norm's output itself if asked (``through_norm``).
 """
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from tokenpatch import offload
 from tokenpatch.arch import OutputSite, weight_layout
 from tokenpatch.arch.norms import norm_eps, scale_norm
+from tokenpatch.arch.record import LayerRecord
 from tokenpatch.errors import InputError
 from tokenpatch.patch import Delta
 from tokenpatch.run import hooked
@@ -37,28 +38,14 @@ def fit_output(
     distributed: bool,
     solver: str,
 ) -> dict:
-    """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``."""
-    kind, name = site.kind, site.name
-    affine = kind == "bias"  # "matrix" and "gated" sites have no bias: a linear fit
-    if output == "vector" and not affine:
-        raise InputError(f"layer {i}: {name.rpartition('.')[0]} has no bias for a thought vector; use output='affine'")
-    norm = model.get_submodule(site.norm.rpartition(".")[0]) if kind == "matrix+scale" else None
-    g = None if norm is None else scale_norm(norm)[1] + offload.value(model, site.norm).detach()  # [d] its scale
-
-    def pairs():
-        for rc, r0, v in pairs_source:  # v: the real (not padding) positions [b, T]
-            if kind == "matrix+scale":  # a norm after the MLP: aim its input at the direction it must output
-                t = norm_target(norm, g, rc["out"][v] - r0["m"][v], r0["p"][v])  # [N, d]
-            else:
-                key = "sum" if "sum" in rc else "out"  # a norm after the MLP's add: the sum it reads
-                t = (rc[key] - r0[key])[v]  # [N, d]  what the layer still misses
-            if kind == "gated":  # the matrix's output is scaled by sigmoid(gate): fit t / gate
-                t = t / torch.sigmoid(r0["gate"][v].to(t.dtype))
-            t = t / site.scale  # the block multiplies the MLP output by it (Granite)
-            yield r0["hidden"][v], t
-
-    matrix = name if kind == "experts" else f"{name.rpartition('.')[0]}.weight"  # stacked experts: the tensor itself
-    return solve_output(pairs(), i, model, matrix, name if affine else None, output, deltas, ridge, distributed, solver)
+    """``dW h' (+ db) ~ out_C - out_0`` on layer ``i``'s output matrix; adds to ``deltas``. The pairs are
+    the output kind's own (``OutputSite.fit_pairs``: over a shared expert's gate, aimed through a norm
+    after the MLP, ...), from ``pairs_source``'s ``(with-context, no-context, real positions)`` records."""
+    if output == "vector" and not site.affine:  # only a bias site has a bias: the others fit a linear map
+        raise InputError(f"layer {i}: {site.module} has no bias for a thought vector; use output='affine'")
+    pairs = site.fit_pairs(model, ((LayerRecord.of(rc), LayerRecord.of(r0), v) for rc, r0, v in pairs_source))
+    bias = site.name if site.affine else None
+    return solve_output(pairs, i, model, site.matrix, bias, output, deltas, ridge, distributed, solver)
 
 
 STREAM_KEYS = ("m", "hidden", "gate", "sum")  # what next_streams reads of the output side's pass
@@ -69,47 +56,20 @@ def next_streams(
 ) -> list[Tensor]:
     """Per batch, the layer's output under all of ``mine`` from the output side's pass, run under
     its input change only: the output deltas act after the MLP's hidden features ``h'`` (recorded),
-    so only the output matrix (and the post-MLP norm) run again.
+    so only the output matrix (and the post-MLP norm) run again (``OutputSite.stream``).
 
     ``out = out_pass + g (W' h' - W h')`` (``g``: the shared expert's ``sigmoid(gate)``, else 1, times
     ``OutputSite.scale``), or
     with a norm after the MLP (Gemma 2/3) ``out = m + norm'(W' h')``, primes marking the patched
     module. The fit already assumes this form (``out = m + MLP output``). ``sum_norm`` (a norm after the
     MLP's add, ``Sites.sum_norm``): ``out = N(sum_pass + g (W' h' - W h'))``."""
-    if site.kind == "experts":  # the stacked output matrices read as one on the recorded z (arch.experts)
-        change = [mine[site.name].index((0, 0)).matvec(rec["hidden"].to(mine[site.name].dtype)) for rec, _ in kept]
-        return [out + (c * site.scale).to(out.dtype) for (_, out), c in zip(kept, change)]
-    module = site.name.rpartition(".")[0]  # the output matrix's module (``name``: its weight, or its bias)
-    down = model.get_submodule(module)
-    norm = model.get_submodule(site.norm.rpartition(".")[0]) if site.kind == "matrix+scale" else None
-    names = {f"{module}.weight", f"{module}.bias", *([site.norm] if norm is not None else [])}
+    names = {f"{site.module}.weight", f"{site.module}.bias", *site.names}
     patch = static_patch({k: d for k, d in mine.items() if k in names}, {})
-    streams = []
-    for rec, out in kept:
-        h = rec["hidden"]  # [b, T, d_hidden]  every position
-        with hooked(model, patch, True, True):
-            new = down(h)
-            if norm is not None:
-                streams.append(rec["m"] + norm(new))
-                continue
-        change = (new - down(h)) * site.scale
-        if site.kind == "gated":
-            change = change * torch.sigmoid(rec["gate"].to(change.dtype))
-        streams.append(out + change if sum_norm is None else model.get_submodule(sum_norm)(rec["sum"] + change))
-    return streams
-
-
-def norm_target(norm: nn.Module, scale: Tensor, want: Tensor, p: Tensor) -> Tensor:
-    """The change of a post-MLP norm's input ``p`` that makes its output point along ``want``.
-
-    ``norm(x) = g * unit(x)`` (``scale``: ``g``, the norm's offset plus its weight) and the layer needs ``norm(x) = want`` (``out_C - m_0``: the MLP's
-    output and what the attention still misses). ``unit`` has unit RMS, so only the direction of
-    ``z = want / g`` can be met: aim ``x`` at ``z`` scaled to ``p``'s own RMS (the smallest move of
-    the norm's input that does). With ``fit_norm`` after it, exact for one calibration position."""
-    unit = scale_norm(norm)[0]
-    g = scale.to(want.dtype)
-    z = want / g.where(g != 0, 1)  # [..., d]  a zero-scale channel (Gemma has them) is left to fit_norm
-    return (unit(norm, z).to(p.dtype) * _rms(norm, p) - p).to(want.dtype)  # [..., d]  x* - p
+    norm = None if sum_norm is None else model.get_submodule(sum_norm)
+    return [
+        site.stream(model, LayerRecord.of(rec), out, mine, lambda: hooked(model, patch, True, True), norm)
+        for rec, out in kept
+    ]
 
 
 def fit_norm(
@@ -134,9 +94,9 @@ def fit_norm(
     norm = model.get_submodule(site.norm.rpartition(".")[0])
     unit, offset = scale_norm(norm)
     g0 = (offset + offload.value(model, site.norm).detach()).double()  # [d]
+    records = [(LayerRecord.of(rc), LayerRecord.of(r0), v) for rc, r0, v in pairs]
     h, p, y = (
-        torch.cat(t).double()
-        for t in zip(*((r0["hidden"][v], r0["p"][v], (rc["out"] - r0["m"])[v]) for rc, r0, v in pairs))
+        torch.cat(t).double() for t in zip(*((r0.hidden[v], r0.p[v], (rc.out - r0.m)[v]) for rc, r0, v in records))
     )
     out_in = weight_layout(down, key) == "out_in"
 
@@ -159,7 +119,3 @@ def fit_norm(
         info = {"norm_steps": len(errors) - 1, "norm_error": errors}
     mine[site.norm] = (scale_on(math_dw()) - g0)[None, None].to(norm.weight.dtype)  # [1, 1, d]
     return info
-
-
-def _rms(norm: nn.Module, x: Tensor) -> Tensor:
-    return x.square().mean(-1, keepdim=True).add(norm_eps(norm)).sqrt()

@@ -2,7 +2,7 @@
 
 A layer with a norm after its MLP adds ``g * unit(p)`` to the stream, ``p = W h'`` the output
 matrix's output (``h'``: the MLP's hidden features under the input change) and ``unit(x) = x /
-sqrt(mean x^2 + eps)``. The closed form (``lm_output.norm_target``, ``fit_scale``) aims ``p`` at the
+sqrt(mean x^2 + eps)``. The closed form (``arch.outputs.norm_target``, ``fit_scale``) aims ``p`` at the
 direction the norm must output, in the norm's *input* space, then fits the scale per channel. It
 weighs every channel of that direction alike, whatever its scale ``g_c``, and cannot use the
 freedom of ``p``'s length. Here ``dW`` and then ``g'`` are refined on the error the layer actually
