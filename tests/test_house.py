@@ -164,3 +164,27 @@ def test_library_never_imports_the_workbench():
 def test_library_files_are_short(name):
     lines = MODULES[name].path.read_text(encoding="utf-8").count("\n")
     assert lines <= MAX_LINES, f"{MODULES[name].path} has {lines} lines"
+
+
+DELTA_PROTOCOL = ("tokenpatch.deltas", "tokenpatch.lowrank")  # the delta protocol and LowRank's own methods
+
+
+def test_delta_types_are_told_apart_only_in_the_delta_protocol():
+    """``isinstance`` on a delta's type (``LowRank``, ``Delta``, or ``Tensor`` of a ``delta``) only in
+    ``deltas.py`` and ``lowrank.py``: elsewhere a delta goes through the protocol (``deltas.kind`` where
+    the kinds must be told apart), so a new kind of delta is one entry there."""
+    found = []
+    for m in MODULES.values():
+        if m.name in DELTA_PROTOCOL:
+            continue
+        text = m.path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(text)):
+            if not (
+                isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2
+            ):
+                continue
+            kinds = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(node.args[1])}
+            what = ast.get_source_segment(text, node.args[0]) or ""
+            if kinds & {"LowRank", "Delta"} or ("Tensor" in kinds and "delta" in what.lower()):
+                found.append(f"{m.name}:{node.lineno} isinstance({what}, {ast.get_source_segment(text, node.args[1])})")
+    assert found == []

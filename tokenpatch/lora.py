@@ -36,10 +36,10 @@ import torch
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch import offload
 from tokenpatch.arch import weight_layout
 from tokenpatch.errors import InputError, UnsupportedModelError
-from tokenpatch.lowrank import LowRank
 from tokenpatch.patch import INPUT_SUFFIX, Patch
 from tokenpatch.paths import not_a_new_folder, write_new
 from tokenpatch.version import __version__
@@ -127,7 +127,7 @@ def lora_pieces(model: nn.Module, patch: Patch) -> tuple[dict, dict, dict]:
                 w = offload.value(model, reader).detach().to(d.device, torch.float64)
                 wd = d @ w.T if layout == "out_in" else d @ w  # [k, out]: W d_k for each k
                 add(module, layout, wd.T, v)
-        elif isinstance(delta, LowRank):
+        elif dl.is_lowrank(delta):
             module, _ = _module_of(key)
             layout = _linear(model, module, key)
             u, v = delta.u[0, 0].double(), delta.v[0, 0].double()  # [k, rows], [k, cols] in the stored layout

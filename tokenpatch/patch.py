@@ -10,7 +10,8 @@ one matrix ``[out, E * in]``, ``lowrank.matrix_shape``), or a dense tensor ``[ba
 *param.shape]`` for a vector (a bias or a norm scale).
 
 How the patch runs is its type, never its metadata. Fields, all carried by ``+``, ``.sum``,
-``Patch.stack``, indexing, ``.map`` and the patch files:
+``Patch.stack`` and indexing (each by its row of one table, ``patch_combine.FIELD_RULES``), ``.map``
+and the patch files; the deltas by the delta protocol (``deltas.py``, dense and ``LowRank`` alike):
 
 * ``positions``: empty for a patch acting **everywhere** (each ``[b, q]`` patch on its own
   no-context sequence; also a static patch), else one no-context position per query: patch
@@ -42,8 +43,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
+from tokenpatch.deltas import Delta
 from tokenpatch.errors import InputError, caller_stacklevel
-from tokenpatch.lowrank import LowRank, check_finite, norm_of
+from tokenpatch.lowrank import LowRank, check_finite
+from tokenpatch.patch_combine import CARRIED, combined
 from tokenpatch.patch_fields import (
     BEHAVIOUR_KEYS,
     INPUT_SUFFIX,
@@ -53,27 +57,17 @@ from tokenpatch.patch_fields import (
     check_plans,
     check_tokens,
     checked_readers,
-    common_meta,
-    folded,
-    merged_readers,
     row_plans,
-    same,
     split_behaviour,
-    stacked_fields,
-    summed_fields,
 )
 from tokenpatch.plans import Plan
 
-__all__ = ["Patch", "Delta", "Readers", "INPUT_SUFFIX", "BEHAVIOUR_KEYS", "split_behaviour"]
+__all__ = ["Patch", "Delta", "LowRank", "Readers", "INPUT_SUFFIX", "BEHAVIOUR_KEYS", "split_behaviour"]
 
 # A key ``"<module>:input"`` (``INPUT_SUFFIX``) holds a change of that module's input, ``s -> s + D s``
 # with ``D`` a ``LowRank`` [d, d]: the same as ``W + W D`` on every matrix that reads it
-# (``Patch.readers``), without forming ``W D`` (``arch.Sites.input_site``).
-Delta = LowRank | Tensor
-
-
-def _lead(delta: Delta) -> tuple[int, ...]:
-    return delta.lead if isinstance(delta, LowRank) else tuple(delta.shape[:2])
+# (``Patch.readers``), without forming ``W D`` (``arch.Sites.input_site``). ``Delta = LowRank | Tensor``,
+# handled through one protocol (``deltas.py``).
 
 
 class Patch(Mapping):
@@ -106,7 +100,7 @@ class Patch(Mapping):
         self._deltas: dict[str, Delta] = dict(deltas)
         if not self._deltas:
             raise InputError("a Patch needs at least one delta")
-        leads = {name: _lead(d) for name, d in self._deltas.items()}
+        leads = {name: dl.lead(d) for name, d in self._deltas.items()}
         lead = next(iter(leads.values()))
         if any(l != lead or len(l) != 2 for l in leads.values()):
             raise InputError(f"every delta must lead with the same [batch, query] dims; got {leads}")
@@ -150,9 +144,8 @@ class Patch(Mapping):
         self.rows: tuple[int, ...] | None = rows
         self.meta: dict[str, Any] = meta
 
-    def _fields(self) -> dict[str, Any]:  # what a derived patch carries over
-        fields = {"plan": self.plan, "plans": self.plans, "static": self.static, "readers": self.readers}
-        return {**fields, "rows": self.rows, "tokens": self.tokens, "prefix": self.prefix}
+    def _fields(self) -> dict[str, Any]:  # what a derived patch carries over (patch_combine.CARRIED)
+        return {f: getattr(self, f) for f in CARRIED}
 
     def made_for(self) -> list[Plan]:
         """Every plan some row of the patch was made for (``plan``, or each of ``plans``), once each."""
@@ -182,12 +175,7 @@ class Patch(Mapping):
     def __repr__(self) -> str:
         parts = []
         for name, d in self._deltas.items():
-            desc = (
-                f"LowRank(rank={d.rank}, {d.shape[0]}x{d.shape[1]})"
-                if isinstance(d, LowRank)
-                else f"dense{tuple(d.shape[2:])}"
-            )
-            parts.append(f"  {name}: {desc}")
+            parts.append(f"  {name}: {dl.describe(d)}")
         kind = ", static" if self.static else (f", made for query {list(self.plan.query)}" if self.plan else "")
         return (
             f"Patch(batch={self.lead[0]}, query={self.lead[1]}, dtype={self.dtype}, acts {self.where()}{kind},\n"
@@ -224,34 +212,14 @@ class Patch(Mapping):
                 raise InputError(f"index {key} selects no patch from [batch, query] = {list(self.lead)}")
             slices.append(k)
         key = tuple(slices)
-        if self.acts == "at_positions":  # queries acting together: keep every query up to some position
-            chosen = set(self.positions[key[1]])
-            if chosen != {p for p in self.positions if p <= max(chosen)}:
-                raise InputError(
-                    f"these patches act together (a chunk was removed; each query's patch assumes the patches of the "
-                    f"queries before it), so a subset must keep every query up to its last position; "
-                    f"{sorted(chosen)} of {sorted(self.positions)} does not. Read one query's factors with "
-                    f"patch[name].u[:, q], or compute it alone with token_patch(..., query=q)"
-                )
-        deltas = {n: d.index(key) if isinstance(d, LowRank) else d[key] for n, d in self._deltas.items()}
-        plans = tuple(tuple(Plan(p.seq_len, p.query[key[1]], p.mode, p.kept) for p in r) for r in row_plans(self))
-        plan, plans = folded(plans[key[0]])
-        rows = (self.rows or tuple(range(self.lead[0])))[key[0]]
-        tokens = None if self.tokens is None else self.tokens[key]
-        fields = {**self._fields(), "plan": plan, "plans": plans, "rows": rows, "tokens": tokens}
-        return Patch(deltas, self.positions[key[1]], self.meta, **fields)
+        fields = combined("index", self, key)  # each field's rule (patch_combine.FIELD_RULES)
+        return Patch({n: dl.index(d, key) for n, d in self._deltas.items()}, **fields)
 
     def map(self, fn) -> Patch:
         """Apply ``fn`` to every factor / dense tensor (e.g. ``lambda t: t.double()``)."""
-        deltas = {n: LowRank(fn(d.u), fn(d.v)) if isinstance(d, LowRank) else fn(d) for n, d in self._deltas.items()}
-        fields = self._fields()
-        lead = _lead(next(iter(deltas.values())))
-        if lead != self.lead:  # ``fn`` reshaped the leading dims: keep only the fields that still fit
-            fields["plan"] = self.plan if self.plan is not None and len(self.plan.query) == lead[1] else None
-            fields["rows"] = self.rows if self.rows is not None and len(self.rows) == lead[0] else None
-            fields["plans"] = self.plans if len(self.plans) == lead[0] and fields["plan"] is None else ()
-            fields["tokens"] = None
-        return Patch(deltas, self.positions, self.meta, **fields)
+        deltas = {n: dl.map_tensors(d, fn) for n, d in self._deltas.items()}
+        lead = dl.lead(next(iter(deltas.values())))  # ``fn`` may reshape them: the fields that still fit
+        return Patch(deltas, **combined("map", self, lead))
 
     def to(self, *args, **kwargs) -> Patch:
         return self.map(lambda t: t.to(*args, **kwargs))
@@ -267,11 +235,11 @@ class Patch(Mapping):
 
     def dense(self) -> dict[str, Tensor]:
         """Materialise every delta: ``{name: [batch, query, *param.shape]}``."""
-        return {n: d.dense() if isinstance(d, LowRank) else d for n, d in self._deltas.items()}
+        return {n: dl.dense(d) for n, d in self._deltas.items()}
 
     def norms(self) -> dict[str, Tensor]:
-        """Frobenius (or Euclidean) norm of every delta, ``{name: [batch, query]}``, from factors (``norm_of``)."""
-        return {n: norm_of(d) for n, d in self._deltas.items()}
+        """Frobenius (or Euclidean) norm of every delta, ``{name: [batch, query]}``, from factors (``deltas.norm``)."""
+        return {n: dl.norm(d) for n, d in self._deltas.items()}
 
     def check_finite(self) -> None:
         """Raise ``InputError`` naming the first delta that holds NaN or inf (``lowrank.check_finite``)."""
@@ -286,8 +254,6 @@ class Patch(Mapping):
         matrices that read it."""
         if not isinstance(other, Patch):
             return NotImplemented
-        if self.positions != other.positions:
-            raise InputError(f"cannot add patches acting at different positions: {self.positions} vs {other.positions}")
         if self.dtype != other.dtype:
             raise InputError(f"cannot add a {self.dtype} patch to a {other.dtype} one; convert one with .to(dtype)")
         try:
@@ -296,16 +262,11 @@ class Patch(Mapping):
             raise InputError(
                 f"cannot add patches of [batch, query] = {list(self.lead)} and {list(other.lead)}"
             ) from None
-        both = [self, other]
-        meta = {**common_meta(both), "terms": self.terms + other.terms}
+        fields = combined("add", [self, other], tuple(torch.broadcast_shapes(self.lead, other.lead)))
         deltas = dict(self._deltas)
         for n, d in other._deltas.items():
-            deltas[n] = deltas[n] + d if n in deltas else d
-        lead = tuple(torch.broadcast_shapes(self.lead, other.lead))
-        fields = {**summed_fields(both, lead), "static": self.static and other.static}
-        return Patch(
-            deltas, self.positions, meta, **fields, readers=merged_readers(both), rows=same([self.rows, other.rows])
-        )
+            deltas[n] = dl.add(deltas[n], d) if n in deltas else d
+        return Patch(deltas, **fields)
 
     def sum(self, dim: str = "query") -> Patch:
         """Sum over ``"query"`` or ``"batch"`` (the dim is kept with size 1). Summing over
@@ -313,18 +274,8 @@ class Patch(Mapping):
         if dim not in ("batch", "query"):
             raise InputError(f"sum over 'batch' or 'query', not {dim!r}")
         i = ("batch", "query").index(dim)
-        deltas = {n: d.sum(i) if isinstance(d, LowRank) else d.sum(i, keepdim=True) for n, d in self._deltas.items()}
-        positions = () if dim == "query" else self.positions
-        terms = self.terms * self.lead[i]
-        if dim == "query":  # acts everywhere: no plan, no token fingerprints
-            fields = {**self._fields(), "plan": None, "plans": (), "tokens": None}
-        else:
-            fields = {
-                **self._fields(),
-                **summed_fields([self[b] for b in range(self.lead[0])], (1, self.lead[1])),
-                "rows": None,
-            }
-        return Patch(deltas, positions, {**self.meta, "summed_over": dim, "terms": terms}, **fields)
+        fields = combined("sum", self, dim)  # over queries: acts everywhere, no plan, no token fingerprints
+        return Patch({n: dl.sum_over(d, i) for n, d in self._deltas.items()}, **fields)
 
     @staticmethod
     def stack(patches: list[Patch], dim: str = "batch") -> Patch:
@@ -344,32 +295,12 @@ class Patch(Mapping):
                 f"{[list(p.lead) for p in patches]}"
             )
         for n in first:
-            shapes = {
-                (d.rank, d.shape) if isinstance(d, LowRank) else tuple(d.shape[2:]) for d in (p[n] for p in patches)
-            }
+            shapes = {dl.signature(p[n]) for p in patches}
             if len(shapes) > 1:
                 raise InputError(f"Patch.stack: {n} has different (rank, shape) across patches: {shapes}")
-        fields = stacked_fields(patches, dim)  # each row keeps its plans (patch_fields)
-        if dim == "query":
-            if any(p.acts == "at_positions" for p in patches):
-                raise InputError(
-                    "patches acting at given positions (a chunk removed) act together and cannot be stacked "
-                    "along query; compute all the queries in one token_patch call"
-                )
-            positions = ()
-        else:
-            positions = first.positions
-            if any(p.positions != positions for p in patches):
-                raise InputError("Patch.stack along batch needs patches acting at the same positions")
+        fields = combined("stack", patches, dim)  # each row keeps its plans (patch_combine.FIELD_RULES)
         i = 0 if dim == "batch" else 1
-        deltas = {}
-        for n in first:
-            ds = [p[n] for p in patches]
-            if isinstance(ds[0], LowRank):
-                deltas[n] = LowRank(torch.cat([d.u for d in ds], i), torch.cat([d.v for d in ds], i))
-            else:
-                deltas[n] = torch.cat(ds, i)
-        return Patch(deltas, positions, common_meta(patches), **fields)
+        return Patch({n: dl.cat([p[n] for p in patches], i) for n in first}, **fields)
 
     def check_model(self, model: nn.Module, cached: bool = True) -> None:
         """Raise unless every key names a parameter of ``model`` of the right shape, and (when the patch

@@ -1,5 +1,6 @@
-"""What the fields of a ``Patch`` need beyond the class: the 0.2 metadata they replace, how the fields of
-several patches combine (``+``, ``Patch.stack``), and the check against a model (``Patch.check_model``)."""
+"""The fields of a ``Patch`` (everything but its deltas): their checks, the 0.2 metadata they replace, the
+per-row plans of combined patches, and the check against a model (``Patch.check_model``). How the fields
+combine under ``+``, ``.sum``, ``Patch.stack`` and indexing: ``patch_combine.FIELD_RULES``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenpatch import deltas as dl
 from tokenpatch import files
 from tokenpatch.errors import InputError
-from tokenpatch.lowrank import LowRank, matrix_shape
 from tokenpatch.plans import Plan
 
 __all__ = [
@@ -21,14 +22,9 @@ __all__ = [
     "BEHAVIOUR_KEYS",
     "split_behaviour",
     "checked_readers",
-    "merged_readers",
-    "same",
-    "common_meta",
     "RowPlans",
     "row_plans",
     "folded",
-    "summed_fields",
-    "stacked_fields",
     "check_plan",
     "check_plans",
     "check_tokens",
@@ -74,32 +70,6 @@ def checked_readers(readers: Readers | None) -> dict[str, tuple[tuple[str, str],
     return out
 
 
-def merged_readers(patches: list) -> dict[str, tuple[tuple[str, str], ...]]:
-    out: dict[str, tuple[tuple[str, str], ...]] = {}
-    for p in patches:
-        for key, pairs in p.readers.items():
-            if out.setdefault(key, pairs) != pairs:
-                raise InputError(
-                    f"cannot combine patches whose input change {key} is read by different matrices: "
-                    f"{out[key]} vs {pairs}"
-                )
-    return out
-
-
-def same(values: list):
-    """The common value of ``values``, or ``None`` where they differ."""
-    return values[0] if all(v == values[0] for v in values) else None
-
-
-def common_meta(patches: list) -> dict[str, Any]:
-    """The provenance every one of ``patches`` agrees on; patches of different models raise."""
-    models = [p.meta.get("model") for p in patches]
-    if any(m != models[0] for m in models):
-        raise InputError("cannot combine patches computed for different models (or with and without a model record)")
-    first = patches[0].meta
-    return {k: v for k, v in first.items() if all(k in p.meta and p.meta[k] == v for p in patches)}
-
-
 # --------------------------------------------------------------------------- plans of combined patches
 #
 # A patch's rows can be made for different plans (``Patch.stack`` of patches of different queries),
@@ -123,70 +93,6 @@ def folded(rows: RowPlans) -> tuple[Plan | None, RowPlans]:
     if rows and all(r == rows[0] and len(r) == 1 for r in rows):
         return rows[0][0], ()
     return None, (() if all(not r for r in rows) else rows)
-
-
-def query_plans(plans: list[tuple[Plan, ...]]) -> tuple[Plan, ...]:
-    """One row's plans when its patches are stacked along query (``alone`` mode, each row of one plan):
-    the queries joined; ``()`` where no one plan results."""
-    if any(len(p) != 1 for p in plans):
-        return ()
-    plans = [p[0] for p in plans]
-    query = sum((list(p.query) for p in plans), [])
-    if len({(p.seq_len, p.mode) for p in plans}) == 1 and plans[0].mode == "alone" and len(set(query)) == len(query):
-        return (Plan(plans[0].seq_len, tuple(query)),)
-    return ()
-
-
-def _widened(plan: Plan, queries: int) -> Plan:
-    """A one-query plan added to each of ``queries`` patches (``+`` broadcasts): its query, repeated."""
-    return plan if len(plan.query) == queries else Plan(plan.seq_len, plan.query * queries, plan.mode, plan.kept)
-
-
-def summed_fields(patches: list, lead: tuple[int, int]) -> dict[str, Any]:
-    """The ``plan``/``plans``/``tokens`` fields of the sum of ``patches`` (``lead``: the sum's
-    ``[batch, query]``, the terms broadcast to it): each row made for every plan its terms were made
-    for; the token fingerprints where all agree."""
-    batch = lead[0]
-    rows = [tuple(tuple(_widened(p, lead[1]) for p in r) for r in row_plans(p)) for p in patches]
-    rows = [r * batch if len(r) == 1 and batch > 1 else r for r in rows]
-    plan, plans = folded(tuple(sum((r[b] for r in rows), ()) for b in range(batch)))
-    tokens = [p.tokens for p in patches]
-    if any(t is None for t in tokens):
-        kept = None
-    else:
-        tokens = [t.expand(lead) for t in tokens]
-        kept = tokens[0].clone()
-        for t in tokens[1:]:
-            kept = torch.where(kept == t, kept, torch.zeros((), dtype=kept.dtype))
-    return {"plan": plan, "plans": plans, "tokens": kept, "prefix": same([p.prefix for p in patches]) or ()}
-
-
-def stacked_fields(patches: list, dim: str) -> dict[str, Any]:
-    """The fields of ``Patch.stack(patches, dim)`` but ``positions``: each row keeps its plans."""
-    i = ("batch", "query").index(dim)
-    fields = {
-        "static": all(p.static for p in patches),
-        "readers": merged_readers(patches),
-        "prefix": same([p.prefix for p in patches]) or (),
-    }
-    tokens = [p.tokens for p in patches]
-    if all(t is None for t in tokens):
-        fields["tokens"] = None
-    else:  # a patch without fingerprints: its entries are unchecked (0)
-        fields["tokens"] = torch.cat(
-            [torch.zeros(p.lead, dtype=torch.int64) if t is None else t for p, t in zip(patches, tokens)], i
-        )
-    if dim == "batch":
-        rows = [p.rows for p in patches]
-        fields["rows"] = sum(rows, ()) if None not in rows else None
-        fields["plan"], fields["plans"] = folded(sum((row_plans(p) for p in patches), ()))
-    else:
-        fields["rows"] = same([p.rows for p in patches])
-        per_row = [row_plans(p) for p in patches]
-        fields["plan"], fields["plans"] = folded(
-            tuple(query_plans([r[b] for r in per_row]) for b in range(patches[0].lead[0]))
-        )
-    return fields
 
 
 def check_plans(plans: RowPlans, lead: tuple[int, int], positions: tuple[int, ...]) -> RowPlans:
@@ -239,17 +145,16 @@ def check_against_model(patch, model: nn.Module, cached: bool = True) -> None:
                 raise InputError(f"patch input change {name} names no matrices that read it (Patch.readers)")
             for reader, layout in patch.readers[name]:
                 width = None if reader not in params else params[reader].shape[-1 if layout == "out_in" else 0]
-                if width is None or not isinstance(d, LowRank) or d.shape != (width, width):
+                if width is None or not dl.is_lowrank(d) or d.shape != (width, width):
                     raise InputError(
-                        f"patch input change {name} ({d.shape if isinstance(d, LowRank) else 'dense'}) "
+                        f"patch input change {name} ({d.shape if dl.is_lowrank(d) else 'dense'}) "
                         f"does not fit {reader} of this model"
                     )
             continue
         if name not in params:
             raise InputError(f"patch names {name!r}, which is not a parameter of {type(model).__name__}")
         shape = tuple(params[name].shape)
-        got = d.shape if isinstance(d, LowRank) else tuple(d.shape[2:])
-        shape = matrix_shape(shape) if isinstance(d, LowRank) else shape  # stacked experts: one matrix
+        got, shape = dl.shape(d), dl.shape_for(d, shape)  # stacked experts: one matrix
         if got != shape:
             raise InputError(f"patch delta for {name} has shape {got}, the parameter is {shape}")
     want = patch.meta.get("model", {}).get("fingerprint")

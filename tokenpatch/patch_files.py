@@ -12,9 +12,9 @@ import os
 
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch import files
 from tokenpatch.errors import FileFormatError, InputError
-from tokenpatch.lowrank import LowRank
 from tokenpatch.patch import Delta, Patch, split_behaviour
 from tokenpatch.plans import Plan
 
@@ -23,17 +23,20 @@ __all__ = ["save_patch", "load_patch", "PATCH_FORMAT"]
 PATCH_FORMAT = "tokenpatch.patch/1"
 
 
+def _keys(name: str, kind: str) -> tuple[str, ...]:
+    """The file's tensor names of one delta: ``name.u``, ``name.v`` (low-rank) or ``name`` (dense)."""
+    return (f"{name}.u", f"{name}.v") if kind == "lowrank" else (name,)
+
+
 def save_patch(patch: Patch, path: str | os.PathLike) -> None:
     """Write ``patch`` to ``path``: safetensors, ``name.u``/``name.v`` or ``name``, its fields and meta.
     A patch holding NaN or inf is refused (``Patch.check_finite``)."""
     patch.check_finite()
     tensors: dict[str, Tensor] = {}
     for name, d in patch.items():
-        if isinstance(d, LowRank):
-            tensors[f"{name}.u"], tensors[f"{name}.v"] = d.u, d.v
-        else:
-            tensors[name] = d
-    kinds = {n: "lowrank" if isinstance(d, LowRank) else "dense" for n, d in patch.items()}
+        parts = dl.tensors(d)
+        tensors.update(zip(_keys(name, dl.kind(d)), parts))
+    kinds = {n: dl.kind(d) for n, d in patch.items()}
     doc = {
         "kinds": kinds,
         "positions": list(patch.positions) or None,
@@ -59,17 +62,14 @@ def load_patch(path: str | os.PathLike, model: nn.Module | None = None) -> Patch
     deltas: dict[str, Delta] = {}
     expected = set()
     for name, kind in kinds.items():
-        if kind == "lowrank":
-            keys = (f"{name}.u", f"{name}.v")
-        elif kind == "dense":
-            keys = (name,)
-        else:
+        if kind not in dl.KINDS:
             raise FileFormatError(f"{path}: unknown delta kind {kind!r} for {name}")
+        keys = _keys(name, kind)
         missing = [k for k in keys if k not in tensors]
         if missing:
             raise FileFormatError(f"{path}: tensors {missing} are missing")
         expected.update(keys)
-        deltas[name] = LowRank(tensors[keys[0]], tensors[keys[1]]) if kind == "lowrank" else tensors[keys[0]]
+        deltas[name] = dl.from_tensors(kind, [tensors[k] for k in keys])
     extra = set(tensors) - expected
     if extra:
         raise FileFormatError(f"{path}: unexpected tensors {sorted(extra)}")

@@ -18,29 +18,29 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch import files, offload
 from tokenpatch.arch import ADAPTERS, weight_layout
 from tokenpatch.arch.experts import OUTPUT_MATRIX, scattered_hiddens, stacked_experts
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.norms import scale_norm
 from tokenpatch.errors import InputError, UnsupportedModelError
-from tokenpatch.lowrank import as_parameter
 from tokenpatch.patch import INPUT_SUFFIX, Delta, LowRank, Patch
 from tokenpatch.plans import token_digests, token_ids
 
 __all__ = ["apply", "functional_call", "patched_run", "hooked", "DeltaHook"]
 
 
-def _lowrank_add(x: Tensor, w_in: Tensor | None, w_out: Tensor | None, b: Tensor | None) -> Tensor:
-    """``u (v . x) + db`` for groups of positions sharing a patch, in at least float32.
+def _weight_add(x: Tensor, weight: Delta | None, layout: str, b: Tensor | None) -> Tensor:
+    """``dW x + db`` for groups of positions sharing a patch (low-rank ``dW``: ``u (v . x)``, the factors
+    never multiplied out; ``deltas.apply``), in ``x``'s dtype (at least float32, ``DeltaHook._added``).
 
-    ``x [N, G, K, in]``: G groups of K positions; ``w_in [N, G, r, in]``, ``w_out [N, G, r, out]``
-    (the in- and out-side factors) and ``b [N, G, out]`` are the groups' deltas -> ``[N, G, K, out]``.
+    ``x [N, G, K, in]``: G groups of K positions; ``weight`` (lead ``[N, G]``, in its ``layout``) and
+    ``b [N, G, out]`` are the groups' deltas -> ``[N, G, K, out]``.
     """
     delta = torch.zeros((), dtype=x.dtype, device=x.device)
-    if w_in is not None:
-        coef = x @ w_in.to(x).transpose(-1, -2)  # [N, G, K, r]
-        delta = coef @ w_out.to(x)  # [N, G, K, out]
+    if weight is not None:
+        delta = dl.apply(weight, x, layout)  # [N, G, K, out]
     if b is not None:
         delta = delta + b.to(x)[:, :, None, :]  # [N, G, 1, out]
     return delta
@@ -53,12 +53,16 @@ class DeltaHook:
     ``positions[q]`` of sequence ``b`` only; the input shape is checked against what the patch was
     made for on every call (a few integer comparisons). Three kinds of delta, one mechanism:
 
-    * ``after`` (a forward hook) adds a low-rank weight delta and a dense bias delta to the output,
-      ``out + u (v . x) + db``; or a norm's dense scale delta, ``out + dg * unit(x)``
-      (``arch.norms.SCALE_NORMS``);
+    * ``after`` (a forward hook) adds a weight delta and a dense bias delta to the output,
+      ``out + dW x + db`` (``deltas.apply``: low-rank ``u (v . x)``, factors never multiplied out;
+      dense ``[*lead, *W.shape]`` as ``finetuned`` runs them); or a norm's dense scale delta,
+      ``out + dg * unit(x)`` (``arch.norms.SCALE_NORMS``);
     * ``before`` (a forward pre-hook with kwargs) changes the module's input, ``x -> x + D x``
       (a ``"<module>:input"`` delta ``D = sum_k d_k v_k^T``), so every matrix inside reading ``x``
       computes ``(W + W D) x`` with one product, and routers or stacked experts see the change too.
+
+    ``consecutive=True`` (``dynamics.finetuning.finetuned``: ``R`` fine-tuned models at once): patch
+    ``[r, 0]`` acts everywhere on the ``k`` consecutive sequences ``r k .. r k + k - 1`` of a batch of ``R k``.
     """
 
     def __init__(
@@ -68,15 +72,16 @@ class DeltaHook:
         broadcast: bool,
         any_length: bool,
         *,
-        weight: LowRank | None = None,
+        weight: Delta | None = None,
         layout: str = "out_in",
         bias: Tensor | None = None,
         unit=None,
+        consecutive: bool = False,
     ):
         self.name, self.patch, self.unit, self.b = module_name, patch, unit, bias
-        self.w_in, self.w_out = (
-            (None, None) if weight is None else ((weight.v, weight.u) if layout == "out_in" else (weight.u, weight.v))
-        )
+        self.weight, self.layout = weight, layout
+        # each [b, q] patch on the next n / (B Q) consecutive sequences (R fine-tuned models, ``finetuned``)
+        self.consecutive = consecutive
         static = patch.static  # one update for any input (a thought patch): runs on all of them
         self.broadcast, self.any_length = broadcast or static, any_length or static
         self.lengths = {plan.stripped_len for plan in patch.made_for()}  # empty: no plan, any length
@@ -86,6 +91,13 @@ class DeltaHook:
             raise InputError(f"{self.name}: expected inputs [batch, pos, features], got {tuple(x.shape)}")
         (rows, queries), at = self.patch.lead, self.patch.acts == "at_positions"
         n = x.shape[0]
+        if self.consecutive:
+            if n % (rows * queries):
+                raise InputError(
+                    f"{self.name}: the input batch {n} is not a multiple of the {rows * queries} "
+                    "fine-tuning runs (each run's sequences must be consecutive)"
+                )
+            return
         want_n = rows if at else rows * queries
         if n != want_n and not (self.broadcast and rows == 1 and n % (1 if at else queries) == 0):
             made = "one row per sequence" if at else "one per no-context sequence"
@@ -113,7 +125,9 @@ class DeltaHook:
             return None
         if self.patch.acts == "at_positions":
             return t.expand(n, *t.shape[1:])  # [N, Q, ...]
-        if t.shape[0] * t.shape[1] != n:  # broadcast: one row of patches repeats over the batch
+        if (
+            t.shape[0] * t.shape[1] != n and not self.consecutive
+        ):  # broadcast: one row of patches repeats over the batch
             t = t.expand(n // t.shape[1], *t.shape[1:])
         return t.flatten(0, 1)[:, None]  # [N, 1, ...]
 
@@ -135,19 +149,23 @@ class DeltaHook:
         """``target + change(x_g)`` where the patch acts: ``x_g [N, G, K, in]`` groups the positions
         sharing a patch (one group of every position, or one group per query position), ``change``
         returns ``[N, G, K, out]`` in ``dt`` (at least float32); the sum is cast back to ``target``'s dtype."""
-        ref = self.b if self.w_in is None else self.w_in
+        ref = self.b if self.weight is None else self.weight
         dt = torch.promote_types(torch.promote_types(x.dtype, ref.dtype), torch.float32)
-        if self.patch.acts == "everywhere":
-            return (target.to(dt) + change(x[:, None], dt)[:, 0]).to(target.dtype)  # [N, T, out]
+        if self.patch.acts == "everywhere":  # one group per sequence, or per run's consecutive sequences
+            groups = self.patch.lead[0] * self.patch.lead[1] if self.consecutive else x.shape[0]
+            xg = x.reshape(groups, 1, -1, x.shape[-1])  # [N, 1, T, in] (consecutive: [R, 1, k T, in])
+            tg = target.reshape(groups, -1, target.shape[-1]).to(dt)  # [N, T, out] (consecutive: [R, k T, out])
+            return (tg + change(xg, dt)[:, 0]).reshape(target.shape).to(target.dtype)
         where = torch.tensor(self.patch.positions, device=x.device)
         delta = change(x[:, where][:, :, None], dt)[:, :, 0]  # [N, Q, out]
         return target.index_copy(1, where, (target[:, where].to(dt) + delta).to(target.dtype))
 
     def _change(self, module: nn.Module, n: int):
-        factors, b = [self._rows(f, n) for f in (self.w_in, self.w_out)], self._rows(self.b, n)  # b [N, G, out]
+        b = self._rows(self.b, n)  # [N, G, out]
         if self.unit is not None:  # a norm-scale delta: dg * unit(x)
             return lambda xg, dt: b.to(dt)[:, :, None, :] * self.unit(module, xg).to(dt)
-        return lambda xg, dt: _lowrank_add(xg.to(dt), *factors, b)
+        weight = None if self.weight is None else dl.map_tensors(self.weight, lambda t: self._rows(t, n))
+        return lambda xg, dt: _weight_add(xg.to(dt), weight, self.layout, b)
 
     def after(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
         """Forward hook: the output deltas."""
@@ -193,8 +211,8 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
             continue
         if (
             set(deltas) - {"weight", "bias"}
-            or isinstance(deltas.get("bias"), LowRank)
-            or (isinstance(deltas.get("weight"), Tensor) and "bias" in deltas)
+            or ("bias" in deltas and dl.is_lowrank(deltas["bias"]))
+            or ("weight" in deltas and not dl.is_lowrank(deltas["weight"]) and "bias" in deltas)
         ):
             raise UnsupportedModelError(
                 f"cannot apply deltas {sorted(deltas)} to {module_name} ({type(module).__name__}): "
@@ -202,7 +220,7 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
                 "scale deltas of known norms, and low-rank deltas of stacked experts' output matrices"
             )
         weight = deltas.get("weight")
-        if isinstance(weight, Tensor):  # a norm's scale
+        if weight is not None and not dl.is_lowrank(weight):  # a norm's scale
             hook = DeltaHook(
                 module_name, patch, broadcast, any_length, bias=weight, unit=scale_norm(module, module_name)[0]
             )
@@ -350,7 +368,7 @@ def apply(model: nn.Module, patch: Patch) -> Iterator[nn.Module]:
                     continue
                 p = params[name]
                 saved.setdefault(name, p.detach().clone())
-                dense = as_parameter(delta.dense()[0, 0], p.shape) if isinstance(delta, LowRank) else delta[0, 0]
+                dense = dl.as_weight(delta, p.shape)[0, 0]
                 p.add_(dense.to(device=p.device, dtype=p.dtype))
         written = files.versions(params.values())
         yield model

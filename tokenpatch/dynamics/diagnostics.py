@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tokenpatch import deltas as dl
+from tokenpatch.deltas import cosine
 from tokenpatch.dynamics.trajectories import Trajectory
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank
@@ -27,10 +29,10 @@ __all__ = [
 
 def _matrix(traj: Trajectory, name: str) -> LowRank:
     d = traj.patches[name]
-    if not isinstance(d, LowRank):
+    if not dl.is_lowrank(d):
         raise InputError(
             f"{name} is a dense (vector) delta; the diagnostics take a matrix of "
-            f"{[n for n, x in traj.patches.items() if isinstance(x, LowRank)]}"
+            f"{[n for n, x in traj.patches.items() if dl.is_lowrank(x)]}"
         )
     return d.to(torch.promote_types(d.dtype, torch.float64))
 
@@ -60,36 +62,6 @@ def decay_exponent(norms: Tensor, start: int = 2) -> Tensor:
     x = i.log() - i.log().mean()  # [M]
     y = norms[..., start - 1 :].double().clamp_min(torch.finfo(torch.float64).tiny).log()  # [B, M]
     return ((y - y.mean(-1, keepdim=True)) * x).sum(-1) / (x * x).sum()
-
-
-def cosine(a: LowRank | Tensor, b: LowRank | Tensor) -> Tensor:
-    """Normalised Frobenius inner product ``<A, B>_F / (|A|_F |B|_F)`` of two batches of matrices,
-    each a ``LowRank`` or a dense ``[*lead, rows, cols]`` tensor, in one layout -> ``[*lead]`` (0 where
-    either is zero). A ``LowRank`` against a dense ``D`` reads ``<U^T V, D>_F = sum_k u_k^T D v_k``
-    from the factors, never forming the low-rank matrix: how the token patch is set beside a
-    fine-tuning update (``tp.finetune``)."""
-    if isinstance(a, Tensor) and isinstance(b, LowRank):
-        a, b = b, a
-    if isinstance(a, LowRank) and isinstance(b, LowRank):
-        dt = a.dtype
-        inner, na, nb = a.inner(b), a.norm(), b.norm()
-    elif isinstance(a, LowRank):
-        if tuple(b.shape[-2:]) != a.shape:
-            raise InputError(f"cannot compare a {a.shape} low-rank matrix with dense {tuple(b.shape[-2:])} ones")
-        dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float64)
-        u, v = a.u.to(dt), a.v.to(dt)
-        # D v_k in D's own dtype (one pass over the dense matrix, never copied wider), the rest in float64
-        dv = (b @ a.v.to(b.dtype).transpose(-1, -2)).to(dt)  # [*lead, rows, k]
-        inner = (u * dv.transpose(-1, -2)).sum((-1, -2))  # sum_k u_k^T D v_k
-        na, nb = LowRank(u, v).norm(), b.flatten(-2).norm(dim=-1).to(dt)
-    else:
-        if a.shape[-2:] != b.shape[-2:]:
-            raise InputError(f"cannot compare {tuple(a.shape[-2:])} and {tuple(b.shape[-2:])} matrices")
-        dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float64)
-        a, b = a.to(dt).flatten(-2), b.to(dt).flatten(-2)
-        inner, na, nb = (a * b).sum(-1), a.norm(dim=-1), b.norm(dim=-1)
-    den = na * nb
-    return torch.where(den > 0, inner / den.clamp_min(torch.finfo(dt).tiny), torch.zeros_like(inner))
 
 
 def step_alignment(traj: Trajectory, name: str) -> Tensor:
@@ -129,13 +101,13 @@ def rank1_ceiling(d: LowRank | Tensor) -> Tensor:
     (``D = U^T V = Q_u R_u R_v^T Q_v^T``: the singular values of the ``k x k`` matrix ``R_u R_v^T``)
     while ``k`` is below both sides, densely beyond: ``s_1(D)^2`` the top eigenvalue of the smaller Gram
     matrix (``D^T D`` or ``D D^T``), a fraction of a full SVD's work."""
-    if isinstance(d, LowRank) and d.rank < min(d.shape):
+    if dl.is_lowrank(d) and d.rank < min(d.shape):
         _, ru = torch.linalg.qr(d.u.double().transpose(-1, -2))  # [*lead, k, k]
         _, rv = torch.linalg.qr(d.v.double().transpose(-1, -2))
         sv = torch.linalg.svdvals(ru @ rv.transpose(-1, -2))
         top, total = sv[..., 0], sv.norm(dim=-1)
     else:
-        m = (d.dense() if isinstance(d, LowRank) else d).double()  # [*lead, rows, cols]
+        m = dl.dense(d).double()  # [*lead, rows, cols]
         gram = m.mT @ m if m.shape[-2] >= m.shape[-1] else m @ m.mT
         top = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
         total = m.flatten(-2).norm(dim=-1)

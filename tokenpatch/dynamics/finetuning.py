@@ -30,11 +30,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch.arch import adapter_for, weight_layout
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank
+from tokenpatch.patch import Patch
 from tokenpatch.progress import progress_bar
+from tokenpatch.run import DeltaHook
 
 __all__ = ["FineTune", "finetune", "finetuned", "simaou", "OPTIMIZERS"]
 
@@ -97,43 +100,13 @@ def _names(model: nn.Module, layers, output: bool) -> list[str]:
     return names
 
 
-class _DenseHook:
-    """Forward hook of one module: adds run ``b``'s ``dW x + db`` to the outputs of the sequences of run
-    ``b`` (the input batch is ``runs * k`` sequences, run-major); ``dW`` dense ``[R, *W.shape]`` or a
-    ``LowRank`` with lead ``[R]`` in the weight's layout (then ``x -> (x V^T) U``, never a dense matrix)."""
-
-    def __init__(self, name: str, weight: Tensor | LowRank | None, bias: Tensor | None, layout: str):
-        self.name, self.weight, self.bias, self.layout = name, weight, bias, layout
-        self.runs = weight.lead[0] if isinstance(weight, LowRank) else (weight if weight is not None else bias).shape[0]
-
-    def __call__(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-        x = args[0]
-        if x.shape[0] % self.runs:
-            raise InputError(
-                f"{self.name}: the input batch {x.shape[0]} is not a multiple of the {self.runs} "
-                "fine-tuning runs (each run's sequences must be consecutive)"
-            )
-        y = out.reshape(self.runs, -1, out.shape[-1])  # [R, k*T, out]
-        x = x.reshape(self.runs, -1, x.shape[-1])  # [R, k*T, in]
-        if isinstance(self.weight, LowRank):  # "out_in": W = U^T V reads x by V; "in_out": by U
-            first, second = (
-                (self.weight.v, self.weight.u) if self.layout == "out_in" else (self.weight.u, self.weight.v)
-            )
-            y = y + (x @ first.to(out.dtype).transpose(-1, -2)) @ second.to(out.dtype)  # [R, k*T, out]
-        elif self.weight is not None:  # "out_in": y = x W^T; "in_out": y = x W
-            w = self.weight.transpose(-1, -2) if self.layout == "out_in" else self.weight  # [R, in, out]
-            y = y + x @ w.to(out.dtype)  # [R, k*T, out]
-        if self.bias is not None:
-            y = y + self.bias.to(out.dtype)[:, None, :]  # [R, 1, out]
-        return y.reshape(out.shape)
-
-
 @contextlib.contextmanager
 def finetuned(model: nn.Module, deltas: Mapping[str, Tensor | LowRank]) -> Iterator[nn.Module]:
     """Run ``model`` as ``R`` fine-tuned models at once: ``deltas`` maps parameter names to
     ``[R, *param.shape]`` changes (``FineTune.at()``), or for a weight a ``LowRank`` with lead ``[R]``; inside the block, the ``k`` consecutive
     sequences ``r * k .. r * k + k - 1`` of an input batch of ``R * k`` run with parameters
-    ``W + dW[r]``. Hooks only: the weights are never written, and the hooks go on exit, errors
+    ``W + dW[r]``. Hooks only, ``run.DeltaHook`` (each run's deltas a ``[R, 1]`` patch acting everywhere on
+    its ``k`` consecutive sequences): the weights are never written, and the hooks go on exit, errors
     included."""
     params = dict(model.named_parameters())
     by_module: dict[str, dict[str, Tensor]] = {}
@@ -141,18 +114,16 @@ def finetuned(model: nn.Module, deltas: Mapping[str, Tensor | LowRank]) -> Itera
     for name, delta in deltas.items():
         if name not in params:
             raise InputError(f"{name} is not a parameter of this model")
-        if isinstance(delta, LowRank):
+        if dl.is_lowrank(delta):
             if len(delta.lead) != 1 or tuple(delta.shape) != tuple(params[name].shape):
                 raise InputError(
                     f"{name}: a low-rank delta must have lead [runs] and shape {tuple(params[name].shape)}"
                 )
-            runs.add(delta.lead[0])
         elif tuple(delta.shape[1:]) != tuple(params[name].shape):
             raise InputError(f"{name}: delta {tuple(delta.shape)} is not [runs, *{tuple(params[name].shape)}]")
-        else:
-            runs.add(delta.shape[0])
+        runs.add(dl.lead(delta, 1)[0])
         module_name, _, attr = name.rpartition(".")
-        by_module.setdefault(module_name, {})[attr] = delta
+        by_module.setdefault(module_name, {})[attr] = dl.index(delta, (slice(None), None))  # lead [R, 1]
     if len(runs) > 1:
         raise InputError(f"deltas disagree on the number of runs: {sorted(runs)}")
     pairs = []  # (register, hook): every delta checked before any hook goes on
@@ -161,7 +132,18 @@ def finetuned(model: nn.Module, deltas: Mapping[str, Tensor | LowRank]) -> Itera
         if set(d) - {"weight", "bias"}:
             raise InputError(f"{module_name}: only weight and bias deltas can be run, got {sorted(d)}")
         layout = weight_layout(module, module_name) if "weight" in d else "out_in"
-        pairs.append((module.register_forward_hook, _DenseHook(module_name, d.get("weight"), d.get("bias"), layout)))
+        runs_patch = Patch({f"{module_name}.{a}": t for a, t in d.items()})  # [R, 1], acting everywhere
+        hook = DeltaHook(
+            module_name,
+            runs_patch,
+            False,
+            True,
+            weight=d.get("weight"),
+            layout=layout,
+            bias=d.get("bias"),
+            consecutive=True,
+        )
+        pairs.append((module.register_forward_hook, hook.after))
     with registered_hooks(pairs):
         yield model
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tokenpatch import deltas as dl
 from tokenpatch.dynamics.trajectories import Trajectory
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank
@@ -59,10 +60,10 @@ def replay(traj: Trajectory, name: str) -> Replay:
     """Replay the trajectory of matrix ``name`` (a key of ``traj.patches``, as the math ``[rows, cols]``
     factors ``u = r_i``, ``v = a_i / |a_i|^2``) as online NLMS steps; see the module docstring."""
     delta = traj.patches[name]
-    if not isinstance(delta, LowRank) or delta.rank != 1:
+    if not dl.is_lowrank(delta) or delta.rank != 1:
         raise InputError(
             f"{name} is not a rank-1 matrix delta of the trajectory; replay one of "
-            f"{[n for n, d in traj.patches.items() if isinstance(d, LowRank)]}"
+            f"{[n for n, d in traj.patches.items() if dl.is_lowrank(d)]}"
         )
     r = delta.u[:, 1:, 0].double()  # [B, N, rows]  r_i = W (s_i - a_i), prefixes 1..N
     v = delta.v[:, 1:, 0].double()  # [B, N, cols]  a_i / |a_i|^2

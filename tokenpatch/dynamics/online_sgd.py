@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch import offload
 from tokenpatch.arch import weight_layout
 from tokenpatch.arch.hooks import registered_hooks
@@ -68,7 +69,7 @@ def matrix_deltas(model: nn.Module, patch: Patch) -> dict[str, LowRank]:
                 w = offload.value(model, reader).detach().to(delta.u.device, delta.dtype)
                 wd = delta.u @ (w.T if layout == "out_in" else w)  # [*lead, k, out]: W d_k
                 out[reader] = LowRank(wd, delta.v) if layout == "out_in" else LowRank(delta.v, wd)
-        elif isinstance(delta, LowRank):
+        elif dl.is_lowrank(delta):
             out[key] = delta
     return out
 
@@ -82,7 +83,7 @@ def _contexts(model: nn.Module, patch: Patch | None, deltas: dict) -> contextlib
         patch.check_model(model)
         if patch.lead[1] != 1:
             raise InputError(f"a patch of one query per run is needed, lead [R, 1]; got {list(patch.lead)}")
-        rest = {k: d for k, d in patch.items() if not k.endswith(INPUT_SUFFIX) and not isinstance(d, LowRank)}
+        rest = {k: d for k, d in patch.items() if not k.endswith(INPUT_SUFFIX) and not dl.is_lowrank(d)}
         if rest:
             stack.enter_context(hooked(model, patch.replace(deltas=rest), broadcast=False, any_length=True))
         weights = {n: d.index((slice(None), 0)) for n, d in matrix_deltas(model, patch).items()}  # lead [R]

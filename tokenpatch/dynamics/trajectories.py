@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch import files
 from tokenpatch.arch import adapter_for
 from tokenpatch.arch.rotary import forget_longest
 from tokenpatch.errors import InputError, UnsupportedModelError
-from tokenpatch.lowrank import LowRank
 from tokenpatch.patch import Delta, Patch
 from tokenpatch.patching import layer_patch, token_patch
 from tokenpatch.plans import Plan
@@ -109,22 +109,12 @@ class Trajectory:
 
 
 def _at(d: Delta, i: int) -> Delta:
-    return d.index((slice(None), slice(i, i + 1))) if isinstance(d, LowRank) else d[:, i : i + 1]
+    return dl.index(d, (slice(None), slice(i, i + 1)))
 
 
 def _zero_first(deltas: dict[str, Delta]) -> dict[str, Delta]:
     """Prefix 0 has no context: its patch is exactly zero (the out-side factor and dense deltas)."""
-    out = {}
-    for n, d in deltas.items():
-        if isinstance(d, LowRank):
-            u = d.u.clone()
-            u[:, 0] = 0
-            out[n] = LowRank(u, d.v)
-        else:
-            d = d.clone()
-            d[:, 0] = 0
-            out[n] = d
-    return out
+    return {n: dl.zeroed_at(d, (slice(None), 0)) for n, d in deltas.items()}
 
 
 def _query_position(query: Any, seq_len: int) -> int:
@@ -196,11 +186,7 @@ def trajectory(
 
 def _pad_first(d: Delta) -> Delta:
     """Prepend an exact zero at index 0 of the prefix dim (no step reaches prefix 0)."""
-    if isinstance(d, LowRank):
-        return LowRank(
-            torch.cat([torch.zeros_like(d.u[:, :1]), d.u], 1), torch.cat([torch.zeros_like(d.v[:, :1]), d.v], 1)
-        )
-    return torch.cat([torch.zeros_like(d[:, :1]), d], 1)
+    return dl.cat([dl.zeros(dl.index(d, (slice(None), slice(None, 1)))), d], 1)
 
 
 def _traced_trajectory(
@@ -293,15 +279,11 @@ def _group_patches(model: nn.Module, ids: Tensor, q: int, group: range, steps: b
 
 def _unflat(d: Delta, batch: int) -> Delta:
     """``[B * G, 1, ...]`` -> ``[B, G, ...]``."""
-    if isinstance(d, LowRank):
-        return LowRank(d.u.reshape(batch, -1, *d.u.shape[2:]), d.v.reshape(batch, -1, *d.v.shape[2:]))
-    return d.reshape(batch, -1, *d.shape[2:])
+    return dl.map_tensors(d, lambda t: t.reshape(batch, -1, *t.shape[2:]))
 
 
 def _cat(parts: list[Delta]) -> Delta:
     """The groups' deltas joined along the prefix dim."""
     if len(parts) == 1:
         return parts[0]
-    if isinstance(parts[0], LowRank):
-        return LowRank(torch.cat([p.u for p in parts], 1), torch.cat([p.v for p in parts], 1))
-    return torch.cat(parts, 1)
+    return dl.cat(parts, 1)

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch import files
 from tokenpatch.arch import adapter_for
 from tokenpatch.deprecation import renamed_keywords
 from tokenpatch.dynamics.finetuning import finetuned
 from tokenpatch.errors import InputError
-from tokenpatch.patch import LowRank, Patch
+from tokenpatch.patch import Patch
 from tokenpatch.progress import progress_bar
 from tokenpatch.thought.front import ThoughtPatch
 from tokenpatch.thought.lstsq import factor
@@ -115,4 +116,4 @@ def distill(
 
 
 def _dense(d) -> Tensor:
-    return d.dense()[0, 0] if isinstance(d, LowRank) else d[0, 0]
+    return dl.dense(d)[0, 0]

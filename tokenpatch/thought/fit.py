@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch import files
 from tokenpatch.arch import weight_layout
 from tokenpatch.errors import InputError
@@ -102,13 +103,11 @@ def cut_rank(deltas: dict[str, Delta], rank: int | None) -> dict[str, Delta]:
     """Matrix deltas (factors in SVD order) cut to their top ``rank`` terms; others unchanged."""
     if rank is None:
         return dict(deltas)
-    return {
-        n: LowRank(d.u[..., :rank, :], d.v[..., :rank, :]) if isinstance(d, LowRank) else d for n, d in deltas.items()
-    }
+    return {n: LowRank(d.u[..., :rank, :], d.v[..., :rank, :]) if dl.is_lowrank(d) else d for n, d in deltas.items()}
 
 
 def _subset(patch: Patch, dense: bool) -> Patch:
-    kept = {n: d for n, d in patch.items() if isinstance(d, LowRank) != dense}
+    kept = {n: d for n, d in patch.items() if dl.is_lowrank(d) != dense}
     if not kept:
         raise InputError(f"this thought patch has no {'vector' if dense else 'matrix'} deltas")
     return patch.replace(deltas=kept)

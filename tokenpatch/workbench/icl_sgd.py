@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import deltas as dl
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.baselines.vectors import pad_left
 from tokenpatch.dynamics.diagnostics import cosine, rank1_ceiling
@@ -293,8 +294,8 @@ def accuracy(
 
 def one_run(deltas: dict, r: int) -> dict:
     """Run ``r``'s share of ``[R, *W]`` (or lead-``[R]`` low-rank) deltas, for ``finetuned`` on its queries alone."""
-    return {n: d.index(slice(r, r + 1)) if isinstance(d, LowRank) else d[r : r + 1] for n, d in deltas.items()}
+    return {n: dl.index(d, slice(r, r + 1)) for n, d in deltas.items()}
 
 
 def _run(d, r: int):
-    return d.index(r) if isinstance(d, LowRank) else d[r]
+    return dl.index(d, r)
