@@ -81,7 +81,10 @@ def _sum_plans(patches: list, lead: tuple[int, int]) -> dict[str, Any]:
 
 def _sum_tokens(patches: list, lead: tuple[int, int]) -> dict[str, Any]:
     """The token fingerprints where every term agrees (0, unchecked, elsewhere; none if a term has none)."""
-    tokens = [p.tokens for p in patches]
+    return _agreed([p.tokens for p in patches], lead)
+
+
+def _agreed(tokens: list, lead: tuple[int, int]) -> dict[str, Any]:
     if any(t is None for t in tokens):
         return {"tokens": None}
     tokens = [t.expand(lead) for t in tokens]
@@ -91,9 +94,16 @@ def _sum_tokens(patches: list, lead: tuple[int, int]) -> dict[str, Any]:
     return {"tokens": kept}
 
 
-def _rows_of(patch) -> list:
-    """A patch's batch rows as patches ``[1, Q]`` (what ``.sum("batch")`` adds up)."""
-    return [patch[b] for b in range(patch.lead[0])]
+def _sum_plans_over_batch(patch) -> dict[str, Any]:
+    """The one row of ``patch.sum("batch")``: made for every plan some row was made for."""
+    plan, plans = folded((sum(row_plans(patch), ()),))
+    return {"plan": plan, "plans": plans}
+
+
+def _sum_tokens_over_batch(patch) -> dict[str, Any]:
+    """The one row of ``patch.sum("batch")``: the fingerprints every row agrees on."""
+    rows = None if patch.tokens is None else list(patch.tokens.split(1))
+    return _agreed(rows or [None], (1, patch.lead[1]))
 
 
 def _stack_plans(patches: list, dim: str) -> dict[str, Any]:
@@ -207,7 +217,7 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule(
         ("plan", "plans"),
         add=_sum_plans,
-        sum=lambda p, dim: {"plan": None, "plans": ()} if dim == "query" else _sum_plans(_rows_of(p), (1, p.lead[1])),
+        sum=lambda p, dim: {"plan": None, "plans": ()} if dim == "query" else _sum_plans_over_batch(p),
         stack=_stack_plans,
         index=_index_plans,
         map=_map_plans,
@@ -216,7 +226,7 @@ FIELD_RULES: tuple[FieldRule, ...] = (
     FieldRule(
         ("tokens",),
         add=_sum_tokens,
-        sum=lambda p, dim: {"tokens": None} if dim == "query" else _sum_tokens(_rows_of(p), (1, p.lead[1])),
+        sum=lambda p, dim: {"tokens": None} if dim == "query" else _sum_tokens_over_batch(p),
         stack=_stack_tokens,
         index=lambda p, key: {"tokens": None if p.tokens is None else p.tokens[key]},
         map=lambda p, lead: {"tokens": p.tokens if p.tokens is not None and tuple(p.tokens.shape) == lead else None},
