@@ -188,3 +188,48 @@ def test_delta_types_are_told_apart_only_in_the_delta_protocol():
             if kinds & {"LowRank", "Delta"} or ("Tensor" in kinds and "delta" in what.lower()):
                 found.append(f"{m.name}:{node.lineno} isinstance({what}, {ast.get_source_segment(text, node.args[1])})")
     assert found == []
+
+
+NORM_CLASSES = ("RMSNorm", "LayerNorm")  # in a norm class's name (Gemma3RMSNorm, nn.LayerNorm, ...)
+NORM_TABLES = ("NORMS", "RMS_OFFSETS", "SCALE_NORMS")  # tokenpatch.arch.norms' table and what is read from it
+
+
+def test_norm_classes_are_named_only_in_arch():
+    """Norm classes (``...RMSNorm``, ``...LayerNorm``) and their offsets are known in one table,
+    ``arch/norms.py`` (``NORMS``), which ``arch/float64.py`` and ``tokenpatch.testing`` read: outside
+    ``tokenpatch/arch/`` no code names a norm class (a name, an attribute, an imported name, a string
+    that is not a docstring), and no module re-exports the table, or a table read from it, in its
+    ``__all__``. Our own models' code (``tokenpatch/models/``) defines its layers and is exempt."""
+    found = []
+    for m in MODULES.values():
+        if m.name.split(".")[1:2] in (["arch"], ["models"]):
+            continue
+        tree = ast.parse(m.path.read_text(encoding="utf-8"))
+        scopes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docs = {
+            id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, scopes) and isinstance(n.body[0], ast.Expr)
+        }
+        from_arch = {  # names imported from tokenpatch.arch's modules
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("tokenpatch.arch")
+            for a in n.names
+        }
+        exported = {  # the module's __all__
+            e.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+            for e in getattr(n.value, "elts", [])
+            if isinstance(e, ast.Constant)
+        }
+        found += [f"{m.name}: re-exports {name}" for name in sorted(exported & from_arch) if name in NORM_TABLES]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                name = node.value
+            elif isinstance(node, ast.alias):
+                name = node.name
+            else:
+                name = getattr(node, "id", None) or getattr(node, "attr", None) or ""
+            if any(c in name for c in NORM_CLASSES):
+                found.append(f"{m.name}:{node.lineno} {name[:60]}")
+    assert found == []

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from tokenpatch.arch.norms import NORMS
+
 __all__ = ["perturbed", "TINY_HF", "tiny_hf_config", "tiny_hf_model", "float64_norms"]
 
 
@@ -204,22 +206,17 @@ def _rms_float64(offset: float):
 def float64_norms() -> Iterator[None]:
     """Inside the block, the RMSNorms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2/3, EXAONE 4, GLM-4),
     which compute in float32 whatever the model dtype, compute in the input's dtype; restored on exit.
-    With them a float64 model's patch is exact to ~1e-15 (without, to that float32 rounding)."""
-    modules = {
-        "gemma2": ("Gemma2RMSNorm", 1.0),
-        "gemma3": ("Gemma3RMSNorm", 1.0),
-        "olmo2": ("Olmo2RMSNorm", 0.0),
-        "olmo3": ("Olmo3RMSNorm", 0.0),
-        "exaone4": ("Exaone4RMSNorm", 0.0),
-        "glm4": ("Glm4RMSNorm", 0.0),
-    }
+    With them a float64 model's patch is exact to ~1e-15 (without, to that float32 rounding). Which
+    norms, and their offsets: the norm table ``tokenpatch.arch.norms.NORMS`` (its entries with a ``home``)."""
     saved = []
     try:
-        for family, (cls, offset) in modules.items():
-            norm = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls)
-            saved.append((norm, norm.forward))
-            norm.forward = _rms_float64(offset)
+        for cls, norm in NORMS.items():
+            if norm.home is None:
+                continue
+            module = getattr(importlib.import_module(norm.home), cls)
+            saved.append((module, module.forward))
+            module.forward = _rms_float64(norm.offset)
         yield
     finally:
-        for norm, forward in saved:
-            norm.forward = forward
+        for module, forward in saved:
+            module.forward = forward

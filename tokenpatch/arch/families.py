@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from tokenpatch.arch.family import Family
+from tokenpatch.arch.family import Family, MoE
 
 __all__ = ["Family", "FAMILIES"]
 
@@ -39,8 +39,8 @@ _QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key project
 _GATED = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 # Llama's block; the other designs below are written as what differs from it (or from Falcon's).
 _LLAMA = Family(
-    "llama",
-    (
+    name="llama",
+    model_types=(
         "llama",
         "mistral",
         "qwen2",
@@ -58,22 +58,20 @@ _LLAMA = Family(
         "seed_oss",
         "smollm3",
     ),
-    "layers",
-    "post_attention_layernorm",
-    "self_attn",
-    _GATED,
-    "mlp.down_proj",
+    mlp_norm="post_attention_layernorm",
+    inputs=_GATED,
+    down="mlp.down_proj",
     lone_zero=_QK,
     value="self_attn.v_proj",
 )
 _FALCON = Family(  # sequential (parallel_attn=False); its query, key and value are one fused matrix
-    "falcon",
-    ("falcon",),
-    "h",
-    "post_attention_layernorm",
-    "self_attention",
-    ("mlp.dense_h_to_4h.weight",),
-    "mlp.dense_4h_to_h",
+    name="falcon",
+    model_types=("falcon",),
+    layers="h",
+    mlp_norm="post_attention_layernorm",
+    attn="self_attention",
+    inputs=("mlp.dense_h_to_4h.weight",),
+    down="mlp.dense_4h_to_h",
     o_proj="self_attention.dense",
     when=lambda c: not c.parallel_attn and not c.new_decoder_architecture,
 )
@@ -86,43 +84,41 @@ _MIXTRAL = replace(
     model_types=("mixtral", "qwen3_moe", "olmoe"),
     inputs=("mlp.gate.weight", "mlp.experts.gate_up_proj"),
     down="mlp.experts",
-    experts=True,
-    dense="llama",
+    moe=MoE(dense="llama"),
 )
 _GPT2 = Family(
-    "gpt2",
-    ("gpt2", "gpt_bigcode"),
-    "h",
-    "ln_2",
-    "attn",
-    ("mlp.c_fc.weight",),
-    "mlp.c_proj",
+    name="gpt2",
+    model_types=("gpt2", "gpt_bigcode"),
+    layers="h",
+    mlp_norm="ln_2",
+    attn="attn",
+    inputs=("mlp.c_fc.weight",),
+    down="mlp.c_proj",
     o_proj="attn.c_proj",
     position_table="wpe",
 )
 _GPTJ = Family(
-    "gptj",
-    ("gptj",),
-    "h",
-    "ln_1",
-    "attn",
-    ("mlp.fc_in.weight",),
-    "mlp.fc_out",
+    name="gptj",
+    model_types=("gptj",),
+    layers="h",
+    mlp_norm="ln_1",
+    attn="attn",
+    inputs=("mlp.fc_in.weight",),
+    down="mlp.fc_out",
     parallel=lambda config: True,
     lone_zero=("attn.q_proj", "attn.k_proj"),
     o_proj="attn.out_proj",
     value="attn.v_proj",
 )
 _OPT = Family(  # no MLP module (fc1, fc2 run on [batch * positions, d]); learned positions offset by 2
-    "opt",
-    ("opt",),
-    "decoder.layers",
-    "final_layer_norm",
-    "self_attn",
-    ("fc1.weight",),
-    "fc2",
+    name="opt",
+    model_types=("opt",),
+    layers="decoder.layers",
+    mlp_norm="final_layer_norm",
+    inputs=("fc1.weight",),
+    down="fc2",
     mlp="fc1",
-    mlp_out="fc2",
+    matrices_out=True,
     lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
     o_proj="self_attn.out_proj",
     position_table="decoder.embed_positions",
@@ -133,15 +129,15 @@ _OPT = Family(  # no MLP module (fc1, fc2 run on [batch * positions, d]); learne
 # o_proj's and down's outputs); ALiBi positions; fused query, key and value. Configs whose residual is
 # the norm's output, or whose MLP bypasses its modules (pretraining_tp > 1, slow_but_exact), are refused.
 _BLOOM = Family(
-    "bloom",
-    ("bloom",),
-    "h",
-    "post_attention_layernorm",
-    "self_attention",
-    ("mlp.dense_h_to_4h.weight",),
-    "mlp.dense_4h_to_h",
+    name="bloom",
+    model_types=("bloom",),
+    layers="h",
+    mlp_norm="post_attention_layernorm",
+    attn="self_attention",
+    inputs=("mlp.dense_h_to_4h.weight",),
+    down="mlp.dense_4h_to_h",
     o_proj="self_attention.dense",
-    residual_inside=True,
+    matrices_out=True,
     when=lambda c: not c.apply_residual_connection_post_layernorm and not (c.pretraining_tp > 1 and c.slow_but_exact),
 )
 _PARALLEL = dict(mlp_norm="input_layernorm", parallel=lambda config: True)  # attention and MLP read one norm
@@ -156,18 +152,17 @@ FAMILIES: list[Family] = [
         name="gemma2",
         model_types=("gemma2", "gemma3_text"),
         mlp_norm="pre_feedforward_layernorm",
-        out_norm="post_feedforward_layernorm",
-        attn_out="post_attention_layernorm",
+        post_mlp_norm="post_feedforward_layernorm",
+        post_attn_norm="post_attention_layernorm",
     ),
     _GPT2,
     Family(
-        "gpt_neox",
-        ("gpt_neox",),
-        "layers",
-        "post_attention_layernorm",
-        "attention",
-        ("mlp.dense_h_to_4h.weight",),
-        "mlp.dense_4h_to_h",
+        name="gpt_neox",
+        model_types=("gpt_neox",),
+        mlp_norm="post_attention_layernorm",
+        attn="attention",
+        inputs=("mlp.dense_h_to_4h.weight",),
+        down="mlp.dense_4h_to_h",
         parallel=lambda config: bool(getattr(config, "use_parallel_residual", False)),
         o_proj="attention.dense",
     ),
@@ -195,8 +190,8 @@ FAMILIES: list[Family] = [
         name="olmo2",
         model_types=("olmo2", "olmo3", "exaone4"),
         mlp_norm=None,
-        out_norm="post_feedforward_layernorm",
-        attn_out="post_attention_layernorm",
+        post_mlp_norm="post_feedforward_layernorm",
+        post_attn_norm="post_attention_layernorm",
     ),
     # GLM-4: Gemma 2's four norms (scale w) around Phi-3's fused gate_up_proj
     replace(
@@ -204,8 +199,8 @@ FAMILIES: list[Family] = [
         name="glm4",
         model_types=("glm4",),
         inputs=("mlp.gate_up_proj.weight",),
-        out_norm="post_mlp_layernorm",
-        attn_out="post_self_attn_layernorm",
+        post_mlp_norm="post_mlp_layernorm",
+        post_attn_norm="post_self_attn_layernorm",
     ),
     # Parallel blocks: attention and MLP both read the norm of the layer input (Phi, GPT-J, Cohere,
     # StableLM with use_parallel_residual, Falcon), so the MLP input is the same in both passes and
@@ -290,15 +285,15 @@ FAMILIES: list[Family] = [
     replace(_GPTJ, name="codegen", model_types=("codegen",), lone_zero=(), o_proj="attn.out_proj", value=None),
     # MPT: the MLP module adds the residual itself (its contribution: down_proj's output); ALiBi
     Family(
-        "mpt",
-        ("mpt",),
-        "blocks",
-        "norm_2",
-        "attn",
-        ("ffn.up_proj.weight",),
-        "ffn.down_proj",
+        name="mpt",
+        model_types=("mpt",),
+        layers="blocks",
+        mlp_norm="norm_2",
+        attn="attn",
+        inputs=("ffn.up_proj.weight",),
+        down="ffn.down_proj",
         mlp="ffn",
-        mlp_out="ffn.down_proj",
+        matrices_out=True,
         o_proj="attn.out_proj",
     ),
     _BLOOM,
@@ -315,8 +310,7 @@ FAMILIES: list[Family] = [
         _OPT,
         name="opt_post",
         mlp_norm=None,
-        add_norm="self_attn_layer_norm",
-        sum_norm="final_layer_norm",
+        post_add_norms=("self_attn_layer_norm", "final_layer_norm"),
         when=lambda config: not config.do_layer_norm_before,
     ),
     # Mixture of experts with a shared expert: the router and every expert read the MLP input (one
@@ -324,21 +318,18 @@ FAMILIES: list[Family] = [
     # output shift goes into the shared expert's down_proj, divided by its sigmoid gate. Layers with
     # a plain MLP (``mlp_only_layers``) are patched as Llama's.
     Family(
-        "qwen2_moe",
-        ("qwen2_moe",),
-        "layers",
-        "post_attention_layernorm",
-        "self_attn",
-        (
+        name="qwen2_moe",
+        model_types=("qwen2_moe",),
+        mlp_norm="post_attention_layernorm",
+        inputs=(
             "mlp.gate.weight",
             "mlp.experts.gate_up_proj",
             "mlp.shared_expert.gate_proj.weight",
             "mlp.shared_expert.up_proj.weight",
             "mlp.shared_expert_gate.weight",
         ),
-        "mlp.shared_expert.down_proj",
-        down_gate="mlp.shared_expert_gate",
-        dense="llama",
+        down="mlp.shared_expert.down_proj",
+        moe=MoE(dense="llama", shared_gate="mlp.shared_expert_gate"),
         lone_zero=_QK,
         value="self_attn.v_proj",
     ),

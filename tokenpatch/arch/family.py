@@ -1,76 +1,250 @@
-"""``Family``: where a Hugging Face block design keeps what a patch needs, as names relative to a
-decoder layer. The records, one per design, are in ``arch.families``; ``arch.hf_modules`` reads them.
+"""``Family``: a Hugging Face block design as a table of its modules by role and position, names
+relative to a decoder layer, built by keyword. The records, one per design, are in ``arch.families``;
+``arch.hf_modules`` and ``arch.hf`` read them.
+
+A block, in the notation of ``docs/patch-theorem.md`` (``h`` the layer input, ``A`` the attention)::
+
+    sequential   a = post_attn_norm(A(h)) * r,   m = h + a  (then post_add_norms[0](m)),
+                 s = mlp_norm(m)  (s = m without one),
+                 out = m + post_mlp_norm(down(hidden)) * r  (then post_add_norms[1](out))
+    parallel     s = mlp_norm(h),  out = h + A(h) + MLP(s)      (m = h + A(h))
+
+``r`` is ``out_scale(config)`` (1 without one). Every role a reader needs beyond the fields (the module
+whose output is a sublayer's contribution, the module whose input is ``m``, whether ``s = m``, the
+experts, the recorded sites) is derived here, in one place, from the fields: a design is its fields.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Family"]
+from tokenpatch.errors import caller_stacklevel
+
+__all__ = ["Family", "MoE", "NamedSite"]
+
+
+def _always(config: Any) -> bool:
+    return True
+
+
+def _never(config: Any) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
-class Family:
-    """Where a block design keeps what the patch needs, as names relative to a decoder layer.
+class MoE:
+    """A mixture-of-experts MLP. ``dense``: the family of its layers with a plain MLP (Qwen3-MoE's
+    ``mlp_only_layers``). ``shared_gate``: a shared expert's gate module, whose sigmoid scales
+    ``Family.down`` (the shared expert's output matrix); ``None``: no shared expert, ``down`` is the
+    stacked experts (``arch.experts``)."""
 
-    ``layers``: the decoder layers' ``ModuleList`` under the base model (a dotted path). ``when``:
-    which configs of the ``model_types`` have this design (the first record whose ``when`` holds is
-    the model's: Falcon and StableLM have several). ``mlp_norm``: the norm whose output is the
-    MLP input ``s``; in a sequential block its input is ``m``; ``None``: the MLP reads the residual
-    stream itself (norms after the sublayers: OLMo 2/3, EXAONE 4), ``s = m``. ``attn``: the attention
-    module; a parallel block's ``m`` is the layer input plus its output. ``inputs``: the parameters
-    reading ``s`` (changed together through the input change of ``mlp``). ``mlp``: the module whose
-    input is ``s`` and whose output is the MLP's contribution. ``down``: the
-    MLP output matrix (its input is ``hidden``). ``out_norm``: a norm between the MLP and the
-    residual add (Gemma 2/3, OLMo 2/3, EXAONE 4), patched in its scale. ``down_gate``: a module whose sigmoid
-    scales ``down``'s output (a shared expert's gate). ``out_scale``: a constant the block multiplies
-    each sublayer's output by before the residual add (Granite's ``residual_multiplier``).
-    ``sum_norm``: a norm of the residual stream after the MLP's add (OPT-350m: the layer's output is
-    ``N(m + MLP(s))``); a token patch needs nothing of it (the output shift makes the sum it
-    normalises the with-context one), a thought patch fits the sum before it.
-    ``residual_inside``: the attention and MLP modules add the residual themselves (Bloom): a
-    sublayer's contribution is the output of ``o_proj`` and of ``down``.
-    ``mlp_out``: the module whose output is the MLP's contribution, if not ``mlp`` (OPT's MLP is no
-    module: ``fc1`` reads ``s``, ``fc2`` gives the output). ``add_norm``: a norm of the residual
-    stream right after the attention's add (OPT-350m's post-norm block: ``m = N(h + a)``).
-    ``parallel``: whether a model of this family (its config) has a parallel block. ``dense``: the
-    family of the layers that lack ``down`` (the plain MLP layers of a mixture-of-experts model).
-    ``lone_zero``: projections whose outputs a token alone does not need (its own query and key:
-    one attention weight, 1), skipped in the no-context pass. ``o_proj``: the attention's output
-    matrix, whose input is the heads' outputs side by side (per-head baselines read and patch it).
-    ``attn_out``: the module whose output is the attention's contribution to the residual stream,
-    if not ``attn`` (a norm after it: Gemma 2/3, OLMo 2). ``position_table``: the learned position
-    embedding under the base model (GPT-2's ``wpe``), whose size bounds the position ids; ``None``
-    for rotary positions. ``value``: the attention's own value projection, where the attention
-    output of a token alone is ``o_proj`` of its values (each key-value head repeated for the query
-    heads sharing it): the no-context pass of each query alone is then computed from the values
-    the with-context pass recorded (``HFAdapter.anchors``); ``None`` (fused projections, attentions
-    that do more than mix values): it runs the layers.
-    """
+    dense: str | None = "llama"
+    shared_gate: str | None = None
+
+
+@dataclass(frozen=True)
+class NamedSite:
+    """A named site of a layer: the ``LayerRecord`` field ``field`` is the input (``output=False``) or
+    the output of module ``module`` (a name under the layer; ``""``: the layer itself).
+
+    ``first``: read before every hook registered earlier (before a patch's input change: ``m`` and
+    ``s`` as the layer computes them). ``every``: recorded at every position, without a copy (the
+    values, read by a lone token's anchor). ``plus_h``: the field is the layer input plus this (a
+    parallel block's ``m = h + A(h)``). ``experts``: the chosen experts' weighted hidden states, from
+    the stacked-experts module's arguments (``arch.experts.scattered_hiddens``)."""
+
+    field: str
+    module: str
+    output: bool
+    first: bool = False
+    every: bool = False
+    plus_h: bool = False
+    experts: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """Where a block design keeps what a patch needs (module docstring), by role and position.
+
+    Which models: ``model_types`` and ``when`` (which of their configs; the first record whose ``when``
+    holds is the model's: Falcon and StableLM have several). ``parallel``: whether a config has a
+    parallel block. ``layers``: the decoder layers' ``ModuleList`` under the base model.
+
+    The attention: ``attn`` (its module), ``o_proj`` (its output matrix, whose input is the heads'
+    outputs side by side), ``lone_zero`` (projections a token alone does not need: its own query and
+    key, one attention weight, 1), ``value`` (its value projection, where a token alone's attention
+    output is ``o_proj`` of its values; ``None``: fused projections, or an attention that does more
+    than mix values, whose lone token runs the layers).
+
+    The MLP: ``mlp`` (the module whose input is ``s``, the input change's site), ``inputs`` (the
+    parameters reading ``s``), ``down`` (its output matrix, whose input is ``hidden``), ``moe`` (a
+    mixture of experts, ``MoE``).
+
+    The norms, by where they sit: ``mlp_norm`` before the MLP (its input ``m``, its output ``s``;
+    ``None``: the MLP reads the residual stream itself, ``s = m``); ``post_attn_norm`` and
+    ``post_mlp_norm`` on a sublayer's output before its residual add (Gemma 2/3, OLMo 2/3, GLM-4; the
+    one after the MLP is patched in its scale); ``post_add_norms``: norms after each residual add,
+    (after the attention's, after the MLP's) (OPT-350m: ``m = N(h + a)``, the layer outputs
+    ``N'(m + MLP(m))``; a token patch needs nothing of the second, a thought patch fits the sum).
+
+    The output side: ``out_scale`` (a constant the block multiplies each sublayer's output by, from the
+    config: Granite's ``residual_multiplier``), ``matrices_out`` (the sublayers' contributions are
+    their output matrices' outputs, ``o_proj``'s and ``down``'s: the modules add the residual
+    themselves, Bloom and MPT's MLP, or the MLP is no module, OPT), ``position_table`` (a learned
+    position embedding under the base model, GPT-2's ``wpe``, whose size bounds the position ids)."""
 
     name: str
     model_types: tuple[str, ...]
-    layers: str
-    mlp_norm: str | None
-    attn: str
+    when: Callable[[Any], bool] = _always
+    parallel: Callable[[Any], bool] = _never
+    layers: str = "layers"
+    attn: str = "self_attn"
+    o_proj: str = "self_attn.o_proj"
+    lone_zero: tuple[str, ...] = ()
+    value: str | None = None
+    mlp: str = "mlp"
     inputs: tuple[str, ...]
     down: str
-    out_norm: str | None = None
-    parallel: Callable[[Any], bool] = field(default=lambda config: False)
-    mlp: str = "mlp"
-    down_gate: str | None = None
-    dense: str | None = None
-    lone_zero: tuple[str, ...] = ()
-    o_proj: str = "self_attn.o_proj"
-    attn_out: str | None = None
-    position_table: str | None = None
-    when: Callable[[Any], bool] = field(default=lambda config: True)
+    moe: MoE | None = None
+    mlp_norm: str | None
+    post_attn_norm: str | None = None
+    post_mlp_norm: str | None = None
+    post_add_norms: tuple[str, str] | None = None
     out_scale: Callable[[Any], float] | None = None
-    experts: bool = False
-    value: str | None = None
-    mlp_out: str | None = None
-    residual_inside: bool = False
-    add_norm: str | None = None
-    sum_norm: str | None = None
+    matrices_out: bool = False
+    position_table: str | None = None
+
+    # ----------------------------------------------------------------- derived roles (the one place)
+    @property
+    def attention_output(self) -> str:
+        """The module whose output is the attention's contribution to the residual stream."""
+        return self.post_attn_norm or (self.o_proj if self.matrices_out else self.attn)
+
+    @property
+    def mlp_output(self) -> str:
+        """The module whose output is the MLP's contribution to the residual stream."""
+        return self.post_mlp_norm or (self.down if self.matrices_out else self.mlp)
+
+    @property
+    def m_reader(self) -> str:
+        """The module whose input is ``m`` (sequential blocks): the norm before the MLP, else the MLP."""
+        return self.mlp_norm or self.mlp
+
+    @property
+    def down_gate(self) -> str | None:
+        """A module whose sigmoid scales ``down``'s output (a shared expert's gate)."""
+        return None if self.moe is None else self.moe.shared_gate
+
+    @property
+    def experts(self) -> bool:
+        """``down`` is the stacked experts (a mixture of experts without a shared expert)."""
+        return self.moe is not None and self.moe.shared_gate is None
+
+    @property
+    def add_norm(self) -> str | None:
+        """A norm of the residual stream right after the attention's add (``m = N(h + a)``)."""
+        return None if self.post_add_norms is None else self.post_add_norms[0]
+
+    @property
+    def sum_norm(self) -> str | None:
+        """A norm of the residual stream after the MLP's add (the layer outputs ``N(m + MLP(s))``)."""
+        return None if self.post_add_norms is None else self.post_add_norms[1]
+
+    @property
+    def owned(self) -> tuple[str, ...]:
+        """The modules a layer's patch hooks or changes (each layer needs its own)."""
+        names = (self.mlp, self.mlp_norm, self.attn, self.down, self.post_mlp_norm, self.down_gate, self.add_norm)
+        return tuple(n for n in names if n)
+
+    def scale(self, config: Any) -> float:
+        """``r``: what the block multiplies each sublayer's output by (1 without ``out_scale``)."""
+        return 1.0 if self.out_scale is None else float(self.out_scale(config))
+
+    def sites(self, parallel: bool) -> tuple[NamedSite, ...]:
+        """The named sites a layer of this design records (``HFAdapter.recording``), in the order
+        their hooks are registered: ``h`` the layer's input, ``out`` its output; ``m`` the input of the
+        module reading it (before patches), or a parallel block's ``h`` plus the attention's output;
+        ``s`` the MLP norm's output, or the MLP's input where it reads ``m`` itself; ``hidden`` the
+        output matrix's input (the chosen experts' weighted hidden states); ``gate`` a shared
+        expert's gate logit; ``p`` the output matrix's output before a norm after the MLP; ``sum`` the
+        input of a norm after the MLP's add; ``v`` the values, at every position."""
+        s = (
+            NamedSite("s", self.mlp_norm, output=True)
+            if self.mlp_norm
+            else NamedSite("s", self.mlp, output=False, first=True)
+        )
+        m = (
+            NamedSite("m", self.attn, output=True, plus_h=True)
+            if parallel
+            else NamedSite("m", self.m_reader, output=False, first=True)
+        )
+        optional = (
+            (self.down_gate, NamedSite("gate", self.down_gate or "", output=True)),
+            (self.post_mlp_norm, NamedSite("p", self.down, output=True)),
+            (self.sum_norm, NamedSite("sum", self.sum_norm or "", output=False)),
+            (self.value, NamedSite("v", self.value or "", output=True, every=True)),
+        )
+        return (
+            NamedSite("h", "", output=False),
+            NamedSite("out", "", output=True),
+            s,
+            NamedSite("hidden", self.down, output=False, experts=self.experts),
+            m,
+            *(site for present, site in optional if present),
+        )
+
+
+# The spelling before issue 42, kept one release: positional arguments in the old order, and the
+# fields since renamed (``attn_out``, ``out_norm``) or folded into one (``residual_inside`` and
+# ``mlp_out`` into ``matrices_out``; ``add_norm`` and ``sum_norm`` into ``post_add_norms``;
+# ``experts``, ``dense`` and ``down_gate`` into ``moe``).
+_OLD_ORDER = ("name", "model_types", "layers", "mlp_norm", "attn", "inputs", "down")
+_OLD_FIELDS = ("attn_out", "out_norm", "residual_inside", "mlp_out", "add_norm", "sum_norm", "experts", "dense")
+_RENAMED = {"attn_out": "post_attn_norm", "out_norm": "post_mlp_norm", "dense": "moe.dense"}
+
+
+def _old_spelling(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def call(self, *args, **kwargs):
+        if args or kwargs.keys() & {*_OLD_FIELDS, "down_gate"}:
+            warnings.warn(
+                "Family(...) by position or with the fields of 0.2 (attn_out, out_norm, residual_inside, "
+                "mlp_out, add_norm, sum_norm, experts, dense, down_gate) is deprecated; build it by keyword "
+                "(post_attn_norm, post_mlp_norm, matrices_out, post_add_norms, moe=MoE(...))",
+                DeprecationWarning,
+                stacklevel=caller_stacklevel(),
+            )
+            kw = {**dict(zip(_OLD_ORDER, args)), **kwargs}
+            for old in ("attn_out", "out_norm"):
+                if old in kw:
+                    kw[_RENAMED[old]] = kw.pop(old)
+            if kw.pop("residual_inside", False) | bool(kw.pop("mlp_out", None)):
+                kw["matrices_out"] = True
+            added = (kw.pop("add_norm", None), kw.pop("sum_norm", None))
+            if any(added):
+                kw["post_add_norms"] = added
+            experts, dense, gate = kw.pop("experts", False), kw.pop("dense", None), kw.pop("down_gate", None)
+            if experts or dense or gate:
+                kw["moe"] = MoE(dense=dense, shared_gate=gate)
+            args, kwargs = (), kw
+        init(self, *args, **kwargs)
+
+    return call
+
+
+def _old_field(self: Family, name: str) -> Any:
+    """``attn_out``, ``out_norm`` and ``dense`` read by their names before issue 42 (kept one release)."""
+    if name not in _RENAMED:
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    warnings.warn(
+        f"Family.{name} is deprecated; read Family.{_RENAMED[name]}", DeprecationWarning, stacklevel=caller_stacklevel()
+    )
+    return getattr(self.moe, "dense", None) if name == "dense" else getattr(self, _RENAMED[name])
+
+
+Family.__init__ = _old_spelling(Family.__init__)
+Family.__getattr__ = _old_field

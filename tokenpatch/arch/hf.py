@@ -26,6 +26,7 @@ part of ``HFAdapter`` that names modules); ``arch.hf_inputs`` adds the inputs an
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,9 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch.experts import scattered_hiddens
-from tokenpatch.arch.family import Family
+from tokenpatch.arch.family import Family, NamedSite
 from tokenpatch.arch.hf_inputs import CONFIG_IGNORED, HFInputs
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
+from tokenpatch.arch.record import LayerRecord
 from tokenpatch.errors import InputError
 
 __all__ = ["HFAdapter", "EAGER_NAN", "output_tensor", "registered_hooks"]
@@ -48,24 +50,35 @@ EAGER_NAN = (
 )
 
 
-def check_finite(rec: list[dict[str, Tensor]], padded: bool, first: int = 0) -> None:
+def check_finite(rec: list[LayerRecord], padded: bool, first: int = 0) -> None:
     """Raise if the recorded states of layers ``first, first + 1, ...`` hold NaN or inf, naming the
     first such layer (a non-finite value anywhere reaches the last layer's output through the
     residual stream: one check suffices)."""
-    out = rec[-1]["out"]
+    out = rec[-1].out
     if bool(torch.isfinite(out.sum())) or bool(torch.isfinite(out).all()):  # one cheap reduction first
         return
     for i, r in enumerate(rec, first):
-        if not all(bool(torch.isfinite(t).all()) for t in r.values()):
+        if not all(bool(torch.isfinite(t).all()) for t in r.tensors().values()):
             hint = EAGER_NAN if padded else ""
             raise InputError(f"the model's own forward gives non-finite states at the queries at layer {i}{hint}")
 
 
-def _before_patches(module: nn.Module):
-    """Registers a forward pre-hook on ``module`` that runs before any registered earlier: on the MLP
-    (which reads ``m`` itself where no norm comes first), before a patch's input change, so ``m`` and
-    ``s`` are recorded as the layer computes them, unchanged, as a norm's hooks would see them."""
-    return lambda hook: module.register_forward_pre_hook(hook, prepend=True)
+def _register(module: nn.Module, site: NamedSite) -> Callable:
+    """How a hook on ``site`` is registered on ``module``: a forward hook on its output, or a pre-hook
+    (with the keyword arguments) on its input, ahead of any registered earlier where ``site.first``:
+    on the MLP, which reads ``m`` itself where no norm comes first, before a patch's input change, so
+    ``m`` and ``s`` are recorded as the layer computes them, unchanged, as a norm's hooks would see them."""
+    if site.output:
+        return module.register_forward_hook
+    return functools.partial(module.register_forward_pre_hook, prepend=site.first, with_kwargs=True)
+
+
+def _read(site: NamedSite, args: tuple, third: Any) -> Tensor:
+    """The tensor at ``site`` from a hook's arguments: ``third`` is the module's output (a forward
+    hook) or its keyword arguments (a pre-hook, whose input may come as ``hidden_states``)."""
+    if site.output:
+        return output_tensor(third)
+    return args[0] if args else third["hidden_states"]
 
 
 class _Zero(nn.Module):
@@ -119,55 +132,47 @@ class HFAdapter(HFInputs):
     @contextlib.contextmanager
     def recording(
         self, model: nn.Module, query: Tensor, every: bool = False, on_layer: Callable | None = None
-    ) -> Iterator[list[dict[str, Tensor]]]:
-        """Hooks that record, during any forward of ``model`` inside the block, per layer ``h, m, s,
-        hidden, out`` (and ``p``, the MLP output before a norm after it; ``gate``, a shared expert's
-        gate logit; ``v``, the values, where ``Family.value`` names them; ``sum``, the input of a norm after
-        the MLP's add, ``Family.sum_norm``) at positions ``query`` of the
-        sequence run ``[B, Q, .]`` (``every``: the query is every position in order, kept without a
-        copy); the list is filled on exit (``m`` of a parallel block is ``h`` plus the attention
-        output). ``on_layer(i, states)``: called as each layer finishes, with its states, which are
-        then dropped (its entry in the list stays empty)."""
+    ) -> Iterator[list[LayerRecord]]:
+        """Hooks that record, during any forward of ``model`` inside the block, each layer's named sites
+        (``Family.sites``: ``h, m, s, hidden, out``, and ``p``, ``gate``, ``v``, ``sum`` where the design
+        has them) at positions ``query`` of the sequence run, ``[B, Q, .]`` (``every``: the query is every
+        position in order, kept without a copy), as one ``LayerRecord`` per layer, filled on exit.
+        ``on_layer(i, states)``: called as each layer finishes, with its record, which is then dropped
+        (its entry in the list stays empty)."""
         parallel = self.family(model).parallel(model.config)
-        rec: list[dict[str, Tensor]] = [{} for _ in range(self.n_layers(model))]
-
-        shape: list[int] = []  # [batch, pos] of the sequences running (set by each layer's first hook)
+        rec = [LayerRecord() for _ in range(self.n_layers(model))]
+        shape: list[int] = []  # [batch, pos] of the sequences running (set by each [B, T, .] tensor read)
         paused: list[bool] = []  # non-empty while on_layer runs (it calls the layer's modules on other inputs)
 
-        def grab(i, key, take_input, every=every):
-            def hook(module, args, *rest):
+        def take(t: Tensor, everywhere: bool) -> Tensor:
+            if t.ndim == 2:  # a module run on the flattened tokens [batch * pos, .] (inside an MoE block)
+                t = t.view(*shape, -1)
+            else:
+                shape[:] = t.shape[:2]
+            return t if everywhere else t[:, query.to(t.device)]
+
+        def grab(i: int, site: NamedSite) -> Callable:
+            def hook(module, args, third):
                 if paused:
                     return
-                kwargs = rest[0] if take_input and rest and isinstance(rest[0], dict) else {}
-                t = (args[0] if args else kwargs["hidden_states"]) if take_input else output_tensor(rest[-1])
-                if key == "h":
-                    shape[:] = t.shape[:2]
-                if t.ndim == 2:  # a module run on the flattened tokens [batch * pos, .] (inside an MoE block)
-                    t = t.view(*shape, -1)
-                rec[i][key] = t if every else t[:, query.to(t.device)]
+                if site.experts:  # experts(x [B*T, d], index [B*T, K], weights [B*T, K])
+                    x, index, weights = (take(t, every) for t in args[:3])
+                    z = scattered_hiddens(module, x.flatten(0, 1), index.flatten(0, 1), weights.flatten(0, 1))
+                    t = z.view(*x.shape[:2], -1)  # [B, Q, E * I]
+                else:
+                    t = take(_read(site, args, third), every or site.every)
+                setattr(rec[i], site.field, rec[i].h + t if site.plus_h else t)
 
             return hook
 
-        def experts_hidden(i):
-            def hook(module, args):  # experts(x [B*T, d], index [B*T, K], weights [B*T, K])
-                x, index, weights = (
-                    t.view(*shape, -1) if every else t.view(*shape, -1)[:, query.to(t.device)] for t in args[:3]
-                )
-                z = scattered_hiddens(module, x.flatten(0, 1), index.flatten(0, 1), weights.flatten(0, 1))
-                rec[i]["hidden"] = z.view(*x.shape[:2], -1)  # [B, Q, E * I]
+        def complete(i: int) -> None:  # the sites recorded at every position, at the queries
+            if not every:
+                for site in sites[i]:
+                    t = getattr(rec[i], site.field)
+                    if site.every and t is not None:
+                        setattr(rec[i], site.field, t[:, query.to(t.device)])
 
-            return hook
-
-        def complete(i):  # the states of layer i from what its hooks recorded
-            r = rec[i]
-            if "v" in r and not every:
-                r["v"] = r["v"][:, query.to(r["v"].device)]
-            if parallel and "a" in r:  # a layer the forward reached (a caller may end it early)
-                r["m"] = r["h"] + r.pop("a")
-            if s_is_m[i] and "m" in r:
-                r["s"] = r["m"]
-
-        def finished(i):
+        def finished(i: int) -> Callable:
             def hook(module, args, out):
                 complete(i)
                 paused.append(True)
@@ -175,39 +180,17 @@ class HFAdapter(HFInputs):
                     on_layer(i, rec[i])
                 finally:
                     paused.clear()
-                rec[i] = {}
+                rec[i] = LayerRecord()
 
             return hook
 
-        pairs, s_is_m = [], []  # s_is_m: layers whose MLP reads the residual stream itself
+        pairs, sites = [], []
         for i in range(len(rec)):
-            site = self._sites_of(model, i)
-            s_is_m.append("mlp_norm" not in site)
-            pairs.append(
-                (lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True), grab(i, "h", True))
-            )
-            pairs.append((site["layer"].register_forward_hook, grab(i, "out", False)))
-            if on_layer is not None:  # after the "out" hook: hooks run in the order registered
-                pairs.append((site["layer"].register_forward_hook, finished(i)))
-            if "mlp_norm" in site:
-                pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
-            if self._layer_family(model, i).experts:  # the chosen experts' weighted hidden states z
-                pairs.append((site["down"].register_forward_pre_hook, experts_hidden(i)))
-            else:
-                pairs.append((site["down"].register_forward_pre_hook, grab(i, "hidden", True)))
-            if "down_gate" in site:
-                pairs.append((site["down_gate"].register_forward_hook, grab(i, "gate", False)))
-            if self._layer_family(model, i).out_norm is not None:  # the MLP output before its norm
-                pairs.append((site["down"].register_forward_hook, grab(i, "p", False)))
-            if parallel:
-                pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
-            else:  # the norm's input, or the MLP's where it reads the residual stream itself (s = m)
-                pairs.append((_before_patches(site.get("mlp_norm", site["mlp"])), grab(i, "m", True)))
-            if self._layer_family(model, i).sum_norm is not None:  # the sum a norm after the MLP's add reads
-                norm = site["layer"].get_submodule(self._layer_family(model, i).sum_norm)
-                pairs.append((norm.register_forward_pre_hook, grab(i, "sum", True)))
-            if "value" in site:  # every position, no copy: an in-place change of the values (OLMo's clip_qkv) shows
-                pairs.append((site["value"].register_forward_hook, grab(i, "v", False, every=True)))
+            fam, layer = self._layer(model, i)
+            sites.append(fam.sites(parallel))
+            pairs += [(_register(layer.get_submodule(site.module), site), grab(i, site)) for site in sites[i]]
+            if on_layer is not None:  # after the "out" site: hooks run in the order registered
+                pairs.append((layer.register_forward_hook, finished(i)))
         with registered_hooks(pairs):
             yield rec
         for i in range(len(rec)):
@@ -215,7 +198,7 @@ class HFAdapter(HFInputs):
 
     def trace(
         self, model: nn.Module, inputs: dict, query: list[int], on_layer: Callable | None = None
-    ) -> list[dict[str, Tensor]]:
+    ) -> list[LayerRecord]:
         """The with-context pass: per layer ``h, m, s, hidden, out`` at the query positions ``[B, Q, .]``
         and ``first`` ``[B, Q]``, whether a query has no token before it (the first real one of its row);
         with ``on_layer``, given to it layer by layer instead (``recording``), each checked finite first."""
@@ -227,14 +210,14 @@ class HFAdapter(HFInputs):
 
         def checked(i, states):
             check_finite([states], padded, first=i)
-            on_layer(i, {**states, "first": first})
+            on_layer(i, states.replace(first=first))
 
         with self.recording(model, at, every, None if on_layer is None else checked) as rec:
             model.base_model(**self._forward_kwargs(inputs))
         if on_layer is None:
             check_finite(rec, padded)
             for r in rec:
-                r["first"] = first
+                r.first = first
         return rec
 
     def anchors(
@@ -242,20 +225,23 @@ class HFAdapter(HFInputs):
         model: nn.Module,
         inputs: dict,
         query: list[int],
-        rec: list[dict[str, Tensor]],
+        rec: list[LayerRecord],
         kept: list[int] | None = None,
     ):
         """The no-context pass: per layer ``(m_0, s_0)`` at the queries ``[B, Q, .]``. Each query alone
         (``kept=None``), or the kept tokens as one sequence (a chunk removed). The input of layer
-        ``i > 0`` at a query is the with-context state ``rec[i]["h"]`` (the patched layers below
-        reproduce it); other kept tokens run unpatched, as ``functional_call`` runs them."""
+        ``i > 0`` at a query is the with-context state ``rec[i].h`` (the patched layers below
+        reproduce it); other kept tokens run unpatched, as ``functional_call`` runs them. The sites
+        read are the recording's (``Family.sites``) of ``m`` and ``s`` (and ``h``, which a parallel
+        block's ``m`` adds to)."""
         alone = self.alone_anchor(model) if kept is None else None
         if alone is not None:
             return [alone(i, r) for i, r in enumerate(rec)]
         parallel = self.family(model).parallel(model.config)
         batch, n_q = len(inputs["input_ids"]), len(query)
-        out: list[dict[str, Tensor]] = [{} for _ in rec]
+        out = [LayerRecord() for _ in rec]
         at = None if kept is None else torch.tensor([kept.index(q) for q in query])  # queries in the kept sequence
+        wanted = ("h", "m", "s") if parallel else ("m", "s")
 
         def pick(t: Tensor) -> Tensor:  # [B*Q, 1, .] or [B, K, .] -> [B, Q, .]
             if t.ndim == 2:  # a module run on the flattened tokens (OPT's MLP, inside an MoE block)
@@ -266,49 +252,35 @@ class HFAdapter(HFInputs):
             def hook(module, args, kwargs):
                 h = args[0] if args else kwargs["hidden_states"]
                 if at is None:
-                    h = rec[i]["h"].reshape(batch * n_q, 1, -1)
+                    h = rec[i].h.reshape(batch * n_q, 1, -1)
                 else:
-                    h = h.index_copy(1, at.to(h.device), rec[i]["h"].to(h.dtype))
+                    h = h.index_copy(1, at.to(h.device), rec[i].h.to(h.dtype))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
 
             return hook
 
-        def grab(i, key, take_input):
-            def hook(module, args, *rest):
-                out[i][key] = pick(args[0] if take_input else output_tensor(rest[-1]))
-
-            return hook
-
-        def record(i):
-            def hook(module, args, kwargs):
-                out[i]["h"] = pick(args[0] if args else kwargs["hidden_states"])
+        def grab(i: int, site: NamedSite) -> Callable:
+            def hook(module, args, third):
+                t = pick(_read(site, args, third))
+                setattr(out[i], site.field, out[i].h + t if site.plus_h else t)
 
             return hook
 
         pairs = []
         for i in range(len(rec)):
-            site = self._sites_of(model, i)
-            register = lambda h, mod=site["layer"]: mod.register_forward_pre_hook(h, with_kwargs=True)
-            if i > 0:
-                pairs.append((register, swap(i)))
-            elif parallel:
-                pairs.append((register, record(i)))
-            if "mlp_norm" in site:
-                pairs.append((site["mlp_norm"].register_forward_hook, grab(i, "s", False)))
-            if parallel:
-                pairs.append((site["attn"].register_forward_hook, grab(i, "a", False)))
-            else:
-                pairs.append((_before_patches(site.get("mlp_norm", site["mlp"])), grab(i, "m", True)))
+            fam, layer = self._layer(model, i)
+            if i > 0:  # before the sites: the layer input they read is the with-context one
+                pairs.append((functools.partial(layer.register_forward_pre_hook, with_kwargs=True), swap(i)))
+            for site in fam.sites(parallel):
+                if site.field in wanted:
+                    pairs.append((_register(layer.get_submodule(site.module), site), grab(i, site)))
         stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
         # each layer's output is read only where the next layer's input is not replaced: with a chunk
         # removed the other kept tokens need the whole layer, each query alone needs no MLP at all
         skip = _lone_pass(self.layers(model), self.family(model)) if kept is None else contextlib.nullcontext()
         with registered_hooks(pairs), skip:
             model.base_model(**stripped, use_cache=False)
-        if parallel:  # m_0 = (the layer input) + (the lone token's attention output)
-            for i, o in enumerate(out):
-                o["m"] = (rec[i]["h"] if i > 0 else o.pop("h")) + o.pop("a")
-        return [(o["m"], o.get("s", o["m"])) for o in out]  # no norm before the MLP: s = m
+        return [(o.m, o.s) for o in out]
 
     @staticmethod
     def _forward_kwargs(inputs: dict) -> dict:

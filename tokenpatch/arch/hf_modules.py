@@ -20,7 +20,9 @@ from tokenpatch.arch.experts import OUTPUT_MATRIX, stacked_experts
 from tokenpatch.arch.families import FAMILIES
 from tokenpatch.arch.family import Family
 from tokenpatch.arch.float64 import linear64, norm64
-from tokenpatch.arch.sites import OutputSite, Sites
+from tokenpatch.arch.outputs import BiasOutput, ExpertsOutput, GatedOutput, MatrixOutput, ScaledMatrixOutput
+from tokenpatch.arch.record import LayerRecord
+from tokenpatch.arch.sites import Sites
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.per_model import PerModel
 
@@ -62,32 +64,20 @@ class HFModules(Adapter):
         return seen[1][i]
 
     def _layer_family(self, model: nn.Module, i: int) -> Family:
-        """The family record of layer ``i``: the model's, or its ``dense`` one where the layer has a
+        """The family record of layer ``i``: the model's, or its ``MoE.dense`` one where the layer has a
         plain MLP (a mixture-of-experts model's dense layers)."""
         fam, layer = self.family(model), self.layers(model)[i]
         try:
             layer.get_submodule(fam.down)
             return fam
         except AttributeError:
-            if fam.dense is None:
+            if fam.moe is None or fam.moe.dense is None:
                 raise
-            return next(f for f in FAMILIES if f.name == fam.dense)
+            return next(f for f in FAMILIES if f.name == fam.moe.dense)
 
-    def _sites_of(self, model: nn.Module, i: int) -> dict[str, nn.Module]:
-        fam, layer = self._layer_family(model, i), self.layers(model)[i]
-        out = {
-            "layer": layer,
-            "mlp": layer.get_submodule(fam.mlp),
-            "attn": layer.get_submodule(fam.attn),
-            "down": layer.get_submodule(fam.down),
-        }
-        if fam.mlp_norm is not None:
-            out["mlp_norm"] = layer.get_submodule(fam.mlp_norm)
-        if fam.down_gate is not None:
-            out["down_gate"] = layer.get_submodule(fam.down_gate)
-        if fam.value is not None:
-            out["value"] = layer.get_submodule(fam.value)
-        return out
+    def _layer(self, model: nn.Module, i: int) -> tuple[Family, nn.Module]:
+        """Layer ``i``'s family record (``_layer_family``) and the layer, whose submodules its names name."""
+        return self._layer_family(model, i), self.layers(model)[i]
 
     def check_model(self, model: nn.Module) -> None:
         """Refuse a model that is not a causal LM (a base model, a sequence or token classifier: no LM
@@ -101,9 +91,8 @@ class HFModules(Adapter):
             )
         owner: dict[int, int] = {}
         for i, layer in enumerate(self.layers(model)):
-            fam = self._layer_family(model, i)
-            names = (fam.mlp, fam.mlp_norm, fam.attn, fam.down, fam.out_norm, fam.down_gate, fam.add_norm)
-            for name, module in [("the layer", layer), *((n, layer.get_submodule(n)) for n in names if n)]:
+            owned = self._layer_family(model, i).owned
+            for name, module in [("the layer", layer), *((n, layer.get_submodule(n)) for n in owned)]:
                 j = owner.setdefault(id(module), i)
                 if j != i:
                     raise UnsupportedModelError(
@@ -116,26 +105,26 @@ class HFModules(Adapter):
             )
 
     def sites(self, model: nn.Module, i: int) -> Sites:
-        fam, p = self._layer_family(model, i), self._prefix(model, i)
+        (fam, layer), p = self._layer(model, i), self._prefix(model, i)
         parallel = fam.parallel(model.config)
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
-        down = self._sites_of(model, i)["down"]
-        scale = 1.0 if fam.out_scale is None else fam.out_scale(model.config)
+        down = layer.get_submodule(fam.down)
+        scale = fam.scale(model.config)
         if fam.experts:
             if not stacked_experts(down, f"{p}{fam.down}"):
                 raise UnsupportedModelError(
                     f"{p}{fam.down} ({type(down).__name__}) is not a stacked-experts module of transformers "
                     "(use_experts_implementation): its output matrices are unknown"
                 )
-            output = OutputSite("experts", f"{p}{fam.down}.{OUTPUT_MATRIX}", scale=scale)
+            output = ExpertsOutput(f"{p}{fam.down}.{OUTPUT_MATRIX}", scale=scale)
         elif fam.down_gate is not None:
-            output = OutputSite("gated", f"{p}{fam.down}.weight", scale=scale)
-        elif fam.out_norm is not None:
-            output = OutputSite("matrix+scale", f"{p}{fam.down}.weight", f"{p}{fam.out_norm}.weight", scale=scale)
+            output = GatedOutput(f"{p}{fam.down}.weight", scale=scale)
+        elif fam.post_mlp_norm is not None:
+            output = ScaledMatrixOutput(f"{p}{fam.down}.weight", f"{p}{fam.post_mlp_norm}.weight", scale=scale)
         elif getattr(down, "bias", None) is not None:
-            output = OutputSite("bias", f"{p}{fam.down}.bias", scale=scale)
+            output = BiasOutput(f"{p}{fam.down}.bias", scale=scale)
         else:
-            output = OutputSite("matrix", f"{p}{fam.down}.weight", scale=scale)
+            output = MatrixOutput(f"{p}{fam.down}.weight", scale=scale)
         sum_norm = None if fam.sum_norm is None else f"{p}{fam.sum_norm}"
         return Sites(inputs, output, None if parallel else f"{p}{fam.mlp}", sum_norm)
 
@@ -150,18 +139,15 @@ class HFModules(Adapter):
 
     def attention_outputs(self, model: nn.Module) -> list[nn.Module]:
         fam = self.family(model)
-        name = fam.attn_out or (fam.o_proj if fam.residual_inside else fam.attn)
-        return [layer.get_submodule(name) for layer in self.layers(model)]
+        return [layer.get_submodule(fam.attention_output) for layer in self.layers(model)]
 
     def mlp_outputs(self, model: nn.Module) -> list[nn.Module]:
-        return [
-            layer.get_submodule(fam.out_norm or fam.mlp_out or (fam.down if fam.residual_inside else fam.mlp))
-            for fam, layer in ((self._layer_family(model, i), layer) for i, layer in enumerate(self.layers(model)))
-        ]
+        layers = (self._layer(model, i) for i in range(self.n_layers(model)))
+        return [layer.get_submodule(fam.mlp_output) for fam, layer in layers]
 
     def attention_norms(self, model: nn.Module) -> list[nn.Module | None]:
-        fam = self.family(model)
-        return [None if fam.attn_out is None else layer.get_submodule(fam.attn_out) for layer in self.layers(model)]
+        name = self.family(model).post_attn_norm
+        return [None if name is None else layer.get_submodule(name) for layer in self.layers(model)]
 
     def mlp_input_from_heads(self, model: nn.Module, i: int, h: Tensor) -> Callable[[Tensor], Tensor]:
         fam = self.family(model)
@@ -172,10 +158,12 @@ class HFModules(Adapter):
             )
         layer = self.layers(model)[i]
         o_proj = linear64(layer.get_submodule(fam.o_proj))
-        post = norm64(layer.get_submodule(fam.attn_out), fam.attn_out) if fam.attn_out else (lambda a: a)
-        mlp_norm = norm64(layer.get_submodule(fam.mlp_norm), fam.mlp_norm) if fam.mlp_norm else (lambda a: a)
-        added = norm64(layer.get_submodule(fam.add_norm), fam.add_norm) if fam.add_norm else (lambda a: a)
-        scale = 1.0 if fam.out_scale is None else fam.out_scale(model.config)  # Granite's residual multiplier
+
+        def norm(name: str | None) -> Callable[[Tensor], Tensor]:  # the norm there, or none
+            return (lambda a: a) if name is None else norm64(layer.get_submodule(name), name)
+
+        post, mlp_norm, added = norm(fam.post_attn_norm), norm(fam.mlp_norm), norm(fam.add_norm)
+        scale = fam.scale(model.config)  # Granite's residual multiplier
         return lambda z: mlp_norm(added(h + scale * post(o_proj(z))))
 
     def attention_patterns(self, model: nn.Module, inputs: Any) -> list[Tensor]:
@@ -208,17 +196,17 @@ class HFModules(Adapter):
     def alone_anchor(self, model: nn.Module) -> Callable | None:
         """``(i, states) -> (m_0, s_0)`` of each query alone at layer ``i`` from its with-context states
         (``_alone_from_values``) where every layer's family names its values; else ``None``."""
-        sites = [self._sites_of(model, i) for i in range(self.n_layers(model))]
-        if all("value" in site and hasattr(site["attn"], "head_dim") for site in sites):
+        layers = [self._layer(model, i) for i in range(self.n_layers(model))]
+        if all(fam.value is not None and hasattr(layer.get_submodule(fam.attn), "head_dim") for fam, layer in layers):
             return functools.partial(self._alone_from_values, model)
         return None
 
-    def _alone_from_values(self, model: nn.Module, i: int, r: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def _alone_from_values(self, model: nn.Module, i: int, r: LayerRecord) -> tuple[Tensor, Tensor]:
         """Each query alone at layer ``i``, from the values ``v`` the with-context pass recorded there.
 
         A token alone attends to itself only (one attention weight, 1), so its attention output is
         ``a_0 = W_o [v; ...; v]``, each key-value head repeated for the query heads sharing it; the
-        layer then applies what follows the attention (``Family.attn_out``, ``out_scale``) and adds
+        layer then applies what follows the attention (``Family.post_attn_norm``, ``out_scale``) and adds
         ``m_0 = h + a_0`` (through ``Family.add_norm`` where the block has one), the layer input ``h``
         being the with-context one (the patched layers below reproduce it). ``s_0``: the MLP's norm of
         ``m_0``; ``m_0`` where the MLP reads the residual stream; a parallel block's MLP reads the layer
@@ -226,30 +214,30 @@ class HFModules(Adapter):
         (the query and key projections, the attention itself, the MLP) is never run for them.
 
         The repeat is folded into ``W_o`` (``[W_1 .. W_G] [v; ..; v] = (W_1 + .. + W_G) v`` per key-value
-        head: a product ``G`` times smaller). A query with nothing before it (``r["first"]``, from
+        head: a product ``G`` times smaller). A query with nothing before it (``r.first``, from
         ``trace``) has the same ``(m, s)`` with and without the context: it keeps its recorded ones,
         the same to the bit (a post-MLP norm's patch is then exactly zero, ``solve.output_patch_scaled``)."""
-        fam, site = self._layer_family(model, i), self._sites_of(model, i)
-        o_proj, v = site["layer"].get_submodule(fam.o_proj), r["v"]  # v [B, Q, kv_heads * head_dim]
-        a = _lone_attention(o_proj, v, site["attn"].head_dim)  # [B, Q, d]
-        if fam.attn_out is not None:
-            a = site["layer"].get_submodule(fam.attn_out)(a)
+        fam, layer = self._layer(model, i)
+        o_proj, v = layer.get_submodule(fam.o_proj), r.v  # v [B, Q, kv_heads * head_dim]
+        a = _lone_attention(o_proj, v, layer.get_submodule(fam.attn).head_dim)  # [B, Q, d]
+        if fam.post_attn_norm is not None:
+            a = layer.get_submodule(fam.post_attn_norm)(a)
         if fam.out_scale is not None:
             a = a * fam.out_scale(model.config)
-        m = r["h"] + a
+        m = r.h + a
         if fam.add_norm is not None:  # a norm after the add (OPT-350m): m = N(h + a)
-            m = site["layer"].get_submodule(fam.add_norm)(m)
-        first = r.get("first")  # [B, Q]  queries with no context: their recorded rows, written in place
+            m = layer.get_submodule(fam.add_norm)(m)
+        first = r.first  # [B, Q]  queries with no context: their recorded rows, written in place
         rows = first.to(m.device).nonzero(as_tuple=True) if first is not None and bool(first.any()) else None
         if rows is not None:  # m: a new tensor (the sum above)
-            m[rows] = r["m"][rows]
+            m[rows] = r.m[rows]
         if self.family(model).parallel(model.config):
-            return m, r["s"]
-        if "mlp_norm" not in site:
+            return m, r.s
+        if fam.mlp_norm is None:
             return m, m
-        s = site["mlp_norm"](m)
+        s = layer.get_submodule(fam.mlp_norm)(m)
         if rows is not None:
-            s[rows] = r["s"][rows]
+            s[rows] = r.s[rows]
         return m, s
 
 

@@ -1,10 +1,14 @@
-"""The norms a patch reads or changes: their epsilon, whatever their class calls it, and the RMSNorms
-whose scale a patch may change after the MLP (Gemma 2/3, OLMo 2/3, EXAONE 4, GLM-4), with the normalised input that
-scale multiplies."""
+"""The norms tokenpatch reads or changes, by class, in ONE table (``NORMS``): how each computes, its
+scale's offset (Gemma's ``1 + w``), and which RMSNorms a patch may change the scale of after the MLP
+(Gemma 2/3, OLMo 2/3, EXAONE 4, GLM-4), with the normalised input that scale multiplies. Everything
+else that names a norm class reads this table: ``arch.float64`` (the float64 copies the head patches
+differentiate), ``SCALE_NORMS`` and ``tokenpatch.testing.float64_norms``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +17,7 @@ from tokenpatch.arch.layouts import by_class
 from tokenpatch.errors import UnsupportedModelError
 from tokenpatch.offload import value
 
-__all__ = ["SCALE_NORMS", "scale_norm", "norm_eps", "float32_scale_norms"]
+__all__ = ["NORMS", "NormClass", "SCALE_NORMS", "RMS_OFFSETS", "scale_norm", "norm_eps", "float32_scale_norms"]
 
 
 def norm_eps(module: nn.Module) -> float:
@@ -27,16 +31,53 @@ def _rms_unit(module: nn.Module, x: Tensor) -> Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps(module))
 
 
-# Norms whose scale a patch may change: class name -> (the normalised input the scale multiplies,
-# the constant added to the weight to give the scale). ``out = (offset + w) * unit(x)``, so a
-# delta ``dw`` adds ``dw * unit(x)``.
+@dataclass(frozen=True)
+class NormClass:
+    """How a norm class computes: ``out = (offset + w) * unit(x) (+ b)``.
+
+    ``rms``: ``unit(x) = x / sqrt(mean(x^2) + eps)`` (else a LayerNorm's ``(x - mean) / sqrt(var + eps)``).
+    ``offset``: the constant added to the weight to give the scale (Gemma's ``1 + w``). ``eps``: the
+    class's fixed epsilon where it keeps none (OLMo's LayerNorm without parameters). ``home``: for a
+    norm after the MLP whose scale a patch may change, the ``transformers`` module defining it (it
+    computes in float32 whatever the model dtype; ``tokenpatch.testing.float64_norms`` swaps its
+    forward there); ``None`` for the others."""
+
+    rms: bool = True
+    offset: float = 0.0
+    eps: float | None = None
+    home: str | None = None
+
+
+def _scaled(offset: float, folder: str) -> NormClass:
+    return NormClass(offset=offset, home=f"transformers.models.{folder}.modeling_{folder}")
+
+
+# Norm classes by name (optional libraries need not be imported; a subclass finds its nearest base
+# listed, ``layouts.by_class``). Adding a norm is one entry here.
+NORMS: dict[str, NormClass] = {
+    "LayerNorm": NormClass(rms=False),  # torch's, its weight and bias optional
+    "OlmoLayerNorm": NormClass(rms=False, eps=1e-5),  # a LayerNorm without parameters
+    "LlamaRMSNorm": NormClass(),
+    "MistralRMSNorm": NormClass(),
+    "Qwen2RMSNorm": NormClass(),
+    "Qwen3RMSNorm": NormClass(),
+    "Phi3RMSNorm": NormClass(),
+    "GraniteRMSNorm": NormClass(),
+    "GemmaRMSNorm": NormClass(offset=1.0),
+    "Gemma3RMSNorm": _scaled(1.0, "gemma3"),
+    "Gemma2RMSNorm": _scaled(1.0, "gemma2"),
+    "Olmo2RMSNorm": _scaled(0.0, "olmo2"),
+    "Olmo3RMSNorm": _scaled(0.0, "olmo3"),
+    "Exaone4RMSNorm": _scaled(0.0, "exaone4"),
+    "Glm4RMSNorm": _scaled(0.0, "glm4"),
+}
+
+# Read from ``NORMS``: the RMSNorms' offsets (``arch.float64``), and the norms whose scale a patch may
+# change, class name -> (the normalised input the scale multiplies, the offset). ``out = (offset + w) *
+# unit(x)``, so a delta ``dw`` adds ``dw * unit(x)``.
+RMS_OFFSETS: dict[str, float] = {name: n.offset for name, n in NORMS.items() if n.rms}
 SCALE_NORMS: dict[str, tuple[Callable[[nn.Module, Tensor], Tensor], float]] = {
-    "Gemma3RMSNorm": (_rms_unit, 1.0),
-    "Gemma2RMSNorm": (_rms_unit, 1.0),
-    "Olmo2RMSNorm": (_rms_unit, 0.0),
-    "Olmo3RMSNorm": (_rms_unit, 0.0),
-    "Exaone4RMSNorm": (_rms_unit, 0.0),
-    "Glm4RMSNorm": (_rms_unit, 0.0),
+    name: (_rms_unit, n.offset) for name, n in NORMS.items() if n.home is not None
 }
 
 
@@ -46,7 +87,7 @@ def scale_norm(module: nn.Module, name: str = "") -> tuple[Callable[[nn.Module, 
         return found
     raise UnsupportedModelError(
         f"cannot patch the scale of {name or 'module'} ({type(module).__name__}): not a "
-        f"known norm (known: {sorted(SCALE_NORMS)}); add it to tokenpatch.arch.norms.SCALE_NORMS"
+        f"known norm (known: {sorted(SCALE_NORMS)}); add it to tokenpatch.arch.norms.NORMS"
     )
 
 

@@ -48,17 +48,28 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tokenpatch.arch import adapter_for
-from tokenpatch.arch.float64 import RMS_OFFSETS
+from tokenpatch.arch import adapter_for, norms
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.errors import InputError
 from tokenpatch.interp.ablation import active_modes, head_sites
 from tokenpatch.plans import make_plan
 from tokenpatch.progress import progress_bar
 
-__all__ = ["HeadPatches", "head_patches", "split_by_heads", "pooled_share", "RMS_OFFSETS"]
+__all__ = ["HeadPatches", "head_patches", "split_by_heads", "pooled_share"]
 
 NODES = 32
+
+
+def __getattr__(name: str):
+    """``RMS_OFFSETS``, re-exported here before the norm table moved to ``arch`` (kept one release)."""
+    if name == "RMS_OFFSETS":
+        warnings.warn(
+            "tokenpatch.interp.head_patches.RMS_OFFSETS is deprecated; the norms are in tokenpatch.arch.norms.NORMS",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return norms.RMS_OFFSETS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -150,9 +161,7 @@ def _states_traced(model, adapter, inputs, query: list[int], o_projs: list[nn.Mo
     with _grab(o_projs, z0), torch.no_grad():
         adapter.anchors(model, inputs, query, rec)
     batch, q = adapter.batch_size(inputs), torch.tensor(query)
-    return [
-        (rec[i]["h"], zc[i][:, q.to(zc[i].device)], z0[i].reshape(batch, len(query), -1)) for i in range(len(o_projs))
-    ]
+    return [(rec[i].h, zc[i][:, q.to(zc[i].device)], z0[i].reshape(batch, len(query), -1)) for i in range(len(o_projs))]
 
 
 @torch.no_grad()

@@ -1,0 +1,98 @@
+"""Families as site tables (issue 42): a block design is one ``Family`` record built by keyword, its
+modules named by role and position; a layer's recording is its table of named sites, as typed
+``LayerRecord`` fields."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import build, ids
+
+import tokenpatch as tp
+from tokenpatch.arch.families import FAMILIES
+from tokenpatch.arch.family import Family
+from tokenpatch.arch.hf_modules import HFModules
+from tokenpatch.arch.record import LayerRecord
+
+LLAMA = next(f for f in FAMILIES if f.name == "llama")
+
+
+def test_a_family_is_built_by_keyword():
+    """By keyword (the positional spelling of 0.2 warns: last test); the roles not given are Llama's names."""
+    fam = Family(name="x", model_types=("x",), inputs=(), down="mlp.down_proj", mlp_norm=None)
+    assert (fam.attn, fam.o_proj, fam.mlp, fam.layers) == ("self_attn", "self_attn.o_proj", "mlp", "layers")
+    with pytest.raises(TypeError):  # a role that does not exist
+        Family(name="x", model_types=("x",), inputs=(), down="d", mlp_norm=None, norm_after_mlp="n")
+
+
+def test_a_llama_variant_with_another_norm_placement_is_one_record(float64_gemma_norms):
+    """Llama's record with its norms moved after the sublayers (OLMo 2's placement: no norm before the
+    MLP, one after the attention and one after the MLP, patched in its scale) is keyword arguments of
+    one record: no new field, no branch; patched exactly on a tiny model of that design."""
+    variant = dataclasses.replace(
+        LLAMA,
+        name="llama_norms_after",
+        model_types=("olmo2",),
+        mlp_norm=None,
+        post_attn_norm="post_attention_layernorm",
+        post_mlp_norm="post_feedforward_layernorm",
+    )
+    model, x = build("olmo2"), ids(2, 10)
+    FAMILIES.insert(0, variant)
+    try:
+        assert HFModules.family(model) is variant
+        # the roles derived from the placement: s = m (the MLP's input), the MLP's contribution after its norm
+        sites = {s.field: s for s in variant.sites(parallel=False)}
+        assert (sites["s"].module, sites["s"].output, sites["m"].module) == ("mlp", False, "mlp")
+        assert sites["p"].module == "mlp.down_proj" and variant.mlp_output == "post_feedforward_layernorm"
+        assert variant.attention_output == "post_attention_layernorm"
+        patch = tp.token_patch(model, x, query=[-1, 4])
+        assert any(k.endswith("post_feedforward_layernorm.weight") for k in patch)  # the norm's scale
+        result = tp.verify(model, patch, x)
+        assert result.max_abs <= 1e-12, result.table()
+    finally:
+        FAMILIES.remove(variant)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_neox", "olmo2", "gemma3", "qwen2_moe", "opt_post"])
+def test_the_recording_is_the_family_site_table(name):
+    """``trace`` records, per layer, exactly the fields of its family's site table (and ``first``), as a
+    ``LayerRecord``: one loop over the table, no per-key branches."""
+    model, x = build(name), ids(2, 9)
+    adapter = tp.adapter_for(model)
+    parallel = HFModules.family(model).parallel(model.config)
+    inputs = adapter.check_inputs(model, x)
+    rec = adapter.trace(model, inputs, [2, 8])
+    for i, r in enumerate(rec):
+        assert isinstance(r, LayerRecord)
+        fam = adapter._layer_family(model, i)
+        assert set(r.tensors()) == {s.field for s in fam.sites(parallel)} | {"first"}, i
+        assert r.h.shape[:2] == (2, 2) and torch.equal(r["m"], r.m)  # the transitional string read still works
+
+
+def test_the_spelling_of_0_2_still_builds_the_record_with_a_warning():
+    """Kept one release: ``Family`` by position and with the 0.2 fields, each read into the role fields."""
+    with pytest.warns(DeprecationWarning, match="by keyword"):
+        opt_post = Family(
+            "opt_post",
+            ("opt",),
+            "decoder.layers",
+            None,
+            "self_attn",
+            ("fc1.weight",),
+            "fc2",
+            mlp="fc1",
+            mlp_out="fc2",
+            add_norm="self_attn_layer_norm",
+            sum_norm="final_layer_norm",
+            o_proj="self_attn.out_proj",
+        )
+    assert opt_post.matrices_out and opt_post.post_add_norms == ("self_attn_layer_norm", "final_layer_norm")
+    assert opt_post.mlp_output == "fc2" and opt_post.sum_norm == "final_layer_norm"
+    with pytest.warns(DeprecationWarning, match="by keyword"):
+        moe = dataclasses.replace(LLAMA, name="m", experts=True, dense="llama", out_norm="post_feedforward_layernorm")
+    assert moe.experts and moe.moe.dense == "llama" and moe.post_mlp_norm == "post_feedforward_layernorm"
+    with pytest.warns(DeprecationWarning, match="post_mlp_norm"):
+        assert moe.out_norm == "post_feedforward_layernorm"
