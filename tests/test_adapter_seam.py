@@ -136,11 +136,30 @@ def test_a_basics_only_adapter_patches_and_is_refused_by_the_rest_naming_the_met
     assert r"tp.generate" in _message(lambda: tp.generate(wrapped, x))
 
 
-def test_an_adapter_claiming_traced_passes_is_refused_naming_the_pass(registered, wrapped):
+class NoPasses(Adapter):
+    """A user's adapter that says where the patch goes but implements neither pass."""
+
+    name = "mine_no_passes"
+    matches, n_layers, check_inputs = Basics.matches, Basics.n_layers, Basics.check_inputs
+    seq_len, batch_size, strip, sites = Basics.seq_len, Basics.batch_size, Basics.strip, Basics.sites
+
+
+def test_an_adapter_without_passes_is_refused_naming_the_pass(registered, wrapped):
+    registered(NoPasses())
+    x = torch.randn(2, 5, 5, dtype=torch.float64)
+    with pytest.raises(tp.UnsupportedModelError, match=_missing("mine_no_passes", "trace")):
+        tp.token_patch(wrapped, x)
+    with pytest.raises(tp.UnsupportedModelError, match=_missing("mine_no_passes", "recording")):
+        tp.generate(wrapped, x)
+
+
+def test_an_adapter_claiming_traced_passes_gets_them_from_its_layers(registered, wrapped):
+    """``traced`` no longer picks an engine: every adapter's patch comes from ``trace`` and ``anchors``,
+    which an adapter written for ``mix`` and ``finish`` gets from them (``arch.layered``)."""
     registered(ClaimsTraced())
     x = torch.randn(2, 5, 5, dtype=torch.float64)
-    with pytest.raises(tp.UnsupportedModelError, match=_missing("mine_traced", "trace")):
-        tp.token_patch(wrapped, x)
+    assert tp.verify(wrapped, tp.token_patch(wrapped, x, query="all"), x).max_abs <= 1e-10
+    assert tp.verify(wrapped, tp.token_patch(wrapped, x, query=[2, 4], remove=[1]), x).max_abs <= 1e-10
     with pytest.raises(tp.UnsupportedModelError, match=_missing("mine_traced", "recording")):
         tp.generate(wrapped, x)
 
@@ -177,7 +196,7 @@ def test_adapter_declares_the_traced_passes_and_the_module_map():
             "mix_prefixes",
         )
     )
-    assert not any(icl.implements(m) for m in TRACED)
+    assert all(icl.implements(m) for m in (*TRACED, "alone_anchor"))  # our models are recorded too
     assert not hasattr(hf, "_layers")
 
 

@@ -35,7 +35,7 @@ from tokenpatch.arch.outputs import stored
 from tokenpatch.arch.record import LayerRecord
 from tokenpatch.errors import InputError, UnsupportedModelError, ZeroAnchorError
 from tokenpatch.patch import INPUT_SUFFIX, Delta, Patch
-from tokenpatch.plans import Plan, at_queries, made_on, make_plan, refuse_padded_queries, strip
+from tokenpatch.plans import Plan, made_on, make_plan, refuse_padded_queries, strip
 from tokenpatch.progress import progress_bar
 
 __all__ = ["token_patch", "strip_context", "layer_patch", "take"]
@@ -177,34 +177,8 @@ def token_patch(
     batch = adapter.batch_size(inputs)
     plan = _plan(adapter, inputs, query, remove, keep_bos)
     check_own_weights(model, adapter)
-    q = list(plan.query)
-    if adapter.traced:  # token ids: the patch keeps a fingerprint of the no-context tokens it runs on
-        return _traced_patch(model, adapter, inputs, plan, batch, progress).replace(
-            tokens=made_on(adapter, inputs, plan, batch)
-        )
-    h = adapter.embed(model, inputs)  # [B, T, d]      with context
-    shared = plan.mode == "alone" and not adapter.position_dependent_embedding
-    h0 = None if shared else adapter.embed(model, strip(adapter, inputs, plan))  # [B*Q, 1, d] or [B, T', d]
-    deltas: dict[str, Delta] = {}
-    n_layers = adapter.n_layers(model)
-    for i in progress_bar(range(n_layers), progress, desc="token_patch", unit="layer"):
-        if plan.mode == "alone" and (i > 0 or shared):
-            # each query alone, on its with-context state: share the full pass's work
-            (m_c, s_c), anchor = adapter.mix_with_alone(model, i, h, q)
-        else:
-            m_c, s_c = adapter.mix(model, i, h)
-            m_0, s_0 = adapter.mix(model, i, h0)
-            anchor = (at_queries(m_0, plan, batch), at_queries(s_0, plan, batch))
-        hidden_c, out_c = adapter.finish(model, i, m_c, s_c)
-        ctx = LayerRecord(m=take(m_c, q), s=take(s_c, q), hidden=take(hidden_c, q))  # each [B, Q, .]
-        deltas.update(layer_patch(model, adapter.sites(model, i), ctx, anchor, i, plan.query))
-        if plan.mode == "chunk" and i + 1 < n_layers:
-            # next no-context states: unpatched at context positions, with-context at the queries
-            # (the patched layer reproduces them exactly)
-            h0 = adapter.finish(model, i, m_0, s_0)[1].clone()
-            h0[:, list(plan.positions)] = out_c[:, q]
-        h = out_c
-    return assemble(model, adapter, deltas, plan, batch, h.dtype)
+    # token ids: the patch keeps a fingerprint of the no-context tokens it runs on (None for embeddings)
+    return _patch(model, adapter, inputs, plan, batch, progress).replace(tokens=made_on(adapter, inputs, plan, batch))
 
 
 def check_own_weights(model: nn.Module, adapter) -> None:
@@ -246,8 +220,8 @@ def assemble(model: nn.Module, adapter, deltas: dict[str, Delta], plan: Plan, ba
     return patch if patch.dtype == dtype else patch.to(dtype)
 
 
-def _traced_patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Patch:
-    """``token_patch`` for adapters whose passes are the model's own forward (``adapter.traced``).
+def _patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Patch:
+    """``token_patch`` from the adapter's two passes, ``trace`` (with context) and ``anchors`` (without).
 
     Each query alone, where the adapter gets its anchors from the with-context states
     (``adapter.alone_anchor``): one pass, each layer's patch made as the layer finishes and its

@@ -42,6 +42,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from tokenpatch import files
+from tokenpatch.arch import layered
 from tokenpatch.arch.sites import OUTPUT_KINDS, WEIGHT_LAYOUTS, OutputSite, Sites, weight_layout
 from tokenpatch.errors import UnsupportedModelError
 
@@ -95,6 +96,17 @@ class Adapter:
     def implements(self, method: str) -> bool:
         """Whether this adapter's class overrides the declared ``method``."""
         return getattr(type(self), method) is not getattr(Adapter, method)
+
+    def layer_by_layer(self) -> bool:
+        """Whether this adapter's passes are its own ``embed``, ``mix`` and ``finish`` (``arch.layered``): an
+        adapter written for them (earlier versions; deprecated), which implements them in a class below
+        any class of it that implements ``trace``."""
+        mro = type(self).__mro__
+
+        def depth(method: str) -> int:
+            return next(i for i, cls in enumerate(mro) if method in cls.__dict__)
+
+        return all(self.implements(m) for m in ("embed", "mix", "finish")) and depth("mix") < depth("trace")
 
     def require(self, *methods: str, by: str) -> None:
         """Raise ``UnsupportedModelError`` naming the first of ``methods`` this adapter lacks (``by``:
@@ -222,7 +234,11 @@ class Adapter:
         self, model: nn.Module, inputs: Any, query: list[int], on_layer: Callable | None = None
     ) -> list[dict[str, Tensor]]:
         """The with-context pass: per layer the ``recording`` states at the query positions ``[B, Q, .]``;
-        with ``on_layer(i, states)``, each layer's states given to it as the layer finishes, then dropped."""
+        with ``on_layer(i, states)``, each layer's states given to it as the layer finishes, then dropped.
+        The default, for an adapter written for ``embed``/``mix``/``finish`` (deprecated), runs those
+        layer by layer (``arch.layered``)."""
+        if self.layer_by_layer():
+            return layered.trace(self, model, inputs, query, on_layer)
         self._missing("trace")
 
     def alone_anchor(self, model: nn.Module) -> Callable | None:
@@ -240,7 +256,10 @@ class Adapter:
     ) -> list[tuple[Tensor, Tensor]]:
         """The no-context pass: per layer ``(m_0, s_0)`` at the queries ``[B, Q, d]``, each query alone
         (``kept=None``) or the kept positions as one sequence (a chunk removed); the input of layer
-        ``i > 0`` at a query is its with-context state ``rec[i].h``."""
+        ``i > 0`` at a query is its with-context state ``rec[i].h``. The default, for an adapter written
+        for ``embed``/``mix``/``finish`` (deprecated), runs ``mix`` layer by layer (``arch.layered``)."""
+        if self.layer_by_layer():
+            return layered.anchors(self, model, inputs, query, rec, kept)
         self._missing("anchors")
 
     # ------------------------------------------------------------------------- the module map

@@ -7,18 +7,22 @@ block ``T_W`` directly.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from tokenpatch.arch import layered
 from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.float64 import linear64, norm64
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.outputs import BiasOutput, MatrixOutput
+from tokenpatch.arch.record import LayerRecord
 from tokenpatch.arch.sites import Sites
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.models.icl import Block, ICLTransformer, check_inputs
+from tokenpatch.models.layers import LinearAttention, SoftmaxAttention
 from tokenpatch.solve import block_values
 
 
@@ -91,6 +95,116 @@ class ICLAdapter(Adapter):
         else:
             output = MatrixOutput(f"{p}mlp.fc_out.weight")
         return Sites(inputs=(f"{p}mlp.fc_in.weight",), output=output)
+
+    # ------------------------------------------------------------------------- the traced passes
+    def _sites(self, block: Block) -> list[tuple[str, nn.Module, bool]]:
+        """Block ``block``'s named sites as ``(field, module, its input?)``: where the pass computes each
+        ``LayerRecord`` field (``m``: what the MLP output is added to; ``s``: the MLP input; ``v``: the
+        attention's values, which give a token alone's output)."""
+        if block.norm == "pre":  # m = h + A(LN1(h)), s = LN2(m)
+            m_site = (block.ln2, True)
+        elif block.norm == "post":  # m = LN1(h + A(h)), s = m
+            m_site = (block.ln1, False)
+        else:  # m = h + A(h), s = m
+            m_site = (block.mlp.fc_in, True)
+        sites = [
+            ("h", block, True),
+            ("m", *m_site),
+            ("s", block.mlp.fc_in, True),
+            ("hidden", block.mlp.fc_out, True),
+            ("out", block, False),
+        ]
+        attention = isinstance(block.mixer, (SoftmaxAttention, LinearAttention))  # alone: out(v), from the values
+        return sites + ([("v", block.mixer.v, False)] if attention else [])
+
+    @contextlib.contextmanager
+    def recording(self, model, query: Tensor, every: bool = False, on_layer: Callable | None = None):
+        """Hooks recording, per block, the ``LayerRecord`` fields at positions ``query`` ``[B, Q, .]``
+        during any forward inside the block (``Adapter.recording``)."""
+        blocks = self._blocks(model)
+        rec = [LayerRecord() for _ in blocks]
+        paused: list[bool] = []  # non-empty while on_layer runs (it calls the block's modules on other inputs)
+
+        def grab(i, field, take_input):
+            def hook(module, args, *out):
+                if not paused:
+                    t = args[0] if take_input else out[0]
+                    setattr(rec[i], field, t if every else t[:, query.to(t.device)])
+
+            return hook
+
+        def finished(i):
+            def hook(module, args, out):
+                paused.append(True)
+                try:
+                    on_layer(i, rec[i])
+                finally:
+                    paused.clear()
+                rec[i] = LayerRecord()
+
+            return hook
+
+        pairs = []
+        for i, block in enumerate(blocks):
+            for field, module, take_input in self._sites(block):
+                register = module.register_forward_pre_hook if take_input else module.register_forward_hook
+                pairs.append((register, grab(i, field, take_input)))
+            if on_layer is not None:  # after the "out" hook: hooks run in the order registered
+                pairs.append((block.register_forward_hook, finished(i)))
+        with registered_hooks(pairs):
+            yield rec
+
+    def trace(self, model, inputs: Tensor, query: list[int], on_layer: Callable | None = None) -> list[LayerRecord]:
+        """The with-context pass: the model's own forward, recorded at the queries (``Adapter.trace``)."""
+        if self.layer_by_layer():  # a subclass written for mix and finish (deprecated)
+            return layered.trace(self, model, inputs, query, on_layer)
+        at = torch.tensor(query, device=inputs.device)
+        every = query == list(range(inputs.shape[1]))
+        with self.recording(model, at, every, on_layer) as rec, torch.no_grad():
+            model(inputs)
+        return rec
+
+    def alone_anchor(self, model) -> Callable | None:
+        """``(i, r) -> (m_0, s_0)``: each query alone at block ``i`` from its with-context record. A token
+        alone is one step of its mixer on itself: attention's ``out(v)`` from the recorded values (one key,
+        weight exactly 1), a recurrent layer's step from the zero state; then the block's own ``combine``."""
+        if self.layer_by_layer():  # a subclass written for mix and finish (deprecated): anchors() runs them
+            return None
+        blocks = self._blocks(model)
+
+        def anchor(i: int, r: LayerRecord) -> tuple[Tensor, Tensor]:
+            block = blocks[i]
+            if r.v is not None:
+                a = block.mixer.out(r.v)  # [B, Q, d]
+            else:
+                x = block.mixer_input(r.h)  # [B, Q, d]
+                a = block.mixer.alone(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+            return block.combine(r.h, a)
+
+        return anchor
+
+    def anchors(self, model, inputs: Tensor, query: list[int], rec: list[LayerRecord], kept: list[int] | None = None):
+        """The no-context pass (``Adapter.anchors``): each query alone from the record (``alone_anchor``),
+        or the kept positions as one sequence, each block's input at the queries replaced by its
+        with-context state (the patched blocks below reproduce it), ``(m_0, s_0)`` recorded there."""
+        if self.layer_by_layer():  # a subclass written for mix and finish (deprecated)
+            return layered.anchors(self, model, inputs, query, rec, kept)
+        if kept is None:
+            anchor = self.alone_anchor(model)
+            return [anchor(i, r) for i, r in enumerate(rec)]
+        at = torch.tensor([kept.index(q) for q in query], device=inputs.device)  # the queries in the kept sequence
+
+        def swap(i):
+            def hook(module, args):
+                return (args[0].index_copy(1, at, rec[i].h.to(args[0].dtype)),)
+
+            return hook
+
+        blocks = self._blocks(model)
+        pairs = [(block.register_forward_pre_hook, swap(i)) for i, block in enumerate(blocks) if i > 0]
+        with registered_hooks(pairs), self.recording(model, at) as out, torch.no_grad():
+            model(inputs[:, kept])
+        return [(r.m, r.s) for r in out]
 
     def run(self, model, inputs: Tensor) -> tuple[Tensor, list[Tensor]]:
         if isinstance(model, ICLTransformer):
