@@ -5,6 +5,7 @@ declared method of ``Adapter``; an adapter that lacks one is refused with an err
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from conftest import build, ids, random_model
 import tokenpatch as tp
 from tokenpatch import arch
 from tokenpatch.arch import Adapter, ICLAdapter, OutputSite, Sites
-from tokenpatch.arch.outputs import KINDS
+from tokenpatch.arch.outputs import KINDS, BiasOutput, MatrixOutput, ScaledMatrixOutput
 from tokenpatch.baselines import site_modules
 from tokenpatch.interp.ablation import ablate_heads, head_sites
 from tokenpatch.interp.head_patches import head_patches
@@ -115,7 +116,8 @@ def _missing(adapter: str, method: str) -> str:
 
 
 def test_a_basics_only_adapter_patches_and_is_refused_by_the_rest_naming_the_method(registered, wrapped):
-    registered(Basics())
+    with pytest.warns(DeprecationWarning, match="embed/mix/finish"):  # written for the layer-by-layer passes
+        registered(Basics())
     x = torch.randn(2, 5, 5, dtype=torch.float64)
     patch = tp.token_patch(wrapped, x)  # the basics are all token_patch needs
     assert tp.verify(wrapped, patch, x).max_abs <= 1e-10
@@ -156,7 +158,8 @@ def test_an_adapter_without_passes_is_refused_naming_the_pass(registered, wrappe
 def test_an_adapter_claiming_traced_passes_gets_them_from_its_layers(registered, wrapped):
     """``traced`` no longer picks an engine: every adapter's patch comes from ``trace`` and ``anchors``,
     which an adapter written for ``mix`` and ``finish`` gets from them (``arch.layered``)."""
-    registered(ClaimsTraced())
+    with pytest.warns(DeprecationWarning, match="embed/mix/finish"):
+        registered(ClaimsTraced())
     x = torch.randn(2, 5, 5, dtype=torch.float64)
     assert tp.verify(wrapped, tp.token_patch(wrapped, x, query="all"), x).max_abs <= 1e-10
     assert tp.verify(wrapped, tp.token_patch(wrapped, x, query=[2, 4], remove=[1]), x).max_abs <= 1e-10
@@ -279,20 +282,21 @@ def test_icl_output_sites_are_typed():
     sites = lambda **kw: ICLAdapter().sites(  # noqa: E731
         random_model(tp.ICLConfig(d_in=3, d_model=4, n_layers=2, n_heads=2, **kw)), 1
     )
-    assert sites().output == OutputSite("bias", "blocks.1.mlp.fc_out.bias")
-    assert sites(bias=False).output == OutputSite("matrix", "blocks.1.mlp.fc_out.weight")
+    assert sites().output == BiasOutput("blocks.1.mlp.fc_out.bias")
+    assert sites(bias=False).output == MatrixOutput("blocks.1.mlp.fc_out.weight")
     assert sites(residual=False).output is None
 
 
 def test_output_site_record():
-    site = OutputSite("matrix+scale", "l.down.weight", "l.norm.weight")
+    site = ScaledMatrixOutput("l.down.weight", "l.norm.weight")
     assert site.names == ("l.down.weight", "l.norm.weight") and site.name == "l.down.weight"
     assert (site[0], site[1:]) == ("matrix+scale", ("l.down.weight", "l.norm.weight"))  # the tuple it replaced
-    assert Sites((), ("bias", "b")).output == OutputSite("bias", "b")  # an adapter written against the tuple
+    assert Sites((), ("bias", "b")).output == BiasOutput("b")  # an adapter written against the tuple
     with pytest.raises(AttributeError):
         site.kind = "bias"  # frozen
     for bad in (("vector", "x"), ("matrix+scale", "w"), ("bias", "b", "n")):
-        with pytest.raises(tp.UnsupportedModelError, match="OutputSite"):
+        with pytest.raises(tp.UnsupportedModelError, match="OutputSite"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the spelling of earlier versions
             OutputSite(*bad)
 
 

@@ -384,10 +384,10 @@ def test_the_next_layers_stream_is_written_from_the_output_sides_pass(name, laye
             model(x)
         return rec[layer]
 
-    before, want = layer_states(inputs_only), layer_states(mine)["out"]
+    before, want = layer_states(inputs_only), layer_states(mine).out
     site = adapter.sites(model, layer).output
-    kept = [({k: before[k] for k in thought_lm_output.STREAM_KEYS if k in before}, before["out"])]
+    kept = [(before.only(thought_lm_output.STREAM_KEYS), before.out)]
     (got,) = thought_lm_output.next_streams(model, site, dict(mine.items()), kept)
     assert site.kind == {"llama": "matrix", "qwen2_moe": "gated", "gemma3": "matrix+scale"}.get(name, "bias")
     assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
-    assert float((before["out"] - want).abs().max()) > 1e-3  # the output deltas do move the stream
+    assert float((before.out - want).abs().max()) > 1e-3  # the output deltas do move the stream

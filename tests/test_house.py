@@ -233,3 +233,51 @@ def test_norm_classes_are_named_only_in_arch():
             if any(c in name for c in NORM_CLASSES):
                 found.append(f"{m.name}:{node.lineno} {name[:60]}")
     assert found == []
+
+
+OUTPUT_KIND_NAMES = ("bias", "matrix", "matrix+scale", "gated", "experts")  # arch.outputs.OUTPUT_KINDS
+RECORD_FIELDS = ("h", "m", "s", "hidden", "out", "p", "gate", "v", "sum", "first", "a")  # arch.record, and "a"
+
+
+def _library_trees():
+    for m in MODULES.values():
+        if not m.name.startswith(WORKBENCH):
+            yield m, ast.parse(m.path.read_text(encoding="utf-8"))
+
+
+def test_no_string_comparison_of_an_output_kind():
+    """Output kinds are classes (``arch/outputs.py``: each computes its own patch, fit and stream): no
+    ``kind == "bias"``, ``site.kind in ("bias", "matrix")`` anywhere in the package, the workbench included."""
+    found = []
+    for m in MODULES.values():
+        for node in ast.walk(ast.parse(m.path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            flat = [e for side in sides for e in getattr(side, "elts", [side])]
+            on_kind = any(getattr(side, "attr", getattr(side, "id", None)) == "kind" for side in sides)
+            named = any(isinstance(e, ast.Constant) and e.value in OUTPUT_KIND_NAMES for e in flat)
+            if on_kind and named:
+                found.append(f"{m.name}:{node.lineno} {ast.unparse(node)[:60]}")
+    assert found == []
+
+
+def test_no_string_keyed_layer_record():
+    """A layer's recorded states are a ``LayerRecord`` (``arch/record.py``) read by field: no ``rec["m"]``,
+    ``states.get("gate")`` or ``r.pop("a")`` in the library."""
+    found = []
+    for m, tree in _library_trees():
+        for node in ast.walk(tree):
+            key = None
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                key = node.slice.value
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) in ("get", "pop", "setdefault")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                key = node.args[0].value
+            if key in RECORD_FIELDS:
+                found.append(f"{m.name}:{node.lineno} {ast.unparse(node)[:60]}")
+    assert found == []

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from tokenpatch import offload
 from tokenpatch.arch import adapter_for
-from tokenpatch.arch.record import LayerRecord
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank, norm_of
 from tokenpatch.patch import INPUT_SUFFIX, Patch
@@ -152,7 +151,7 @@ def generate(
             traced_deltas(model, adapter, rec, anchors, [0]),
             plan,
             batch,
-            LayerRecord.of(rec[0]).out.dtype,
+            rec[0].out.dtype,
         )
         got = functional_call(
             model, patch, input_ids=lone["input_ids"], position_ids=lone["position_ids"], logits_to_keep=1

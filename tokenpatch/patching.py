@@ -236,7 +236,7 @@ def _patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Pat
 
         def on_layer(i: int, states: dict) -> None:
             deltas.update(recorded_patch(model, adapter, i, states, alone(i, states), plan.query))
-            dtypes.append(LayerRecord.of(states).out.dtype)
+            dtypes.append(states.out.dtype)
             next(bar, None)
 
         adapter.trace(model, inputs, q, on_layer)
@@ -247,12 +247,12 @@ def _patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Pat
     kept = list(plan.kept) if plan.mode == "chunk" else None
     anchors = adapter.anchors(model, inputs, q, rec, kept)  # per layer (m_0, s_0)  [B, Q, .]
     deltas = traced_deltas(model, adapter, rec, anchors, plan.query, progress)
-    return assemble(model, adapter, deltas, plan, batch, LayerRecord.of(rec[0]).out.dtype)
+    return assemble(model, adapter, deltas, plan, batch, rec[0].out.dtype)
 
 
 def recorded_patch(model: nn.Module, adapter, i: int, states: LayerRecord, anchor, labels) -> dict[str, Delta]:
     """Layer ``i``'s deltas from its recorded with-context ``states`` and its ``anchor`` (``[B, Q, .]``)."""
-    return layer_patch(model, adapter.sites(model, i), LayerRecord.of(states), anchor, i, labels)
+    return layer_patch(model, adapter.sites(model, i), states, anchor, i, labels)
 
 
 def traced_deltas(

@@ -7,6 +7,8 @@ method the rest of tokenpatch calls on a model family is declared there).
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 from tokenpatch.arch.base import Adapter
@@ -14,8 +16,17 @@ from tokenpatch.arch.families import FAMILIES
 from tokenpatch.arch.hf import HFAdapter
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.icl import ICLAdapter
-from tokenpatch.arch.sites import WEIGHT_LAYOUTS, OutputSite, Sites, weight_layout
-from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.arch.outputs import (
+    BiasOutput,
+    ExpertsOutput,
+    GatedOutput,
+    MatrixOutput,
+    OutputSite,
+    ScaledMatrixOutput,
+)
+from tokenpatch.arch.record import LayerRecord
+from tokenpatch.arch.sites import WEIGHT_LAYOUTS, Sites, weight_layout
+from tokenpatch.errors import UnsupportedModelError, caller_stacklevel
 
 __all__ = [
     "Adapter",
@@ -24,6 +35,12 @@ __all__ = [
     "FAMILIES",
     "Sites",
     "OutputSite",
+    "BiasOutput",
+    "MatrixOutput",
+    "ScaledMatrixOutput",
+    "GatedOutput",
+    "ExpertsOutput",
+    "LayerRecord",
     "ADAPTERS",
     "adapter_for",
     "register",
@@ -36,7 +53,16 @@ ADAPTERS: list[Adapter] = [ICLAdapter(), HFAdapter()]
 
 
 def register(adapter: Adapter) -> Adapter:
-    """Register ``adapter`` ahead of the built-in ones; returns it."""
+    """Register ``adapter`` ahead of the built-in ones; returns it. An adapter whose passes are its
+    ``embed``/``mix``/``finish`` (the interface of earlier versions) still works, with a
+    ``DeprecationWarning``: implement ``recording``, ``trace`` and ``anchors`` (``Adapter``)."""
+    if adapter.layer_by_layer():
+        warnings.warn(
+            f"the {adapter.name} adapter's passes are its embed/mix/finish (arch.layered), deprecated: implement "
+            "trace and anchors (tokenpatch.arch.Adapter); the layer-by-layer passes go in the next release",
+            DeprecationWarning,
+            stacklevel=caller_stacklevel(),
+        )
     ADAPTERS.insert(0, adapter)
     return adapter
 

@@ -94,7 +94,10 @@ class Adapter:
 
     # ------------------------------------------------------------------------- what is implemented
     def implements(self, method: str) -> bool:
-        """Whether this adapter's class overrides the declared ``method``."""
+        """Whether this adapter's class overrides the declared ``method`` (``trace`` and ``anchors`` too where
+        its passes are its ``embed``/``mix``/``finish``: ``layer_by_layer``)."""
+        if method in ("trace", "anchors") and self.layer_by_layer():
+            return True
         return getattr(type(self), method) is not getattr(Adapter, method)
 
     def layer_by_layer(self) -> bool:

@@ -26,6 +26,7 @@ shift a kind absorbs is ``(m_C - m_0) / scale``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -37,7 +38,7 @@ from tokenpatch import offload, solve
 from tokenpatch.arch.layouts import weight_layout
 from tokenpatch.arch.norms import norm_eps, scale_norm
 from tokenpatch.arch.record import LayerRecord
-from tokenpatch.errors import UnsupportedModelError
+from tokenpatch.errors import UnsupportedModelError, caller_stacklevel
 from tokenpatch.lowrank import LowRank
 
 __all__ = [
@@ -73,7 +74,11 @@ class _ByKind(type):
         kind = args.pop(0) if args else kwargs.pop("kind", None)
         if kind not in KINDS:
             raise UnsupportedModelError(f"OutputSite kind {kind!r} is not one of {OUTPUT_KINDS}")
-        # TODO(issue 42, integration): warn (DeprecationWarning) once arch/hf_modules builds the classes
+        warnings.warn(
+            f"OutputSite({kind!r}, ...) is deprecated; build tokenpatch.arch.{KINDS[kind].__name__}(...)",
+            DeprecationWarning,
+            stacklevel=caller_stacklevel(),
+        )
         return KINDS[kind](*args, **kwargs)
 
 

@@ -12,10 +12,13 @@ whether a query is the first real token of its row). Every field is ``[B, Q, .]`
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from tokenpatch.errors import caller_stacklevel
 
 __all__ = ["LayerRecord", "FIELDS"]
 
@@ -57,25 +60,27 @@ class LayerRecord:
         names = records[0].tensors()
         return cls(**{n: torch.cat([getattr(r, n) for r in records], dim) for n in names})
 
-    @classmethod
-    def of(cls, states) -> LayerRecord:
-        """``states`` as a record: a record as it is, a dict of fields (transitional) read by name."""
-        return states if isinstance(states, LayerRecord) else cls(**{k: states[k] for k in states if k in FIELDS})
+    # The dicts this record replaces were read by key: kept for one release, with a DeprecationWarning.
+    def _by_key(self, key: str):
+        warnings.warn(
+            f"reading a layer record by key ({key!r}) is deprecated: read its field (record.{key})",
+            DeprecationWarning,
+            stacklevel=caller_stacklevel() + 1,
+        )
+        return getattr(self, key, None)
 
-    # Transitional (issue 42): the string-keyed reads of the dicts this record replaces. Removed once
-    # every reader uses the fields.
     def __getitem__(self, key: str) -> Tensor:
-        value = getattr(self, key)
+        value = self._by_key(key)
         if value is None:
             raise KeyError(key)
         return value
 
     def get(self, key: str, default=None):
-        value = getattr(self, key, None)
+        value = self._by_key(key)
         return default if value is None else value
 
     def __contains__(self, key: str) -> bool:
-        return getattr(self, key, None) is not None
+        return self._by_key(key) is not None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(LayerRecord))

@@ -29,8 +29,8 @@ context vector ``dA = W_O dz``. The common **first-order split**, ``J_F(z_0) P_h
 linearised at the anchor), does not sum to ``ds``; its miss ``linear_error`` is reported beside it.
 
 ``F`` and the output projections come from the model's adapter (``Adapter.mlp_input_from_heads``,
-``Adapter.output_projections``); the states from its passes (``trace`` and ``anchors`` for a traced
-adapter, else ``run`` and ``mix``).
+``Adapter.output_projections``); the states from its two passes, ``trace`` and ``anchors``, as
+``token_patch`` runs them (a lone query's attention output through the output projection's hooks).
 
 Per layer, query and head: ``share_h = <ds_h, ds> / |ds|^2`` (sums to 1 over heads; a head working
 against the others has a negative share) and ``norm_h = |ds_h| / |s_0| = |D_h|_F``, the Frobenius
@@ -134,25 +134,7 @@ def _grab(modules: list[nn.Module], store: dict):
     )
 
 
-def _states_mixed(model, adapter, inputs, query: list[int], o_projs: list[nn.Module]):
-    """Per layer ``(h, z_C, z_0)`` at the queries ``[B, Q, .]`` for a layer-by-layer adapter: the model's own
-    forward (``Adapter.run``) with each layer's input and its output projection's input recorded, then each
-    query alone through the layer up to its MLP (``Adapter.mix``; a lone token's weight is 1 on its own value),
-    through the output projections' hooks (an ablation) as in the full pass."""
-    z, h = {}, {}
-    with _grab(list(adapter.layers(model)), h), _grab(o_projs, z), torch.no_grad():
-        adapter.run(model, inputs)  # h[i]: layer i's input, z[i]: its heads' outputs  [B, T, d]
-    out = []
-    for i in range(len(o_projs)):
-        hq = h[i][:, query]  # [B, Q, d]
-        z0: dict = {}
-        with _grab(o_projs[i : i + 1], z0), torch.no_grad():
-            adapter.mix(model, i, hq.reshape(-1, 1, hq.shape[-1]))  # each query a sequence of its own
-        out.append((hq, z[i][:, query], z0[0].reshape(*hq.shape[:2], -1)))
-    return out
-
-
-def _states_traced(model, adapter, inputs, query: list[int], o_projs: list[nn.Module]):
+def _states(model, adapter, inputs, query: list[int], o_projs: list[nn.Module]):
     """Per layer ``(h, z_C, z_0)`` at the queries ``[B, Q, .]``: the with-context pass and the lone-query pass
     of ``token_patch`` (``adapter.trace`` / ``adapter.anchors``), with the output projections' inputs recorded."""
     zc, z0 = {}, {}
@@ -180,7 +162,6 @@ def head_patches(model: nn.Module, inputs, query=-1, nodes: int = NODES, progres
             "reference by position; ablate with mode='zero' or 'mean'"
         )
     adapter = adapter_for(model)
-    passes = ("trace", "anchors", "batch_size") if adapter.traced else ("layers", "run", "mix")
     adapter.require(
         "check_inputs",
         "seq_len",
@@ -188,7 +169,9 @@ def head_patches(model: nn.Module, inputs, query=-1, nodes: int = NODES, progres
         "n_heads",
         "output_projections",
         "mlp_input_from_heads",
-        *passes,
+        "trace",
+        "anchors",
+        "batch_size",
         by="tp.interp.head_patches",
     )
     inputs = adapter.check_inputs(model, inputs)
@@ -196,7 +179,7 @@ def head_patches(model: nn.Module, inputs, query=-1, nodes: int = NODES, progres
     q = list(plan.query)
     adapter.sites(model, 0)  # an attention-only model has no patch to split
     modules, n_heads = head_sites(model)
-    states = (_states_traced if adapter.traced else _states_mixed)(model, adapter, inputs, q, modules)
+    states = _states(model, adapter, inputs, q, modules)
     rows = {k: [] for k in ("share", "norm", "patch_norm", "closure", "linear_error", "delta")}
     for i in progress_bar(range(len(states)), progress, desc="head patches", unit="layer"):
         h, zc, z0 = (t.double() for t in states[i])  # [B, Q, .]

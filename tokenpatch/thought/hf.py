@@ -176,7 +176,7 @@ def fit_lm(
                     kv = copy.deepcopy(prompt_cache)
                     kv.batch_repeat_interleave(rows.shape[0])
                     model.base_model(input_ids=rows, cache=kv, use_cache=True)
-            parts.append([LayerRecord.of(r).only(_TARGET_KEYS) for r in rec])  # what the fits read of this pass
+            parts.append([r.only(_TARGET_KEYS) for r in rec])  # what the fits read of this pass
         return [LayerRecord.cat([part[i] for part in parts]) for i in range(n_layers)]
 
     # the targets do not depend on the fit: computed once and kept (m x T_q x layers x 2 d numbers)
@@ -215,8 +215,8 @@ def fit_lm(
                     yield out
                     continue
                 if kept is not None:
-                    kept.append((LayerRecord.of(rec[i]).only(STREAM_KEYS), out))
-                at = LayerRecord.of(rec[i]).map(lambda t: t[:, head.shape[1] :])  # [b, T_q, .]  the query positions
+                    kept.append((rec[i].only(STREAM_KEYS), out))
+                at = rec[i].map(lambda t: t[:, head.shape[1] :])  # [b, T_q, .]  the query positions
                 yield cache[b][i], at, v.to(device)
 
         anchors = lambda current: run(current, True)  # noqa: E731

@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from tokenpatch import offload
 from tokenpatch.arch import OutputSite, weight_layout
 from tokenpatch.arch.norms import norm_eps, scale_norm
-from tokenpatch.arch.record import LayerRecord
 from tokenpatch.errors import InputError
 from tokenpatch.patch import Delta
 from tokenpatch.run import hooked
@@ -43,7 +42,7 @@ def fit_output(
     after the MLP, ...), from ``pairs_source``'s ``(with-context, no-context, real positions)`` records."""
     if output == "vector" and not site.affine:  # only a bias site has a bias: the others fit a linear map
         raise InputError(f"layer {i}: {site.module} has no bias for a thought vector; use output='affine'")
-    pairs = site.fit_pairs(model, ((LayerRecord.of(rc), LayerRecord.of(r0), v) for rc, r0, v in pairs_source))
+    pairs = site.fit_pairs(model, ((rc, r0, v) for rc, r0, v in pairs_source))
     bias = site.name if site.affine else None
     return solve_output(pairs, i, model, site.matrix, bias, output, deltas, ridge, distributed, solver)
 
@@ -66,10 +65,7 @@ def next_streams(
     names = {f"{site.module}.weight", f"{site.module}.bias", *site.names}
     patch = static_patch({k: d for k, d in mine.items() if k in names}, {})
     norm = None if sum_norm is None else model.get_submodule(sum_norm)
-    return [
-        site.stream(model, LayerRecord.of(rec), out, mine, lambda: hooked(model, patch, True, True), norm)
-        for rec, out in kept
-    ]
+    return [site.stream(model, rec, out, mine, lambda: hooked(model, patch, True, True), norm) for rec, out in kept]
 
 
 def fit_norm(
@@ -94,7 +90,7 @@ def fit_norm(
     norm = model.get_submodule(site.norm.rpartition(".")[0])
     unit, offset = scale_norm(norm)
     g0 = (offset + offload.value(model, site.norm).detach()).double()  # [d]
-    records = [(LayerRecord.of(rc), LayerRecord.of(r0), v) for rc, r0, v in pairs]
+    records = [(rc, r0, v) for rc, r0, v in pairs]
     h, p, y = (
         torch.cat(t).double() for t in zip(*((r0.hidden[v], r0.p[v], (rc.out - r0.m)[v]) for rc, r0, v in records))
     )
