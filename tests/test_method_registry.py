@@ -69,6 +69,7 @@ def test_every_registered_method_is_extracted_compared_reported_and_drawn(float6
     assert (
         rows["thought_patch_sampled_2"]["name"] == "thought patch (self-written: 2 continuations, their demonstrations)"
     )
+    assert all(k in rows[key] for key in rows for k in entry_of(key).chosen_on_dev)  # each reports its choices
     assert entry_of(res["closed_form_choice"]).closed_form
     assert {k for k in rows if registry.closed_form(k)} == {
         "thought_patch",
