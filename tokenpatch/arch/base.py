@@ -42,7 +42,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from tokenpatch import files
-from tokenpatch.arch import layered
+from tokenpatch.arch import layered, prefixes
 from tokenpatch.arch.sites import OUTPUT_KINDS, WEIGHT_LAYOUTS, OutputSite, Sites, weight_layout
 from tokenpatch.errors import UnsupportedModelError
 
@@ -62,6 +62,7 @@ NEEDED_BY = {
     "sites": "tp.token_patch",
     "run": "tp.verify",
     "mix_prefixes": "tp.trajectory",
+    "prefix_inputs": "tp.trajectory",
     "recording": "tp.generate and tp.thought_patch on a language model",
     "trace": "tp.token_patch and tp.interp.head_patches on a traced model",
     "anchors": "tp.token_patch, tp.generate and tp.interp.head_patches on a traced model",
@@ -264,6 +265,26 @@ class Adapter:
         if self.layer_by_layer():
             return layered.anchors(self, model, inputs, query, rec, kept)
         self._missing("anchors")
+
+    def prefixes(self, model: nn.Module, inputs: Any, query: int, rows: range, steps: bool = False) -> Iterator:
+        """The prefix rows ``rows`` of ``tp.trajectory`` (row ``i``: the query at position ``query`` read after
+        the first ``i`` tokens), layer by layer: ``(i, prefixes, record, anchor, step anchor)``, each
+        ``[B, len(prefixes), .]``: the with-context ``LayerRecord`` at the query, ``(m_0, s_0)`` of the query
+        alone and, with ``steps``, of the row with the token before the query removed (``arch.prefixes``).
+        Virtual query rows where the adapter runs them (``mix_prefixes``: our models), else rows of the
+        adapter's own ``trace`` and ``anchors`` (``prefix_inputs``)."""
+        if self.implements("mix_prefixes") or self.layer_by_layer():
+            self.require("mix_prefixes", by="tp.trajectory")
+            return prefixes.virtual(self, model, inputs, query, rows, steps)
+        self.require("prefix_inputs", "trace", "anchors", by="tp.trajectory")
+        return prefixes.padded(self, model, inputs, query, rows, steps)
+
+    def prefix_inputs(self, model: nn.Module, inputs: Any, query: int, prefixes: range, width: int) -> Any:
+        """The inputs of ``prefixes`` as sequences of their own (``arch.prefixes.padded``): per row of
+        ``inputs`` and prefix ``i``, the first ``i`` tokens and the one at ``query``, aligned on the right in
+        ``width`` positions (padding before them), ``[B * len(prefixes), width, ...]`` batch-major, as
+        ``check_inputs`` returns them."""
+        self._missing("prefix_inputs")
 
     # ------------------------------------------------------------------------- the module map
     def layers(self, model: nn.Module) -> Sequence[nn.Module]:

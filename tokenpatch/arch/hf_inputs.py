@@ -215,6 +215,20 @@ class HFInputs(HFModules):
     def batch_size(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0]
 
+    def prefix_inputs(self, model: nn.Module, inputs: dict, query: int, prefixes: range, width: int) -> dict:
+        """The rows of ``prefixes`` (``arch.prefixes``): per row of ``inputs`` and prefix ``i``, the tokens
+        ``c_1..c_i`` and the query at position ``query``, right-aligned in ``width`` positions (padding: the
+        query token, masked), ``[B * len(prefixes), width]`` batch-major, as ``check_inputs`` returns them."""
+        if inputs["attention_mask"] is not None:
+            raise InputError("tp.trajectory on a language model takes unpadded sequences (no attention mask)")
+        ids = inputs["input_ids"]  # [B, T]
+        rows = ids[:, query : query + 1, None].expand(ids.shape[0], len(prefixes), width).clone()  # [B, G, width]
+        mask = torch.zeros_like(rows)
+        for j, i in enumerate(prefixes):  # row j: c_1..c_i, then x, right-aligned
+            rows[:, j, width - 1 - i : width - 1] = ids[:, :i]
+            mask[:, j, width - 1 - i :] = 1
+        return self.check_inputs(model, {"input_ids": rows.flatten(0, 1), "attention_mask": mask.flatten(0, 1)})
+
     def strip(self, inputs: dict, positions: Tensor, separate: bool) -> dict:
         """The keyword arguments of the no-context forward, every token at its original position id:
         each of ``positions`` alone (``separate``: ``input_ids``, ``position_ids`` ``[B*K, 1]``), or the

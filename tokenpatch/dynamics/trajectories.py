@@ -10,11 +10,13 @@ For a sequence whose query ``x`` (at position ``query``) follows context tokens 
   prefix ``i``, anchored at the prefix-``(i-1)`` state: ``tp.token_patch`` of prefix ``i`` with
   the token ``c_i`` removed (``remove=[i - 1]``), acting at the query.
 
-One pass gives them all. By causality the context tokens' hidden states at every layer are those
-of the full pass whatever the prefix; only the query's state differs. So each layer runs the
-context once and ``N + 1`` *virtual query rows*, row ``i`` reading ``c_1..c_i`` and itself
-(``Adapter.mix_prefixes``): attention reuses the context's keys and values, a recurrent layer
-steps once from its state after ``c_i``. No per-prefix forward pass, no dense matrix.
+One pass gives them all, with ``token_patch``'s own deltas (``layer_patch``) on the rows
+``Adapter.prefixes`` records (``arch.prefixes``): row ``i`` is the query read after ``c_1..c_i``. On our
+models by causality the context tokens' hidden states at every layer are those of the full pass
+whatever the prefix; only the query's state differs. So each layer runs the context once and ``N + 1``
+*virtual query rows*, row ``i`` reading ``c_1..c_i`` and itself: attention reuses the context's keys
+and values, a recurrent layer steps once from its state after ``c_i``. No per-prefix forward pass, no
+dense matrix.
 
 A language model runs the prefixes as rows of left-padded batches of its own forward. Where the
 rotary scaling changes with the length (``rope_parameters`` of type ``longrope`` or ``dynamic``,
@@ -39,10 +41,9 @@ from torch import Tensor, nn
 from tokenpatch import deltas as dl
 from tokenpatch import files
 from tokenpatch.arch import adapter_for
-from tokenpatch.arch.rotary import forget_longest
-from tokenpatch.errors import InputError, UnsupportedModelError
+from tokenpatch.errors import InputError
 from tokenpatch.patch import Delta, Patch
-from tokenpatch.patching import layer_patch, token_patch
+from tokenpatch.patching import input_readers, layer_patch
 from tokenpatch.plans import Plan
 from tokenpatch.progress import progress_bar
 
@@ -138,91 +139,43 @@ def trajectory(
 ) -> Trajectory:
     """Token patches of every context prefix at every layer, from one pass (module docstring).
 
-    ``inputs [batch, pos, d]``; ``query``: the position whose output the patches reproduce (the
-    context is every token before it; later tokens are ignored). ``steps=True`` also computes the
-    one-token-removal increments. Cost: one forward pass over the context plus, per layer, the
-    ``N + 1`` virtual query rows, whose anchors (each row alone) share their value vectors
-    (``benchmarks/trajectory.py``).
+    ``inputs [batch, pos, d]`` (token ids ``[batch, pos]`` for a language model, unpadded); ``query``: the
+    position whose output the patches reproduce (the context is every token before it; later tokens are
+    ignored). ``steps=True`` also computes the one-token-removal increments. The prefix rows come from
+    ``Adapter.prefixes`` (``arch.prefixes``), their deltas from ``layer_patch``, as ``token_patch``'s.
+    Cost on our models: one forward pass over the context plus, per layer, the ``N + 1`` virtual query
+    rows, whose anchors (each row alone) share their value vectors (``benchmarks/trajectory.py``).
     """
     adapter = adapter_for(model)
     inputs = adapter.check_inputs(model, inputs)
-    if adapter.traced:
-        return _traced_trajectory(model, adapter, inputs, query, steps, progress)
-    if adapter.position_dependent_embedding:
-        raise UnsupportedModelError(
-            f"tp.trajectory needs position-free embeddings; the {adapter.name} adapter has position-dependent ones"
-        )
     q = _query_position(query, adapter.seq_len(inputs))
-    h = adapter.embed(model, inputs)  # [B, T, d]
-    batch, _, width = h.shape
-    ctx = h[:, :q]  # [B, N, d]  the context, layer by layer (full pass)
-    rows = h[:, q : q + 1].expand(batch, q + 1, width)  # [B, N+1, d]  the query after each prefix
-    lengths = torch.arange(q + 1)  # row i reads c_1..c_i
-    deltas: dict[str, Delta] = {}
-    increments: dict[str, Delta] = {}
-    labels = list(range(q + 1))
-    for i in progress_bar(range(adapter.n_layers(model)), progress, desc="trajectory", unit="layer"):
-        (m_c, s_c), anchor = adapter.mix_prefixes(model, i, ctx, rows, lengths, with_alone=True)  # [B, N+1, d]
-        hidden_c, out_rows = adapter.finish(model, i, m_c, s_c)
-        sites = adapter.sites(model, i)
-        deltas.update(layer_patch(model, sites, (m_c, s_c, hidden_c), anchor, i, labels))
-        if steps:  # anchor: the same row with c_i removed, i.e. read after c_1..c_{i-1}
-            m_1, s_1 = adapter.mix_prefixes(model, i, ctx, rows[:, 1:], lengths[1:] - 1)  # [B, N, d]
-            step = layer_patch(model, sites, (m_c[:, 1:], s_c[:, 1:], hidden_c[:, 1:]), (m_1, s_1), i, labels[1:])
-            increments.update({n: _pad_first(d) for n, d in step.items()})
-        if i + 1 < adapter.n_layers(model):
-            ctx = adapter.finish(model, i, *adapter.mix(model, i, ctx))[1]
-        rows = out_rows
+    batch, n = adapter.batch_size(inputs), q + 1
+    parts: dict[int, tuple[dict, dict]] = {}  # first prefix of a chunk -> its deltas, its increments
+    dtype = None
+    for group in _regime_groups(adapter.length_scaling(model), n):
+        rows = adapter.prefixes(model, inputs, q, group, steps)
+        for i, chunk, rec, anchor, step in progress_bar(rows, progress, desc="trajectory", unit="layer"):
+            deltas, increments = parts.setdefault(chunk.start, ({}, {}))
+            sites, labels = adapter.sites(model, i), list(chunk)
+            deltas.update(layer_patch(model, sites, rec, anchor, i, labels))
+            if step is not None:  # anchored at the row read one context token earlier
+                increments.update(layer_patch(model, sites, rec, step, i, labels))
+            dtype = rec.out.dtype
+    order = sorted(parts)
     meta = {
         "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
         "batch": batch,
-        "model_dtype": str(h.dtype).removeprefix("torch."),
+        "model_dtype": str(dtype).removeprefix("torch."),
     }
     record = {**meta, "trajectory": {"query": q, "n_context": q}}
-    return Trajectory(
-        Patch(_zero_first(deltas), None, record), Patch(increments, None, record) if steps else None, q, meta
-    )
+    readers = input_readers(model, adapter)
 
+    def joined(k: int) -> Patch:  # the chunks' deltas along the prefix dim, prefix 0 exactly zero
+        deltas = {name: _cat([parts[a][k][name] for a in order]) for name in parts[order[0]][k]}
+        patch = Patch(_zero_first(deltas), None, record, readers=readers)
+        return patch if patch.dtype == dtype else patch.to(dtype)  # in the model's dtype, as token_patch's
 
-def _pad_first(d: Delta) -> Delta:
-    """Prepend an exact zero at index 0 of the prefix dim (no step reaches prefix 0)."""
-    return dl.cat([dl.zeros(dl.index(d, (slice(None), slice(None, 1)))), d], 1)
-
-
-def _traced_trajectory(
-    model: nn.Module, adapter, inputs: dict, query: Any, steps: bool, progress, chunk: int = 64
-) -> Trajectory:
-    """``trajectory`` for a language model: prefix ``i`` is the sequence ``[c_1..c_i, x]`` with the query
-    at position ``i``, run by the model's own forward as one row of a left-padded batch (``chunk`` rows
-    per forward pass), and patched by ``token_patch``. The increments (``steps``) are ``token_patch`` of
-    the same rows with ``c_i``, the token right before the query in every row, removed.
-
-    A forward's rotation can depend on its length (``Adapter.length_scaling``: longrope, dynamic): a
-    batch of rows then rotates every row as its longest one. So the prefixes run in groups of one
-    rotation ``regime``, each group padded to its own longest prefix (``_regime_groups``): every row is
-    rotated as it would be alone. Without such a scaling there is one group, all ``N + 1`` prefixes."""
-    if inputs["attention_mask"] is not None:
-        raise InputError("tp.trajectory on a language model takes unpadded sequences (no attention mask)")
-    ids = inputs["input_ids"]  # [B, T]
-    q = _query_position(query, ids.shape[1])
-    batch, n = ids.shape[0], q + 1
-    scaling = adapter.length_scaling(model)
-    bar = progress_bar(_regime_groups(scaling, n), progress, desc="trajectory", unit="group")
-    parts = [_group_patches(model, ids, q, group, steps, chunk, scaling) for group in bar]
-    deltas = {k: _cat([p[0][k] for p in parts]) for k in parts[0][0]}  # [B, n] each
-    flat = parts[0][2]
-    meta = {
-        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
-        "batch": batch,
-        "model_dtype": str(flat.dtype).removeprefix("torch."),
-    }
-    record = {**meta, "trajectory": {"query": q, "n_context": q}}
-    increments = None
-    if steps:
-        increments = Patch(
-            _zero_first({k: _cat([p[1][k] for p in parts]) for k in parts[0][1]}), None, record, readers=flat.readers
-        )
-    return Trajectory(Patch(_zero_first(deltas), None, record, readers=flat.readers), increments, q, meta)
+    return Trajectory(joined(0), joined(1) if steps else None, q, meta)
 
 
 def _regime_groups(scaling, n: int) -> list[range]:
@@ -237,49 +190,6 @@ def _regime_groups(scaling, n: int) -> list[range]:
         else:
             groups.append(range(i, i + 1))
     return groups
-
-
-def _group_patches(model: nn.Module, ids: Tensor, q: int, group: range, steps: bool, chunk: int, scaling):
-    """The patches of the prefixes ``group`` (and, with ``steps``, their increments), leads ``[B, len(group)]``,
-    from rows padded on the left to the group's longest prefix; and one flat ``Patch`` (its readers)."""
-    batch, width = ids.shape[0], group.stop  # prefix i has i + 1 tokens
-    rows = ids[:, q : q + 1, None].expand(batch, len(group), width).clone()  # padding: the query token, masked
-    mask = torch.zeros_like(rows)
-    for j, i in enumerate(group):  # row j: c_1..c_i, then x, right-aligned
-        rows[:, j, width - 1 - i : width - 1] = ids[:, :i]
-        mask[:, j, width - 1 - i :] = 1
-    rows, mask = rows.reshape(-1, width), mask.reshape(-1, width)
-
-    def patches(remove):
-        forget_longest(
-            model, scaling, ids.device
-        )  # a "dynamic" rotation: start from a fresh model's, as each prefix alone
-        parts = [
-            token_patch(
-                model,
-                {"input_ids": rows[a : a + chunk], "attention_mask": mask[a : a + chunk]},
-                remove=remove,
-                progress=False,
-            )
-            for a in range(0, len(rows), chunk)
-        ]
-        flat = Patch.stack(parts, "batch") if len(parts) > 1 else parts[0]  # [B * G, 1]
-        return {name: _unflat(d, batch) for name, d in flat.items()}, flat
-
-    deltas, flat = patches(None)
-    increments = {}
-    if steps and width > 1:  # c_i sits right before the query in every row (prefix 0: a masked pad; its step is 0)
-        removed = torch.zeros(width, dtype=torch.bool)
-        removed[width - 2] = True
-        increments = patches(removed)[0]
-    elif steps:  # prefix 0 alone (its own regime): no token to remove, a zero step
-        increments = _zero_first(deltas)
-    return deltas, increments, flat
-
-
-def _unflat(d: Delta, batch: int) -> Delta:
-    """``[B * G, 1, ...]`` -> ``[B, G, ...]``."""
-    return dl.map_tensors(d, lambda t: t.reshape(batch, -1, *t.shape[2:]))
 
 
 def _cat(parts: list[Delta]) -> Delta:
