@@ -5,7 +5,7 @@ forward pass of its calibration set read after the prompt. The unit is that pass
 way: the prompt run once, its keys and values shared by every calibration query (a copy of the
 cache per batch), so the unit is ``P + sum_j T_j`` tokens, not ``m (P + T)``. Goal: fit <= 3x it.
 
-What the fit runs (``tokenpatch/thought/hf.py``): the same with-prompt pass (the targets, every
+What the fit runs (``tokenpatch/thought/engine.py``): the same with-prompt pass (the targets, every
 layer recorded), then per layer, without the prompt, two layer forwards of the calibration
 tokens (the input side's anchors, the output side's with the input change in place, from which
 the stream into the next layer is written; Gemma's post-MLP norm adds a third) and the least
@@ -117,7 +117,7 @@ def measure(name: str, repeats: int) -> list[dict]:
         whole = best(lambda: full_forward(model, prompt, batches), repeats)
         timer = LSTimer()
         originals = {f: getattr(lstsq, f) for f in LS}
-        for module in (lstsq, tp.thought.fit, tp.thought.hf):  # every place that imported them
+        for module in (lstsq, tp.thought.fit, tp.thought.engine):  # every place that imported them
             for f in LS:
                 if hasattr(module, f):
                     setattr(module, f, timer.wrap(originals[f]))
@@ -134,7 +134,7 @@ def measure(name: str, repeats: int) -> list[dict]:
                     fits.append((time.perf_counter() - start, timer.seconds))
         finally:
             lstsq.Sums.add = add
-            for module in (lstsq, tp.thought.fit, tp.thought.hf):
+            for module in (lstsq, tp.thought.fit, tp.thought.engine):
                 for f in LS:
                     if hasattr(module, f):
                         setattr(module, f, originals[f])

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import tokenpatch as tp
-from tokenpatch.arch import adapter_for
+from tokenpatch.arch import adapter_for, hf_calls
 from tokenpatch.arch.hf_modules import HFModules
 from tokenpatch.testing import EAGER_ONLY
-from tokenpatch.thought import hf as thought_hf
 from tokenpatch.thought import lm_output as thought_lm_output
 
 T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
@@ -284,7 +283,7 @@ def test_thought_patch_gemma_output_side(float64_gemma_norms):
     }
     assert all(k.endswith(ends) for k in both.patch)
     assert all(k.endswith(":input") for k in inputs_only.patch)
-    with pytest.raises(tp.InputError, match="no bias"), pytest.warns(tp.ThoughtWarning):
+    with pytest.raises(tp.InputError, match="without a bias"), pytest.warns(tp.ThoughtWarning):
         tp.thought_patch(model, prompt, cal, output="vector")
 
 
@@ -336,7 +335,7 @@ def test_the_prompt_cache_copied_a_row_at_a_time_gives_the_same_fit(name, monkey
     model = build(name)
     prompt, queries = ids(1, 9, seed=21)[0], ids(5, 3, seed=22)
     whole = tp.thought_patch(model, prompt, queries, ridge=1e-2).patch
-    monkeypatch.setattr(thought_hf, "TARGET_CACHE_BYTES", 1)
+    monkeypatch.setattr(hf_calls, "TARGET_CACHE_BYTES", 1)
     rows = tp.thought_patch(model, prompt, queries, ridge=1e-2).patch
     assert set(whole) == set(rows)
     for key in whole:

@@ -15,8 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tokenpatch as tp
+from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError
 from tokenpatch.thought.calibration import sample_calibration
+from tokenpatch.thought.engine import TARGET_KEYS, Targets
 from tokenpatch.thought.front import SELF_CALIBRATION, ThoughtWarning
 
 COMBOS = list(itertools.product(sorted(tp.LAYERS), ["none", "pre", "post"], [True, False]))
@@ -249,13 +251,16 @@ def test_deeper_anchors_come_from_the_patched_model_or_the_teacher(mode):
 
 
 def test_states_are_kept_only_within_the_memory_budget():
-    from tokenpatch.thought.icl import _Source
-
     model, prompt, q = _setup(m=10)
     batches = list(q.split(4))
-    need = 2 * 10 * 4 * 8  # two states of 10 positions x d_model 4, float64
-    assert _Source(model, prompt[None], batches, "sequential", need).cached
-    assert not _Source(model, prompt[None], batches, "sequential", need - 1).cached
+    prompted = adapter_for(model).prompted(model, prompt[None], TARGET_KEYS)
+    need = sum(t.numel() * t.element_size() for r in prompted(q) for t in r.tensors().values())  # every batch's records
+    assert Targets(prompted, batches, need).cached
+    assert not Targets(prompted, batches, need - 1).cached
+    calls = []
+    counted = lambda x: calls.append(len(x)) or prompted(x)  # noqa: E731
+    streamed = Targets(counted, batches, 0)
+    assert [len(r.s) for r in streamed[2]] == [2, 2] and calls == [4, 2]  # recomputed at each use
 
 
 def test_rank_during_the_fit_cuts_every_matrix_and_the_layers_above_see_it():

@@ -98,6 +98,9 @@ def test_norm_steps_are_checked():
         tp.thought_patch(model, ids(1, 5)[0], ids(2, 2), norm_steps=-1)
     with pytest.raises(tp.InputError, match="norm_steps > 0 needs every calibration position in one process"):
         tp.thought_patch(model, ids(1, 5)[0], ids(2, 2), norm_steps=1, distributed=True)
-    small = tp.ICLTransformer(tp.ICLConfig(d_in=3, d_model=4, n_layers=1, n_heads=1))
-    with pytest.raises(tp.InputError, match="norm_steps are for language models"):
-        tp.thought_patch(small, torch.randn(4, 3), torch.randn(2, 1, 3), norm_steps=1)
+    # a model without a norm after its MLP: the steps have nothing to refine, the fit is the same
+    small = tp.ICLTransformer(tp.ICLConfig(d_in=3, d_model=4, n_layers=1, n_heads=1)).double().eval()
+    prompt, queries = torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 1, 3, dtype=torch.float64)
+    plain, stepped = (tp.thought_patch(small, prompt, queries, norm_steps=k).patch for k in (0, 1))
+    assert set(plain) == set(stepped)
+    assert all(torch.equal(tp.deltas.dense(plain[k]), tp.deltas.dense(stepped[k])) for k in plain)

@@ -63,6 +63,8 @@ NEEDED_BY = {
     "run": "tp.verify",
     "mix_prefixes": "tp.trajectory",
     "prefix_inputs": "tp.trajectory",
+    "prompted": "tp.thought_patch",
+    "layer_calls": "tp.thought_patch",
     "recording": "tp.generate and tp.thought_patch on a language model",
     "trace": "tp.token_patch and tp.interp.head_patches on a traced model",
     "anchors": "tp.token_patch, tp.generate and tp.interp.head_patches on a traced model",
@@ -285,6 +287,18 @@ class Adapter:
         ``width`` positions (padding before them), ``[B * len(prefixes), width, ...]`` batch-major, as
         ``check_inputs`` returns them."""
         self._missing("prefix_inputs")
+
+    def prompted(self, model: nn.Module, prompt: Any, keys: tuple[str, ...]) -> Callable[[Any], list]:
+        """The with-prompt pass of calibration queries (``tp.thought_patch``): a function of query inputs
+        ``[b, T_q, ...]`` giving, per layer, the ``LayerRecord`` (its fields ``keys``) of every query position
+        read after ``prompt [1, P, ...]``, each ``[b, T_q, .]``. The prompt's work is done once, here."""
+        self._missing("prompted")
+
+    def layer_calls(self, model: nn.Module, inputs: Any) -> tuple[Tensor, list[tuple[tuple, dict]]]:
+        """The first layer's input ``h^0 [b, T, d]`` for ``inputs`` and, per layer, the other arguments the
+        model's forward passes it ``(args, kwargs)``: ``layers(model)[i](h, *args, **kwargs)`` runs layer
+        ``i`` alone as the forward would (``tp.thought_patch``'s no-prompt pass, a layer at a time)."""
+        self._missing("layer_calls")
 
     # ------------------------------------------------------------------------- the module map
     def layers(self, model: nn.Module) -> Sequence[nn.Module]:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch.arch import hf_calls
 from tokenpatch.arch.experts import scattered_hiddens
 from tokenpatch.arch.family import Family, NamedSite
 from tokenpatch.arch.hf_inputs import CONFIG_IGNORED, HFInputs
@@ -281,6 +282,14 @@ class HFAdapter(HFInputs):
         with registered_hooks(pairs), skip:
             model.base_model(**stripped, use_cache=False)
         return [(o.m, o.s) for o in out]
+
+    def prompted(self, model: nn.Module, prompt: Tensor, keys: tuple[str, ...]) -> Callable:
+        """Calibration queries read after ``prompt``, on the prompt's cached keys and values (``hf_calls``)."""
+        return hf_calls.prompted(self, model, prompt, keys)
+
+    def layer_calls(self, model: nn.Module, inputs: Tensor) -> tuple[Tensor, list[tuple[tuple, dict]]]:
+        """Each decoder layer's call for ``inputs``, captured from the model's forward (``hf_calls``)."""
+        return hf_calls.layer_calls(self, model, inputs)
 
     @staticmethod
     def _forward_kwargs(inputs: dict) -> dict:

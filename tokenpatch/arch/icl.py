@@ -94,7 +94,8 @@ class ICLAdapter(Adapter):
             output = BiasOutput(f"{p}mlp.fc_out.bias")
         else:
             output = MatrixOutput(f"{p}mlp.fc_out.weight")
-        return Sites(inputs=(f"{p}mlp.fc_in.weight",), output=output)
+        sum_norm = f"{p}ln2" if block.norm == "post" else None  # out = LN2(m + MLP(s))
+        return Sites(inputs=(f"{p}mlp.fc_in.weight",), output=output, sum_norm=sum_norm)
 
     # ------------------------------------------------------------------------- the traced passes
     def _sites(self, block: Block) -> list[tuple[str, nn.Module, bool]]:
@@ -114,6 +115,8 @@ class ICLAdapter(Adapter):
             ("hidden", block.mlp.fc_out, True),
             ("out", block, False),
         ]
+        if block.norm == "post":  # what the norm after the MLP's add reads (Sites.sum_norm)
+            sites.append(("sum", block.ln2, True))
         attention = isinstance(block.mixer, (SoftmaxAttention, LinearAttention))  # alone: out(v), from the values
         return sites + ([("v", block.mixer.v, False)] if attention else [])
 
@@ -205,6 +208,45 @@ class ICLAdapter(Adapter):
         with registered_hooks(pairs), self.recording(model, at) as out, torch.no_grad():
             model(inputs[:, kept])
         return [(r.m, r.s) for r in out]
+
+    def prompted(self, model, prompt: Tensor, keys: tuple[str, ...]) -> Callable[[Tensor], list[LayerRecord]]:
+        """Calibration queries read after ``prompt [1, P, d_in]`` (``Adapter.prompted``). The prompt runs once;
+        its mixer inputs at every block are kept (by causality the same whatever follows) and each query
+        batch runs alone, every mixer given them as its context: one-token queries as virtual rows
+        (``prefix_queries``: attention reads the prompt's keys and values, a recurrent layer steps once
+        from its state after the prompt), longer ones after the prompt's rows, ``O(b P)`` per layer for a
+        token, not ``O(b P^2)``. Embeddings are position-free: a query's input is its own embedding."""
+        prompt = self.check_inputs(model, prompt)
+        blocks, seen = self._blocks(model), []
+        pairs = [(b.mixer.register_forward_pre_hook, lambda m, args: seen.append(args[0])) for b in blocks]
+        with registered_hooks(pairs), torch.no_grad():
+            model(prompt)
+        context = list(seen)  # [1, P, d]  each block's mixer input over the prompt
+
+        def after_prompt(i: int) -> Callable:
+            def hook(mixer, args, out):
+                x, p = args[0], context[i].shape[1]  # [b, T_q, d]
+                if x.shape[1] == 1:  # [1, b, d]: the queries as rows after the whole prompt
+                    lengths = torch.full((x.shape[0],), p, dtype=torch.long)
+                    return mixer.prefix_queries(context[i], x.transpose(0, 1), lengths).transpose(0, 1)
+                return mixer.forward(torch.cat([context[i].expand(x.shape[0], -1, -1), x], 1))[:, p:]  # not hooked
+
+            return hook
+
+        def run(q: Tensor) -> list[LayerRecord]:
+            q = self.check_inputs(model, q)
+            at = torch.arange(q.shape[1], device=q.device)
+            replaced = [(b.mixer.register_forward_hook, after_prompt(i)) for i, b in enumerate(blocks)]
+            with self.recording(model, at, every=True) as rec, registered_hooks(replaced), torch.no_grad():
+                model(q)
+            return [r.only(keys) for r in rec]
+
+        return run
+
+    def layer_calls(self, model, inputs: Tensor) -> tuple[Tensor, list[tuple[tuple, dict]]]:
+        """The first block's input for ``inputs`` and each block's other arguments (none)."""
+        inputs = self.check_inputs(model, inputs)
+        return self.embed(model, inputs), [((), {}) for _ in self._blocks(model)]
 
     def run(self, model, inputs: Tensor) -> tuple[Tensor, list[Tensor]]:
         if isinstance(model, ICLTransformer):

@@ -1,7 +1,8 @@
 """Thought patches: one static weight update that stands in for a prompt (``docs/thought-patches.md``).
 
-* ``front``: ``thought_patch`` (the fit), ``evaluate_thought_patch``, and the fit for our own models;
-* ``hf``: the fit for Hugging Face language models;
+* ``front``: ``thought_patch`` (its arguments checked), ``evaluate_thought_patch``;
+* ``engine``: the fit, layer by layer over the adapter's named sites, one for every model (``lm_output``:
+  the output side through the output kind; ``through_norm``: through a norm after the MLP);
 * ``lstsq``: streamed ridge least squares in float64;
 * ``calibration``: calibration the prompted model writes itself, cut into its demonstrations;
 * ``held_out``: the ridge chosen without labels, by the KL to the prompted model on held-out queries;

@@ -50,9 +50,8 @@ from tokenpatch.errors import InputError, caller_stacklevel
 from tokenpatch.patch import Patch
 from tokenpatch.run import hooked
 from tokenpatch.thought.calibration import DEFAULTS, sample_calibration
+from tokenpatch.thought.engine import batched, fit
 from tokenpatch.thought.fit import LayerFit, ThoughtPatch, calibration_batches
-from tokenpatch.thought.hf import fit_lm
-from tokenpatch.thought.icl import fit_icl
 from tokenpatch.thought.lstsq import COND_WARN, ThoughtWarning
 
 __all__ = [
@@ -110,13 +109,14 @@ def thought_patch(
     normal equations (fastest); ``"qr"`` a streamed QR factor of the data (about 3x the least-squares
     work, rounding amplified by the square root of the condition number instead of all of it, and
     exact training residuals). The states of the
-    calibration positions are kept between layers while they fit in ``cache_bytes`` and recomputed
-    otherwise (memory then independent of the number of queries). ``distributed=True``: this
+    calibration positions read after the prompt are kept between layers while they fit in
+    ``cache_bytes`` and recomputed otherwise (memory then grows only with one state per calibration
+    position, the no-prompt stream). ``distributed=True``: this
     process holds one shard of the calibration inputs and every process of the default
     ``torch.distributed`` group calls ``thought_patch`` with the same arguments (launch with
     ``torchrun``); the per-layer sums are all-reduced before each solve, so every process gets the
-    fit of all the shards together. Language models only: ``keep_bos=True`` keeps the prompt's first
-    token (a BOS the heads attend to) in front of every query in the no-prompt pass too;
+    fit of all the shards together. ``keep_bos=True`` keeps the prompt's first token (a language
+    model's BOS, which the heads attend to) in front of every query in the no-prompt pass too;
     ``layers`` (indices, e.g. ``range(4, 12)``) fits only that band and leaves the others unpatched;
     ``norm_steps``: Gauss-Newton steps that refine the output side through a norm after the MLP
     (Gemma 2/3) on the error of the norm's output itself (``thought.through_norm``; no effect on a
@@ -141,10 +141,20 @@ def thought_patch(
     if norm_steps and distributed:
         raise InputError("norm_steps > 0 needs every calibration position in one process: use distributed=False")
     adapter = adapter_for(model)
-    _check_prompt(prompt, 2 if adapter.traced else 3)
+    if not isinstance(prompt, Tensor):
+        raise InputError(
+            f"prompt must be a tensor: token ids [P] or model inputs [P, d_in], got {type(prompt).__name__}"
+        )
+    tokens = not prompt.is_floating_point()  # a language model's prompt: token ids
+    _check_prompt(prompt, 2 if tokens else 3)
+    if batched(prompt).ndim != (2 if tokens else 3):
+        raise InputError(
+            "prompt must be token ids [P] (or [1, P]) or model inputs [P, d_in] (or [1, P, d_in]), got shape "
+            f"{tuple(prompt.shape)}"
+        )
     sampled = None
     if calibration is None:
-        if not adapter.traced:
+        if not tokens:
             raise InputError(
                 "thought_patch: calibration inputs [m, T_q, d_in] are needed (only a language model writes its own)"
             )
@@ -155,51 +165,31 @@ def thought_patch(
     elif start is not None:
         raise InputError("thought_patch: start= begins the continuations it samples; calibration was given")
     _check_calibration(calibration)
-    batches = calibration_batches(calibration, batch_size)
-    if adapter.traced:  # a language model: token ids, the model's own forward (hf.py)
-        fit = fit_lm(
-            model,
-            adapter,
-            prompt,
-            batches,
-            ridge=ridge,
-            mode=mode,
-            inputs=inputs,
-            output=output,
-            rank=rank,
-            solver=solver,
-            distributed=distributed,
-            progress=progress,
-            keep_bos=keep_bos,
-            layers=layers,
-            norm_steps=norm_steps,
-        )
-    elif keep_bos or layers is not None or norm_steps:
-        raise InputError(
-            "keep_bos, layers and norm_steps are for language models (token ids); this model fits every layer"
-        )
-    else:
-        fit = fit_icl(
-            model,
-            prompt,
-            batches,
-            ridge=ridge,
-            mode=mode,
-            inputs=inputs,
-            output=output,
-            rank=rank,
-            solver=solver,
-            cache_bytes=cache_bytes,
-            distributed=distributed,
-            progress=progress,
-        )
-    meta = dict(fit.patch.meta)
-    meta["thought"] = {**meta["thought"], "fits": [f.to_dict() for f in fit.fits]}
+    fitted = fit(
+        model,
+        adapter,
+        prompt,
+        calibration_batches(calibration, batch_size),
+        ridge=ridge,
+        mode=mode,
+        inputs=inputs,
+        output=output,
+        rank=rank,
+        solver=solver,
+        cache_bytes=cache_bytes,
+        distributed=distributed,
+        progress=progress,
+        keep_bos=keep_bos,
+        layers=layers,
+        norm_steps=norm_steps,
+    )
+    meta = dict(fitted.patch.meta)
+    meta["thought"] = {**meta["thought"], "fits": [f.to_dict() for f in fitted.fits]}
     if sampled is not None:
         meta["thought"]["calibration"] = {"self_generated": True, **sampled}
     # fitted with the prompt's first token in front of every query: it runs on sequences that begin with it
     prefix = (int(torch.as_tensor(prompt).reshape(-1)[0]),) if keep_bos else ()
-    return ThoughtPatch(fit.patch.replace(meta=meta, prefix=prefix), fit.fits)
+    return ThoughtPatch(fitted.patch.replace(meta=meta, prefix=prefix), fitted.fits)
 
 
 def _check_prompt(prompt: Any, ndim: int) -> None:

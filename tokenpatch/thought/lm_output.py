@@ -1,5 +1,5 @@
-"""The output side of a language model layer's thought-patch fit (``hf.fit_lm``), and the next
-layer's stream written from its pass.
+"""The output side of a layer's thought-patch fit (``engine.fit``), and the next layer's stream
+written from its pass.
 
 With the input change in place, ``dW h' (+ db) ~ t``: ``t = out_C - out_0``, what the layer still
 misses, on the output matrix (and its bias, affine); a shared expert's output is scaled by
@@ -41,7 +41,10 @@ def fit_output(
     the output kind's own (``OutputSite.fit_pairs``: over a shared expert's gate, aimed through a norm
     after the MLP, ...), from ``pairs_source``'s ``(with-context, no-context, real positions)`` records."""
     if output == "vector" and not site.affine:  # only a bias site has a bias: the others fit a linear map
-        raise InputError(f"layer {i}: {site.module} has no bias for a thought vector; use output='affine'")
+        raise InputError(
+            f"layer {i}: {site.module} is an output matrix without a bias; a thought vector needs a bias to "
+            "live in: use output='affine'"
+        )
     pairs = site.fit_pairs(model, ((rc, r0, v) for rc, r0, v in pairs_source))
     bias = site.name if site.affine else None
     return solve_output(pairs, i, model, site.matrix, bias, output, deltas, ridge, distributed, solver)
