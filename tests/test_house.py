@@ -281,3 +281,25 @@ def test_no_string_keyed_layer_record():
             if key in RECORD_FIELDS:
                 found.append(f"{m.name}:{node.lineno} {ast.unparse(node)[:60]}")
     assert found == []
+
+
+# What told the engines apart: the flag, and the layer-by-layer methods of the deprecated adapter interface.
+ENGINE_NAMES = {"traced", "layer_by_layer", "embed", "mix", "mix_with_alone", "mix_prefixes", "finish"}
+
+
+def test_no_reference_to_an_engine_outside_arch():
+    """Every model is read through the same passes (``trace``, ``anchors``, ``prefixes``, ``prompted``,
+    ``layer_calls``): outside ``arch/`` (and ``models/``, whose blocks define ``mix`` and ``finish``) no module
+    reads which engine a model uses (``adapter.traced``) or runs a layer by the deprecated methods
+    (``adapter.mix(...)``, ``implements("mix_prefixes")``), the workbench included."""
+    found = []
+    for m in MODULES.values():
+        if m.name.split(".")[1:2] in (["arch"], ["models"]):
+            continue
+        for node in ast.walk(ast.parse(m.path.read_text(encoding="utf-8"))):
+            named = (isinstance(node, ast.Attribute) and node.attr in ENGINE_NAMES) or (
+                isinstance(node, ast.Constant) and node.value in ENGINE_NAMES
+            )
+            if named:
+                found.append(f"{m.name}:{node.lineno} {ast.unparse(node)[:60]}")
+    assert found == []

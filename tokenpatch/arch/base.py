@@ -4,28 +4,27 @@ Everything outside ``tokenpatch.arch`` reaches a model only through the methods 
 ``Adapter``; a family (a user's own, ``tokenpatch.arch.register``) implements those its callers
 need, and a caller of one it lacks gets an ``UnsupportedModelError`` naming the method (``require``).
 
-**The layer-by-layer passes** (``patching.py``, ``docs/deep-models.md``), per layer ``i``:
+**The passes**, the model's own forward recorded by hooks at named sites (``recording``: per layer a
+``LayerRecord`` of ``h``, ``m``, ``s``, ``hidden``, ``out`` and what the output kind needs; masks,
+positions, caches and routing stay the model's), the same for every model and every method:
 
-* ``mix(model, i, h) -> (m, s)``: run the layer up to its MLP on hidden states ``h [N, T, d]``
-  (any sequence: the full context, the query alone as a length-1 sequence, or the context with a
-  chunk removed), returning the MLP input ``s`` and the residual value ``m`` the MLP output is
-  added to, at every position;
-* ``finish(model, i, m, s) -> (hidden, out)``: the rest of the layer, returning the input of the
-  MLP's output matrix and the layer output;
-* ``sites(model, i) -> Sites``: *where* the patch goes, as parameter names -- the matrices that
-  read ``s`` (rank-1 input patches with a shared right factor: ``fc_in``; ``gate_proj`` and
-  ``up_proj`` of a gated MLP) and how the output side is absorbed (``OutputSite``: an output
-  ``bias``, a rank-1 patch of the output ``matrix``, or nothing for a residual-free layer).
+* ``trace``: the with-context pass at the queries; ``anchors``: the no-context pass's ``(m_0, s_0)``
+  (``alone_anchor``: where each query alone needs no pass, from the with-context record) -- ``tp.token_patch``,
+  ``tp.generate``, the head patches;
+* ``prefixes``: every context prefix's query row, recorded and anchored (``arch.prefixes``) -- ``tp.trajectory``;
+* ``prompted`` and ``layer_calls``: calibration queries read after a prompt, and each layer run alone as
+  the forward calls it -- ``tp.thought_patch``;
+* ``sites(model, i) -> Sites``: *where* layer ``i``'s patch goes, as parameter names -- the matrices that
+  read ``s`` (or the module whose input ``s`` is) and the output kind (``arch.outputs``: a class per kind).
 
-plus the model's ends: ``embed`` (inputs -> h^0), ``run`` (the model's own forward, returning its
-output and every layer's output hidden state), ``strip`` (the inputs of the no-context pass),
-``check_inputs``.
+plus the model's inputs: ``check_inputs``, ``strip`` (the inputs of the no-context pass),
+``prefix_inputs``, ``seq_len``, ``batch_size``, ``padding``, and ``run`` (the model's own forward, returning
+its output and every layer's output hidden state).
 
-**The traced passes.** An adapter with ``traced = True`` (Hugging Face models, ``hf.py``) runs both
-passes as the model's own forward instead, with hooks: ``recording`` records every layer's states
-during any forward, ``trace`` is the with-context pass, ``anchors`` the no-context one; masks,
-positions, caches and routing stay the model's. ``tp.generate`` and the language-model thought
-patch use them too.
+**Adapters of earlier versions** implement ``embed``, ``mix`` and ``finish`` (a layer run on hidden states,
+up to and after its MLP) instead of the passes: ``arch.layered`` builds ``trace`` and ``anchors`` from them
+(deprecated, with a warning at registration), and ``mix_prefixes`` gives their trajectories. Our models
+keep ``mix_prefixes`` as the fast path of ``prefixes`` (virtual query rows).
 
 **The module map** (interpretability and the baselines): ``layers`` (the decoder layers),
 ``n_heads``, ``output_projections`` (the module whose input is the heads' outputs side by side),
@@ -66,8 +65,8 @@ NEEDED_BY = {
     "prompted": "tp.thought_patch",
     "layer_calls": "tp.thought_patch",
     "recording": "tp.generate and tp.thought_patch on a language model",
-    "trace": "tp.token_patch and tp.interp.head_patches on a traced model",
-    "anchors": "tp.token_patch, tp.generate and tp.interp.head_patches on a traced model",
+    "trace": "tp.token_patch and tp.interp.head_patches",
+    "anchors": "tp.token_patch, tp.generate and tp.interp.head_patches",
     "layers": "tp.thought_patch on a language model, tp.interp.head_patches and the steering baselines",
     "n_heads": "the head tools: tp.interp ablate_heads and head_patches, the head baselines",
     "output_projections": "the head tools: tp.interp ablate_heads and head_patches, the head baselines",
@@ -85,9 +84,6 @@ class Adapter:
     ``padding`` and ``check_positions`` have defaults)."""
 
     name: str = "base"
-    # Are the two passes the model's own forward, recorded by hooks (``trace`` and ``anchors``,
-    # Hugging Face models), rather than run layer by layer with ``mix`` and ``finish``?
-    traced: bool = False
     # Does the embedding of a token depend on its position (absolute position embeddings)? Then
     # the first layer's anchor comes from the no-context embedding, not the with-context one.
     position_dependent_embedding: bool = True
@@ -193,7 +189,7 @@ class Adapter:
         in every forward (the default)."""
         return None
 
-    # ------------------------------------------------------------------------- layer by layer
+    # ------------------------------------------------------------------------- earlier adapters: a layer run on hidden states (deprecated)
     def embed(self, model: nn.Module, inputs: Any) -> Tensor:
         """The first layer's input ``h^0 [B, T, d]``."""
         self._missing("embed")
@@ -221,7 +217,7 @@ class Adapter:
         """``(hidden, out)``: the input of layer ``i``'s MLP output matrix and the layer output."""
         self._missing("finish")
 
-    # ------------------------------------------------------------------------- traced passes
+    # ------------------------------------------------------------------------- the passes
     @contextlib.contextmanager
     def recording(
         self, model: nn.Module, query: Tensor, every: bool = False, on_layer: Callable | None = None

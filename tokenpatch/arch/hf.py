@@ -126,7 +126,6 @@ class HFAdapter(HFInputs):
     module map (``HFModules``), the inputs and positions (``HFInputs``) and the two passes."""
 
     name = "hf"
-    traced = True  # token_patch runs ``trace`` and ``anchors`` instead of the layer-by-layer mix/finish
     config_ignored = CONFIG_IGNORED
 
     # ------------------------------------------------------------------------- the two passes

@@ -97,7 +97,7 @@ class ICLAdapter(Adapter):
         sum_norm = f"{p}ln2" if block.norm == "post" else None  # out = LN2(m + MLP(s))
         return Sites(inputs=(f"{p}mlp.fc_in.weight",), output=output, sum_norm=sum_norm)
 
-    # ------------------------------------------------------------------------- the traced passes
+    # ------------------------------------------------------------------------- the passes
     def _sites(self, block: Block) -> list[tuple[str, nn.Module, bool]]:
         """Block ``block``'s named sites as ``(field, module, its input?)``: where the pass computes each
         ``LayerRecord`` field (``m``: what the MLP output is added to; ``s``: the MLP input; ``v``: the

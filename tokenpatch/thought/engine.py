@@ -72,6 +72,38 @@ class Targets:
         return self.kept[b] if self.cached else self.prompted(self.batches[b])
 
 
+class Streams:
+    """The no-prompt pass entering the current layer, per batch ``(stream [b, T, d], each layer's call)``
+    (``Adapter.layer_calls``), under the patch of the layers below. Kept and moved up a layer at a time
+    (``advance``), or, where the targets are not kept either (``keep=False``), recomputed at each use
+    from the inputs through the patched layers below: memory then does not grow with the queries."""
+
+    def __init__(self, adapter, model: nn.Module, inputs: list[Tensor], keep: bool):
+        self.adapter, self.model, self.inputs = adapter, model, inputs
+        self.layers = adapter.layers(model)
+        self.kept = [adapter.layer_calls(model, a) for a in inputs] if keep else None
+        self.layer, self.patch = 0, None
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, b: int) -> tuple[Tensor, list]:
+        if self.kept is not None:
+            return self.kept[b]
+        h, calls = self.adapter.layer_calls(self.model, self.inputs[b])
+        with hooked(self.model, self.patch, True, True) if self.patch is not None else contextlib.nullcontext():
+            for j in range(self.layer):
+                h = output_tensor(self.layers[j](h, *calls[j][0], **calls[j][1]))
+        return h, calls
+
+    def advance(self, streams: list[Tensor] | None, patch) -> None:
+        """To the next layer: its input ``streams`` where they are kept (``None``: not needed, teacher mode);
+        ``patch``, every layer's so far."""
+        if self.kept is not None and streams is not None:
+            self.kept = [(h, calls) for h, (_, calls) in zip(streams, self.kept)]
+        self.layer, self.patch = self.layer + 1, patch
+
+
 def fit(
     model: nn.Module,
     adapter,
@@ -122,19 +154,13 @@ def fit(
     targets = Targets(adapter.prompted(model, prompt, keys), batches, cache_bytes)
     # the no-prompt pass, one layer at a time: each batch's stream entering the next layer (under the
     # patch of the layers below) and the arguments the model gives each layer, captured once
-    layers_ = adapter.layers(model)
     alone = [torch.cat([head.expand(len(q), *head.shape[1:]).to(q.device), q], 1) for q in batches]
-    streams, calls = (list(t) for t in zip(*(adapter.layer_calls(model, a) for a in alone)))
-    ats = [torch.arange(head.shape[1], a.shape[1], device=s.device) for a, s in zip(alone, streams)]
-    valid = [v.to(s.device) for v, s in zip(valid, streams)]
-    dtype = streams[0].dtype
+    streams = Streams(adapter, model, alone, targets.cached)
     deltas: dict[str, Delta] = {}
     fits = []
     readers: dict[str, list] = {}
     for i in progress_bar(range(fitted[-1] + 1), progress, desc="thought_patch", unit="layer"):
-        layer = layers_[i]
-        if mode == "teacher":  # every layer fitted on the with-prompt states
-            streams = [targets[b][i].h for b in range(len(batches))]
+        layer = streams.layers[i]
 
         def run(current: dict[str, Delta], record: bool, kept: list | None = None):
             """Per batch, layer ``i`` on its stream under ``current``, layer ``i``'s own deltas (the
@@ -142,25 +168,29 @@ def fit(
             positions (``record``), or its output. ``kept``: also keep each batch's states at every
             position with the layer's output, from which ``next_streams`` writes the next stream."""
             patch = static_patch(current, {}, {k: readers[k] for k in current if k in readers}) if current else None
-            for b, (v, kw) in enumerate(zip(valid, calls)):
+            for b, v in enumerate(valid):
+                h, calls = streams[b]
+                if mode == "teacher":  # every layer fitted on the with-prompt states
+                    h = targets[b][i].h
+                at = torch.arange(head.shape[1], alone[b].shape[1], device=h.device)  # the query positions
                 # the patch's hooks first: a recording hook on a patched module then sees the patched output
                 with hooked(model, patch, True, True) if patch is not None else contextlib.nullcontext():
                     with (
-                        adapter.recording(model, ats[b], every=True)
+                        adapter.recording(model, at, every=True)
                         if record
                         else contextlib.nullcontext([None] * (i + 1)) as rec
                     ):
-                        out = output_tensor(layer(streams[b], *kw[i][0], **kw[i][1]))
+                        out = output_tensor(layer(h, *calls[i][0], **calls[i][1]))
                 if not record:
                     yield out
                     continue
                 if kept is not None:
                     kept.append((rec[i].only(STREAM_KEYS), out))
-                at = rec[i].map(lambda t: t[:, head.shape[1] :])  # [b, T_q, .]  the query positions
-                yield targets[b][i], at, v
+                r0 = rec[i].map(lambda t: t[:, head.shape[1] :])  # [b, T_q, .]  the query positions
+                yield targets[b][i], r0, v.to(h.device)
 
         mine: dict[str, Delta] = {}  # layer i's deltas
-        moved = False  # whether the next layer's stream is already written
+        moved = None  # the next layer's input, where the output side's pass wrote it
         if i in fitted:
             sites = adapter.sites(model, i)
             fit: dict[str, Any] = {"layer": i, "ridge": ridge_setting(ridge)}
@@ -174,10 +204,10 @@ def fit(
                     input_condition=cond,
                     input_ridge=lam,
                 )
-                mine.update(cut_rank(_input_deltas(model, sites, d, parts, dtype, readers), rank))
+                mine.update(cut_rank(_input_deltas(model, sites, d, parts, readers), rank))
             if output is not None and sites.output is not None:
                 site = sites.output
-                kept = [] if i < fitted[-1] and mode == "sequential" else None
+                kept = [] if i < fitted[-1] and mode == "sequential" and streams.kept is not None else None
                 pairs = run(mine, True, kept)
                 if site.norm is not None:  # read twice: the fit, then the norm's scale on its directions
                     pairs = list(pairs)
@@ -186,11 +216,13 @@ def fit(
                 if site.norm is not None:  # a norm after the MLP: its scale, fitted on the directions
                     fit.update(fit_norm(model, site, pairs, mine, fit["output_ridge"], norm_steps, rank, distributed))
                 if kept is not None:  # the next layer's input from the output side's pass: no third pass
-                    streams, moved = next_streams(model, site, mine, kept, sites.sum_norm), True
+                    moved = next_streams(model, site, mine, kept, sites.sum_norm)
             fits.append(LayerFit(**{"n": 0, **fit}))
             deltas.update(mine)
-        if i < fitted[-1] and not moved and mode == "sequential":
-            streams = list(run(mine, False))  # the next layer's input, this layer patched
+        if i < fitted[-1]:
+            if streams.kept is not None and mode == "sequential" and moved is None:
+                moved = list(run(mine, False))  # the next layer's input, this layer patched
+            streams.advance(moved, static_patch(deltas, {}, readers) if deltas else None)
     if not deltas:
         raise InputError("nothing was fitted: the layers fitted have no input sites and no output sites")
     meta = provenance(
@@ -211,13 +243,14 @@ def fit(
     return ThoughtPatch(static_patch(deltas, meta, readers or None), fits)
 
 
-def _input_deltas(model: nn.Module, sites, d: Tensor, parts, dtype: torch.dtype, readers: dict) -> dict[str, Delta]:
+def _input_deltas(model: nn.Module, sites, d: Tensor, parts, readers: dict) -> dict[str, Delta]:
     """The input side ``D``: one input change ``"<mlp>:input"`` where the layer names its MLP (its readers
-    recorded in ``readers``), else ``dW = W D`` on every matrix reading the MLP input, factored."""
+    recorded in ``readers``; in the dtype of the matrices reading it), else ``dW = W D`` on every matrix
+    reading the MLP input, factored."""
     if sites.input_site is not None:
         key = f"{sites.input_site}{INPUT_SUFFIX}"
         readers[key] = [[name, param_layout(model, name)] for name in sites.inputs]
-        return {key: factor(d, parts).to(dtype)}
+        return {key: factor(d, parts).to(model.get_parameter(sites.inputs[0]).dtype)}
     out = {}
     for name in sites.inputs:
         module_name, _, attr = name.rpartition(".")

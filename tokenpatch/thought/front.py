@@ -109,9 +109,8 @@ def thought_patch(
     normal equations (fastest); ``"qr"`` a streamed QR factor of the data (about 3x the least-squares
     work, rounding amplified by the square root of the condition number instead of all of it, and
     exact training residuals). The states of the
-    calibration positions read after the prompt are kept between layers while they fit in
-    ``cache_bytes`` and recomputed otherwise (memory then grows only with one state per calibration
-    position, the no-prompt stream). ``distributed=True``: this
+    calibration positions (with the prompt and without) are kept between layers while they fit in
+    ``cache_bytes`` and recomputed otherwise (memory then independent of the number of queries). ``distributed=True``: this
     process holds one shard of the calibration inputs and every process of the default
     ``torch.distributed`` group calls ``thought_patch`` with the same arguments (launch with
     ``torchrun``); the per-layer sums are all-reduced before each solve, so every process gets the
