@@ -1,6 +1,6 @@
 """The delta protocol (``tokenpatch/deltas.py``): a ``LowRank`` and its dense twin give the same numbers
 for every operation; ``Patch``'s fields all combine through the one table (``patch_combine.FIELD_RULES``);
-``finetuned`` runs through the one delta hook (``run.DeltaHook``)."""
+``finetuned`` runs through the one delta hook (``delta_hooks.DeltaHook``)."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def finetuned(model: nn.Module, deltas: Mapping[str, Tensor | LowRank]) -> Itera
     """Run ``model`` as ``R`` fine-tuned models at once: ``deltas`` maps parameter names to
     ``[R, *param.shape]`` changes (``FineTune.at()``), or for a weight a ``LowRank`` with lead ``[R]``; inside the block, the ``k`` consecutive
     sequences ``r * k .. r * k + k - 1`` of an input batch of ``R * k`` run with parameters
-    ``W + dW[r]``. Hooks only, ``run.DeltaHook`` (each run's deltas a ``[R, 1]`` patch acting everywhere on
+    ``W + dW[r]``. Hooks only, ``delta_hooks.DeltaHook`` (each run's deltas a ``[R, 1]`` patch acting everywhere on
     its ``k`` consecutive sequences): the weights are never written, and the hooks go on exit, errors
     included."""
     params = dict(model.named_parameters())
