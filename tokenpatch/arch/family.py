@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tokenpatch.arch.record import NamedSite
 from tokenpatch.errors import caller_stacklevel
 
 __all__ = ["Family", "MoE", "NamedSite"]
@@ -44,26 +45,6 @@ class MoE:
 
     dense: str | None = "llama"
     shared_gate: str | None = None
-
-
-@dataclass(frozen=True)
-class NamedSite:
-    """A named site of a layer: the ``LayerRecord`` field ``field`` is the input (``output=False``) or
-    the output of module ``module`` (a name under the layer; ``""``: the layer itself).
-
-    ``first``: read before every hook registered earlier (before a patch's input change: ``m`` and
-    ``s`` as the layer computes them). ``every``: recorded at every position, without a copy (the
-    values, read by a lone token's anchor). ``plus_h``: the field is the layer input plus this (a
-    parallel block's ``m = h + A(h)``). ``experts``: the chosen experts' weighted hidden states, from
-    the stacked-experts module's arguments (``arch.experts.scattered_hiddens``)."""
-
-    field: str
-    module: str
-    output: bool
-    first: bool = False
-    every: bool = False
-    plus_h: bool = False
-    experts: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

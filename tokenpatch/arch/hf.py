@@ -34,11 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import hf_calls
-from tokenpatch.arch.experts import scattered_hiddens
-from tokenpatch.arch.family import Family, NamedSite
+from tokenpatch.arch.family import Family
 from tokenpatch.arch.hf_inputs import CONFIG_IGNORED, HFInputs
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
-from tokenpatch.arch.record import LayerRecord
+from tokenpatch.arch.record import LayerRecord, NamedSite
+from tokenpatch.arch.recording import read, register
+from tokenpatch.arch.recording import recording as record_sites
 from tokenpatch.errors import InputError
 
 __all__ = ["HFAdapter", "EAGER_NAN", "output_tensor", "registered_hooks"]
@@ -62,24 +63,6 @@ def check_finite(rec: list[LayerRecord], padded: bool, first: int = 0) -> None:
         if not all(bool(torch.isfinite(t).all()) for t in r.tensors().values()):
             hint = EAGER_NAN if padded else ""
             raise InputError(f"the model's own forward gives non-finite states at the queries at layer {i}{hint}")
-
-
-def _register(module: nn.Module, site: NamedSite) -> Callable:
-    """How a hook on ``site`` is registered on ``module``: a forward hook on its output, or a pre-hook
-    (with the keyword arguments) on its input, ahead of any registered earlier where ``site.first``:
-    on the MLP, which reads ``m`` itself where no norm comes first, before a patch's input change, so
-    ``m`` and ``s`` are recorded as the layer computes them, unchanged, as a norm's hooks would see them."""
-    if site.output:
-        return module.register_forward_hook
-    return functools.partial(module.register_forward_pre_hook, prepend=site.first, with_kwargs=True)
-
-
-def _read(site: NamedSite, args: tuple, third: Any) -> Tensor:
-    """The tensor at ``site`` from a hook's arguments: ``third`` is the module's output (a forward
-    hook) or its keyword arguments (a pre-hook, whose input may come as ``hidden_states``)."""
-    if site.output:
-        return output_tensor(third)
-    return args[0] if args else third["hidden_states"]
 
 
 class _Zero(nn.Module):
@@ -129,72 +112,14 @@ class HFAdapter(HFInputs):
     config_ignored = CONFIG_IGNORED
 
     # ------------------------------------------------------------------------- the two passes
-    @contextlib.contextmanager
     def recording(
         self, model: nn.Module, query: Tensor, every: bool = False, on_layer: Callable | None = None
-    ) -> Iterator[list[LayerRecord]]:
-        """Hooks that record, during any forward of ``model`` inside the block, each layer's named sites
-        (``Family.sites``: ``h, m, s, hidden, out``, and ``p``, ``gate``, ``v``, ``sum`` where the design
-        has them) at positions ``query`` of the sequence run, ``[B, Q, .]`` (``every``: the query is every
-        position in order, kept without a copy), as one ``LayerRecord`` per layer, filled on exit.
-        ``on_layer(i, states)``: called as each layer finishes, with its record, which is then dropped
-        (its entry in the list stays empty)."""
+    ) -> contextlib.AbstractContextManager[list[LayerRecord]]:
+        """Hooks that record each layer's named sites (``Family.sites``: ``h, m, s, hidden, out``, and ``p``,
+        ``gate``, ``v``, ``sum`` where the design has them) at positions ``query`` (``arch.recording``)."""
         parallel = self.family(model).parallel(model.config)
-        rec = [LayerRecord() for _ in range(self.n_layers(model))]
-        shape: list[int] = []  # [batch, pos] of the sequences running (set by each [B, T, .] tensor read)
-        paused: list[bool] = []  # non-empty while on_layer runs (it calls the layer's modules on other inputs)
-
-        def take(t: Tensor, everywhere: bool) -> Tensor:
-            if t.ndim == 2:  # a module run on the flattened tokens [batch * pos, .] (inside an MoE block)
-                t = t.view(*shape, -1)
-            else:
-                shape[:] = t.shape[:2]
-            return t if everywhere else t[:, query.to(t.device)]
-
-        def grab(i: int, site: NamedSite) -> Callable:
-            def hook(module, args, third):
-                if paused:
-                    return
-                if site.experts:  # experts(x [B*T, d], index [B*T, K], weights [B*T, K])
-                    x, index, weights = (take(t, every) for t in args[:3])
-                    z = scattered_hiddens(module, x.flatten(0, 1), index.flatten(0, 1), weights.flatten(0, 1))
-                    t = z.view(*x.shape[:2], -1)  # [B, Q, E * I]
-                else:
-                    t = take(_read(site, args, third), every or site.every)
-                setattr(rec[i], site.field, rec[i].h + t if site.plus_h else t)
-
-            return hook
-
-        def complete(i: int) -> None:  # the sites recorded at every position, at the queries
-            if not every:
-                for site in sites[i]:
-                    t = getattr(rec[i], site.field)
-                    if site.every and t is not None:
-                        setattr(rec[i], site.field, t[:, query.to(t.device)])
-
-        def finished(i: int) -> Callable:
-            def hook(module, args, out):
-                complete(i)
-                paused.append(True)
-                try:
-                    on_layer(i, rec[i])
-                finally:
-                    paused.clear()
-                rec[i] = LayerRecord()
-
-            return hook
-
-        pairs, sites = [], []
-        for i in range(len(rec)):
-            fam, layer = self._layer(model, i)
-            sites.append(fam.sites(parallel))
-            pairs += [(_register(layer.get_submodule(site.module), site), grab(i, site)) for site in sites[i]]
-            if on_layer is not None:  # after the "out" site: hooks run in the order registered
-                pairs.append((layer.register_forward_hook, finished(i)))
-        with registered_hooks(pairs):
-            yield rec
-        for i in range(len(rec)):
-            complete(i)
+        layers = [self._layer(model, i) for i in range(self.n_layers(model))]
+        return record_sites([(layer, fam.sites(parallel)) for fam, layer in layers], query, every, on_layer)
 
     def trace(
         self, model: nn.Module, inputs: dict, query: list[int], on_layer: Callable | None = None
@@ -261,7 +186,7 @@ class HFAdapter(HFInputs):
 
         def grab(i: int, site: NamedSite) -> Callable:
             def hook(module, args, third):
-                t = pick(_read(site, args, third))
+                t = pick(read(site, args, third))
                 setattr(out[i], site.field, out[i].h + t if site.plus_h else t)
 
             return hook
@@ -273,7 +198,7 @@ class HFAdapter(HFInputs):
                 pairs.append((functools.partial(layer.register_forward_pre_hook, with_kwargs=True), swap(i)))
             for site in fam.sites(parallel):
                 if site.field in wanted:
-                    pairs.append((_register(layer.get_submodule(site.module), site), grab(i, site)))
+                    pairs.append((register(layer.get_submodule(site.module), site), grab(i, site)))
         stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
         # each layer's output is read only where the next layer's input is not replaced: with a chunk
         # removed the other kept tokens need the whole layer, each query alone needs no MLP at all

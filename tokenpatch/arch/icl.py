@@ -7,7 +7,6 @@ block ``T_W`` directly.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -18,7 +17,8 @@ from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.float64 import linear64, norm64
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.outputs import BiasOutput, MatrixOutput
-from tokenpatch.arch.record import LayerRecord
+from tokenpatch.arch.record import LayerRecord, NamedSite
+from tokenpatch.arch.recording import recording as record_sites
 from tokenpatch.arch.sites import Sites
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.models.icl import Block, ICLTransformer, check_inputs
@@ -98,64 +98,33 @@ class ICLAdapter(Adapter):
         return Sites(inputs=(f"{p}mlp.fc_in.weight",), output=output, sum_norm=sum_norm)
 
     # ------------------------------------------------------------------------- the passes
-    def _sites(self, block: Block) -> list[tuple[str, nn.Module, bool]]:
-        """Block ``block``'s named sites as ``(field, module, its input?)``: where the pass computes each
-        ``LayerRecord`` field (``m``: what the MLP output is added to; ``s``: the MLP input; ``v``: the
-        attention's values, which give a token alone's output)."""
+    def _sites(self, block: Block) -> list[NamedSite]:
+        """Block ``block``'s table of named sites (``arch.recording``): where its pass computes each
+        ``LayerRecord`` field (``m``: what the MLP output is added to; ``s``: the MLP input; ``sum``: what a
+        norm after the MLP's add reads; ``v``: the attention's values, which give a token alone's output)."""
         if block.norm == "pre":  # m = h + A(LN1(h)), s = LN2(m)
-            m_site = (block.ln2, True)
-        elif block.norm == "post":  # m = LN1(h + A(h)), s = m
-            m_site = (block.ln1, False)
+            m = NamedSite("m", "ln2", output=False)
+        elif block.norm == "post":  # m = LN1(h + A(h)), s = m, out = LN2(m + MLP(s))
+            m = NamedSite("m", "ln1", output=True)
         else:  # m = h + A(h), s = m
-            m_site = (block.mlp.fc_in, True)
+            m = NamedSite("m", "mlp.fc_in", output=False)
         sites = [
-            ("h", block, True),
-            ("m", *m_site),
-            ("s", block.mlp.fc_in, True),
-            ("hidden", block.mlp.fc_out, True),
-            ("out", block, False),
+            NamedSite("h", "", output=False),
+            m,
+            NamedSite("s", "mlp.fc_in", output=False),
+            NamedSite("hidden", "mlp.fc_out", output=False),
+            NamedSite("out", "", output=True),
         ]
-        if block.norm == "post":  # what the norm after the MLP's add reads (Sites.sum_norm)
-            sites.append(("sum", block.ln2, True))
-        attention = isinstance(block.mixer, (SoftmaxAttention, LinearAttention))  # alone: out(v), from the values
-        return sites + ([("v", block.mixer.v, False)] if attention else [])
+        if block.norm == "post":
+            sites.append(NamedSite("sum", "ln2", output=False))
+        if isinstance(block.mixer, (SoftmaxAttention, LinearAttention)):  # alone: out(v), from the values
+            sites.append(NamedSite("v", "mixer.v", output=True))
+        return sites
 
-    @contextlib.contextmanager
     def recording(self, model, query: Tensor, every: bool = False, on_layer: Callable | None = None):
-        """Hooks recording, per block, the ``LayerRecord`` fields at positions ``query`` ``[B, Q, .]``
-        during any forward inside the block (``Adapter.recording``)."""
-        blocks = self._blocks(model)
-        rec = [LayerRecord() for _ in blocks]
-        paused: list[bool] = []  # non-empty while on_layer runs (it calls the block's modules on other inputs)
-
-        def grab(i, field, take_input):
-            def hook(module, args, *out):
-                if not paused:
-                    t = args[0] if take_input else out[0]
-                    setattr(rec[i], field, t if every else t[:, query.to(t.device)])
-
-            return hook
-
-        def finished(i):
-            def hook(module, args, out):
-                paused.append(True)
-                try:
-                    on_layer(i, rec[i])
-                finally:
-                    paused.clear()
-                rec[i] = LayerRecord()
-
-            return hook
-
-        pairs = []
-        for i, block in enumerate(blocks):
-            for field, module, take_input in self._sites(block):
-                register = module.register_forward_pre_hook if take_input else module.register_forward_hook
-                pairs.append((register, grab(i, field, take_input)))
-            if on_layer is not None:  # after the "out" hook: hooks run in the order registered
-                pairs.append((block.register_forward_hook, finished(i)))
-        with registered_hooks(pairs):
-            yield rec
+        """Hooks recording, per block, its named sites (``_sites``) at positions ``query`` ``[B, Q, .]``
+        during any forward inside the block (``Adapter.recording``, ``arch.recording``)."""
+        return record_sites([(block, self._sites(block)) for block in self._blocks(model)], query, every, on_layer)
 
     def trace(self, model, inputs: Tensor, query: list[int], on_layer: Callable | None = None) -> list[LayerRecord]:
         """The with-context pass: the model's own forward, recorded at the queries (``Adapter.trace``)."""

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from tokenpatch.errors import caller_stacklevel
 
-__all__ = ["LayerRecord", "FIELDS"]
+__all__ = ["LayerRecord", "FIELDS", "NamedSite"]
 
 
 @dataclass
@@ -84,3 +84,24 @@ class LayerRecord:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(LayerRecord))
+
+
+@dataclass(frozen=True)
+class NamedSite:
+    """A named site of a layer, a row of its table of sites (our blocks: ``ICLAdapter``; a Hugging Face
+    design: ``Family.sites``): the ``LayerRecord`` field ``field`` is the input (``output=False``) or
+    the output of module ``module`` (a name under the layer; ``""``: the layer itself).
+
+    ``first``: read before every hook registered earlier (before a patch's input change: ``m`` and
+    ``s`` as the layer computes them). ``every``: recorded at every position, without a copy (the
+    values, read by a lone token's anchor). ``plus_h``: the field is the layer input plus this (a
+    parallel block's ``m = h + A(h)``). ``experts``: the chosen experts' weighted hidden states, from
+    the stacked-experts module's arguments (``arch.experts.scattered_hiddens``)."""
+
+    field: str
+    module: str
+    output: bool
+    first: bool = False
+    every: bool = False
+    plus_h: bool = False
+    experts: bool = False
