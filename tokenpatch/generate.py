@@ -27,7 +27,7 @@ from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError
 from tokenpatch.lowrank import LowRank, norm_of
 from tokenpatch.patch import INPUT_SUFFIX, Patch
-from tokenpatch.patching import assemble, traced_deltas
+from tokenpatch.patching import assemble, recorded_deltas
 from tokenpatch.plans import make_plan
 from tokenpatch.progress import progress_bar
 from tokenpatch.run import functional_call
@@ -148,7 +148,7 @@ def generate(
         patch = assemble(
             model,
             adapter,
-            traced_deltas(model, adapter, rec, anchors, [0]),
+            recorded_deltas(model, adapter, rec, anchors, [0]),
             plan,
             batch,
             rec[0].out.dtype,

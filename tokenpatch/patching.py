@@ -246,7 +246,7 @@ def _patch(model: nn.Module, adapter, inputs, plan, batch: int, progress) -> Pat
     rec = adapter.trace(model, inputs, q)  # per layer h, m, s, hidden, out  [B, Q, .]
     kept = list(plan.kept) if plan.mode == "chunk" else None
     anchors = adapter.anchors(model, inputs, q, rec, kept)  # per layer (m_0, s_0)  [B, Q, .]
-    deltas = traced_deltas(model, adapter, rec, anchors, plan.query, progress)
+    deltas = recorded_deltas(model, adapter, rec, anchors, plan.query, progress)
     return assemble(model, adapter, deltas, plan, batch, rec[0].out.dtype)
 
 
@@ -255,7 +255,7 @@ def recorded_patch(model: nn.Module, adapter, i: int, states: LayerRecord, ancho
     return layer_patch(model, adapter.sites(model, i), states, anchor, i, labels)
 
 
-def traced_deltas(
+def recorded_deltas(
     model: nn.Module, adapter, rec: list[dict], anchors: list, labels, progress=False
 ) -> dict[str, Delta]:
     """Every layer's deltas from recorded with-context states ``rec`` and ``anchors`` (``[B, Q, .]``)."""

@@ -59,12 +59,14 @@ def padded(adapter, model, inputs: Any, query: int, rows: range, steps: bool) ->
         forget_longest(model, scaling, device)  # a "dynamic" rotation as a fresh model's: each row as if alone
         rec = adapter.trace(model, seqs, at)
         alone = adapter.anchors(model, seqs, at, rec)
-        removed = None
+        steps_at = None  # per layer, the anchor of each row with c_i removed
         if steps and width > 1:
             forget_longest(model, scaling, device)
-            removed = adapter.anchors(model, seqs, at, rec, [p for p in range(width) if p != width - 2])
+            steps_at = adapter.anchors(model, seqs, at, rec, [p for p in range(width) if p != width - 2])
+        elif steps:  # prefix 0 alone: nothing to remove, its own anchor (a zero increment)
+            steps_at = alone
         for i, r in enumerate(rec):
-            step = alone[i] if steps and removed is None else (removed[i] if steps else None)
+            step = None if steps_at is None else steps_at[i]
             yield (
                 i,
                 chunk,

@@ -10,7 +10,7 @@ For a sequence whose query ``x`` (at position ``query``) follows context tokens 
   prefix ``i``, anchored at the prefix-``(i-1)`` state: ``tp.token_patch`` of prefix ``i`` with
   the token ``c_i`` removed (``remove=[i - 1]``), acting at the query.
 
-One pass gives them all, with ``token_patch``'s own deltas (``layer_patch``) on the rows
+One pass gives them all, with ``token_patch``'s own deltas (``recorded_patch``) on the rows
 ``Adapter.prefixes`` records (``arch.prefixes``): row ``i`` is the query read after ``c_1..c_i``. On our
 models by causality the context tokens' hidden states at every layer are those of the full pass
 whatever the prefix; only the query's state differs. So each layer runs the context once and ``N + 1``
@@ -39,11 +39,10 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import deltas as dl
-from tokenpatch import files
 from tokenpatch.arch import adapter_for
 from tokenpatch.errors import InputError
 from tokenpatch.patch import Delta, Patch
-from tokenpatch.patching import input_readers, layer_patch
+from tokenpatch.patching import input_readers, provenance, recorded_patch
 from tokenpatch.plans import Plan
 from tokenpatch.progress import progress_bar
 
@@ -142,7 +141,7 @@ def trajectory(
     ``inputs [batch, pos, d]`` (token ids ``[batch, pos]`` for a language model, unpadded); ``query``: the
     position whose output the patches reproduce (the context is every token before it; later tokens are
     ignored). ``steps=True`` also computes the one-token-removal increments. The prefix rows come from
-    ``Adapter.prefixes`` (``arch.prefixes``), their deltas from ``layer_patch``, as ``token_patch``'s.
+    ``Adapter.prefixes`` (``arch.prefixes``), their deltas from ``recorded_patch``, as ``token_patch``'s.
     Cost on our models: one forward pass over the context plus, per layer, the ``N + 1`` virtual query
     rows, whose anchors (each row alone) share their value vectors (``benchmarks/trajectory.py``).
     """
@@ -156,17 +155,12 @@ def trajectory(
         rows = adapter.prefixes(model, inputs, q, group, steps)
         for i, chunk, rec, anchor, step in progress_bar(rows, progress, desc="trajectory", unit="layer"):
             deltas, increments = parts.setdefault(chunk.start, ({}, {}))
-            sites, labels = adapter.sites(model, i), list(chunk)
-            deltas.update(layer_patch(model, sites, rec, anchor, i, labels))
+            deltas.update(recorded_patch(model, adapter, i, rec, anchor, list(chunk)))
             if step is not None:  # anchored at the row read one context token earlier
-                increments.update(layer_patch(model, sites, rec, step, i, labels))
+                increments.update(recorded_patch(model, adapter, i, rec, step, list(chunk)))
             dtype = rec.out.dtype
     order = sorted(parts)
-    meta = {
-        "model": {**adapter.describe(model), "fingerprint": files.fingerprint(model)},
-        "batch": batch,
-        "model_dtype": str(dtype).removeprefix("torch."),
-    }
+    meta = provenance(model, adapter, batch, dtype)
     record = {**meta, "trajectory": {"query": q, "n_context": q}}
     readers = input_readers(model, adapter)
 
