@@ -40,6 +40,19 @@ _KV = dict(_SMALL, num_key_value_heads=2)
 _OPT = dict(
     hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101, max_position_embeddings=64
 )
+_DELTA = dict(  # Gated DeltaNet: 2 key heads, 4 value heads
+    _KV,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    pad_token_id=0,
+)
+_DELTA_MOE = dict(
+    _DELTA, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2
+)
 TINY_HF: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", _KV),
     "qwen2": ("Qwen2Config", _KV),  # biases on q, k, v
@@ -164,9 +177,32 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "BioGptConfig",
         dict(_SMALL, max_position_embeddings=64, pad_token_id=0),
     ),  # OPT's loose fc1/fc2, positions offset by 2
+    # hybrids: a recurrent or convolutional mixer in some layers (arch.hybrids)
+    "lfm2": (  # gated short convolutions beside attention (q/k norms)
+        "Lfm2Config",
+        dict(_KV, layer_types=["conv", "full_attention", "conv"], pad_token_id=0),
+    ),
+    # Gated DeltaNet layers beside gated attention (Qwen3.5: 3 of every 4 layers), a dense MLP or experts
+    "qwen3_5_text": ("Qwen3_5TextConfig", _DELTA),
+    "qwen3_5": ("Qwen3_5Config", dict(text_config=_DELTA)),
+    "qwen3_next": ("Qwen3NextConfig", dict(_DELTA_MOE, mlp_only_layers=[1])),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", _DELTA_MOE),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", dict(text_config=_DELTA_MOE)),
 }
+# transformers' gated delta rule computes in float32 whatever the model dtype (its chunked scan): a
+# left-padded row's states differ from the row alone's by ~1e-8 in the model's own forward
+FLOAT32_SCANS = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
-MOE = ("qwen2_moe", "mixtral", "qwen3_moe", "olmoe", "phimoe")  # run with transformers' eager experts
+MOE = (
+    "qwen2_moe",
+    "mixtral",
+    "qwen3_moe",
+    "olmoe",
+    "phimoe",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "qwen3_5_moe",
+)  # run with transformers' eager experts
 
 
 def tiny_hf_config(name: str, **overrides):

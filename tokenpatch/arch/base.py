@@ -277,6 +277,12 @@ class Adapter:
         self.require("prefix_inputs", "trace", "anchors", by="tp.trajectory")
         return prefixes.padded(self, model, inputs, query, rows, steps)
 
+    def pads_exactly(self, model: nn.Module) -> bool:
+        """Whether left padding leaves every real token's states as they are without it (attention masks
+        the pads out; a recurrent layer may not: a bias makes a pad's state nonzero). ``False``: the
+        prefix rows of ``tp.trajectory`` run unpadded, one prefix per pass."""
+        return True
+
     def prefix_inputs(self, model: nn.Module, inputs: Any, query: int, prefixes: range, width: int) -> Any:
         """The inputs of ``prefixes`` as sequences of their own (``arch.prefixes.padded``): per row of
         ``inputs`` and prefix ``i``, the first ``i`` tokens and the one at ``query``, aligned on the right in

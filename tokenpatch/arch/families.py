@@ -31,6 +31,7 @@ import math
 from dataclasses import replace
 
 from tokenpatch.arch.family import Family, MoE
+from tokenpatch.arch.hybrids import HYBRIDS
 
 __all__ = ["Family", "FAMILIES"]
 
@@ -335,4 +336,5 @@ FAMILIES: list[Family] = [
     ),
     _MIXTRAL,
     replace(_MIXTRAL, name="phimoe", model_types=("phimoe",), inputs=("mlp.router.weight", "mlp.experts.gate_up_proj")),
+    *HYBRIDS,
 ]

@@ -19,13 +19,13 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenpatch.arch.record import NamedSite
 from tokenpatch.errors import caller_stacklevel
 
-__all__ = ["Family", "MoE", "NamedSite"]
+__all__ = ["Family", "Mixer", "MoE", "NamedSite"]
 
 
 def _always(config: Any) -> bool:
@@ -34,6 +34,14 @@ def _always(config: Any) -> bool:
 
 def _never(config: Any) -> bool:
     return False
+
+
+def _has(module: Any, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,22 @@ class MoE:
 
     dense: str | None = "llama"
     shared_gate: str | None = None
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """A layer's mixer other than softmax attention, found in a layer in place of ``Family.attn``: a
+    recurrent or convolutional layer (``docs/recurrent-layers.md``). ``module``: the mixer; ``out_proj``:
+    its output matrix, the first dense map that reads its context-dependent output; ``kind``: what it
+    computes, in words (descriptions and errors only).
+
+    Such a layer needs nothing new of a token patch: a token alone runs the mixer from a zero state
+    (no earlier token, zero convolution history), which the no-context pass does, each query a
+    sequence of its own; the MLP after it is patched as after attention."""
+
+    module: str
+    out_proj: str
+    kind: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +84,9 @@ class Family:
     key, one attention weight, 1), ``value`` (its value projection, where a token alone's attention
     output is ``o_proj`` of its values; ``None``: fused projections, or an attention that does more
     than mix values, whose lone token runs the layers).
+
+    ``mixers``: what a layer of a hybrid model has in place of ``attn`` (``Mixer``: a recurrent or
+    convolutional layer), the first one it has; ``at(layer)`` is that layer's record.
 
     The MLP: ``mlp`` (the module whose input is ``s``, the input change's site), ``inputs`` (the
     parameters reading ``s``), ``down`` (its output matrix, whose input is ``hidden``), ``moe`` (a
@@ -87,6 +114,7 @@ class Family:
     o_proj: str = "self_attn.o_proj"
     lone_zero: tuple[str, ...] = ()
     value: str | None = None
+    mixers: tuple[Mixer, ...] = ()
     mlp: str = "mlp"
     inputs: tuple[str, ...]
     down: str
@@ -100,6 +128,23 @@ class Family:
     position_table: str | None = None
 
     # ----------------------------------------------------------------- derived roles (the one place)
+    def at(self, layer: Any) -> Family:
+        """The record of ``layer`` (an ``nn.Module``): this one where the layer has ``attn``, else the one
+        of the first of ``mixers`` it has (its ``attn`` and ``o_proj`` the mixer's, no lone-token
+        shortcut: ``lone_zero`` and ``value`` empty); ``self`` where it has none of them (the caller's
+        lookup of the missing module then names it)."""
+        if not self.mixers or _has(layer, self.attn):
+            return self
+        mixer = next((m for m in self.mixers if _has(layer, m.module)), None)
+        if mixer is None:
+            return self
+        return replace(self, attn=mixer.module, o_proj=mixer.out_proj, lone_zero=(), value=None, mixers=(mixer,))
+
+    @property
+    def recurrent(self) -> Mixer | None:
+        """The layer's mixer where it is not attention (a record of ``at``), else ``None``."""
+        return self.mixers[0] if self.mixers and self.attn == self.mixers[0].module else None
+
     @property
     def attention_output(self) -> str:
         """The module whose output is the attention's contribution to the residual stream."""

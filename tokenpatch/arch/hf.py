@@ -78,7 +78,7 @@ class _Zero(nn.Module):
 
 
 @contextlib.contextmanager
-def _lone_pass(layers: nn.ModuleList, fam: Family) -> Iterator[None]:
+def _lone_pass(layers: list[tuple[Family, nn.Module]]) -> Iterator[None]:
     """For the no-context pass of each query token alone: in every layer, the MLP and the query and
     key projections replaced by ``_Zero``, put back on exit (errors included).
 
@@ -87,10 +87,10 @@ def _lone_pass(layers: nn.ModuleList, fam: Family) -> Iterator[None]:
     its query and key are (``softmax`` of one score): zero queries and keys (and their norms and
     rotations: still zero) leave the attention output ``W_o v`` exactly as it is. Where the MLP reads
     the residual stream itself (``Family.mlp_norm`` is ``None``) it stays: its input is ``m_0``."""
-    names = (*([fam.mlp] if fam.mlp_norm is not None else []), *fam.lone_zero)
-    saved = [[layer.get_submodule(n) for n in names] for layer in layers]
+    named = [((*([fam.mlp] if fam.mlp_norm is not None else []), *fam.lone_zero), layer) for fam, layer in layers]
+    saved = [[layer.get_submodule(n) for n in names] for names, layer in named]
     try:
-        for layer in layers:
+        for names, layer in named:
             for n in names:
                 parent, _, attr = n.rpartition(".")
                 module = layer.get_submodule(n)
@@ -98,7 +98,7 @@ def _lone_pass(layers: nn.ModuleList, fam: Family) -> Iterator[None]:
                 setattr(layer.get_submodule(parent) if parent else layer, attr, _Zero(width))
         yield
     finally:
-        for layer, modules in zip(layers, saved):
+        for (names, layer), modules in zip(named, saved):
             for n, module in zip(names, modules):
                 parent, _, attr = n.rpartition(".")
                 setattr(layer.get_submodule(parent) if parent else layer, attr, module)
@@ -202,7 +202,8 @@ class HFAdapter(HFInputs):
         stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
         # each layer's output is read only where the next layer's input is not replaced: with a chunk
         # removed the other kept tokens need the whole layer, each query alone needs no MLP at all
-        skip = _lone_pass(self.layers(model), self.family(model)) if kept is None else contextlib.nullcontext()
+        layers = [self._layer(model, i) for i in range(len(rec))]
+        skip = _lone_pass(layers) if kept is None else contextlib.nullcontext()
         with registered_hooks(pairs), skip:
             model.base_model(**stripped, use_cache=False)
         return [(o.m, o.s) for o in out]

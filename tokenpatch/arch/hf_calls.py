@@ -5,7 +5,8 @@ after a prompt (its keys and values cached once), and each decoder layer's call 
 * ``prompted``: the prompt runs once with a cache; every batch of queries reads a copy of it (rows at a
   time, so that the copies stay under ``TARGET_CACHE_BYTES``): the same numbers as running ``[prompt; q]``
   whole, which is what runs where the prompt alone is rotated otherwise than prompt and queries together
-  (a rotary scaling that changes with the length, ``arch.rotary``);
+  (a rotary scaling that changes with the length, ``arch.rotary``) or where transformers cannot copy
+  the cache per query (a recurrent layer's states);
 * ``layer_calls``: the first layer's input and the other arguments the model passes each layer (masks,
   rotary embeddings: whatever this model's forward builds), captured in one forward that stops once the
   last layer's call begins; a layer then runs alone as ``layer(stream, *args, **kwargs)``.
@@ -41,11 +42,13 @@ def prompted(adapter, model: nn.Module, prompt: Tensor, keys: tuple[str, ...]) -
     p, scaling = prompt.shape[1], adapter.length_scaling(model)
     forget_longest(model, scaling, prompt.device)
     cache = model.base_model(input_ids=prompt, use_cache=True).cache
+    # a cache transformers cannot copy per query (a recurrent layer's states): the prompt runs with each
+    repeatable = all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [None]))
     row_bytes = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) or 1
 
     def run(q: Tensor) -> list[LayerRecord]:
         q = adapter.check_inputs(model, q)["input_ids"]  # [b, T_q]
-        whole = scaling is not None and scaling.regime(p) != scaling.regime(p + q.shape[1])
+        whole = not repeatable or scaling is not None and scaling.regime(p) != scaling.regime(p + q.shape[1])
         parts = []
         for rows in q.split(max(1, TARGET_CACHE_BYTES // row_bytes)):
             at = torch.arange(p if whole else 0, p + rows.shape[1] if whole else rows.shape[1], device=q.device)
@@ -91,5 +94,11 @@ def layer_calls(adapter, model: nn.Module, inputs: Tensor) -> tuple[Tensor, list
 
 
 def _cache_tensors(cache) -> list[Tensor]:
-    """The key and value tensors a Hugging Face cache holds (for its size)."""
-    return [t for layer in getattr(cache, "layers", []) for t in (layer.keys, layer.values) if isinstance(t, Tensor)]
+    """The tensors a Hugging Face cache holds (for its size): keys and values, and a recurrent layer's
+    convolution and recurrent states (held in lists or dicts, one per state)."""
+    found = []
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
+            found += [t for t in items if isinstance(t, Tensor) and t.ndim > 1]
+    return found

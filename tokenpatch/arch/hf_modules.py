@@ -65,19 +65,25 @@ class HFModules(Adapter):
 
     def _layer_family(self, model: nn.Module, i: int) -> Family:
         """The family record of layer ``i``: the model's, or its ``MoE.dense`` one where the layer has a
-        plain MLP (a mixture-of-experts model's dense layers)."""
+        plain MLP (a mixture-of-experts model's dense layers), as the layer's mixer has it (``Family.at``:
+        a hybrid model's recurrent layers)."""
         fam, layer = self.family(model), self.layers(model)[i]
         try:
             layer.get_submodule(fam.down)
-            return fam
         except AttributeError:
             if fam.moe is None or fam.moe.dense is None:
                 raise
-            return next(f for f in FAMILIES if f.name == fam.moe.dense)
+            fam = next(f for f in FAMILIES if f.name == fam.moe.dense)
+        return fam.at(layer)
 
     def _layer(self, model: nn.Module, i: int) -> tuple[Family, nn.Module]:
         """Layer ``i``'s family record (``_layer_family``) and the layer, whose submodules its names name."""
         return self._layer_family(model, i), self.layers(model)[i]
+
+    def pads_exactly(self, model: nn.Module) -> bool:
+        """Attention-only models: the pads are masked out. A recurrent layer (``Family.mixers``) reads what
+        transformers gives it at a pad (zeroed inputs, then biases): taken as not exact."""
+        return not any(self._layer_family(model, i).recurrent for i in range(self.n_layers(model)))
 
     def check_model(self, model: nn.Module) -> None:
         """Refuse a model that is not a causal LM (a base model, a sequence or token classifier: no LM
@@ -129,16 +135,29 @@ class HFModules(Adapter):
         return Sites(inputs, output, None if parallel else f"{p}{fam.mlp}", sum_norm)
 
     # ------------------------------------------------------------------------- heads and attention
+    def _attention_only(self, model: nn.Module) -> Family:
+        """The model's family, where every layer mixes tokens by attention heads (the head tools read
+        them in every layer); a hybrid model's recurrent layer refused by name."""
+        for i in range(self.n_layers(model)):
+            mixer = self._layer_family(model, i).recurrent
+            if mixer is not None:
+                raise UnsupportedModelError(
+                    f"layer {i} of this {model.config.model_type} model mixes tokens by a {mixer.kind} "
+                    f"({mixer.module}), not attention heads: the head tools need attention in every layer"
+                )
+        return self.family(model)
+
     def n_heads(self, model: nn.Module) -> int:
+        self._attention_only(model)
         c = model.config
         return int(getattr(c, "num_attention_heads", None) or c.n_head)
 
     def output_projections(self, model: nn.Module) -> list[nn.Module]:
-        fam = self.family(model)
+        fam = self._attention_only(model)
         return [layer.get_submodule(fam.o_proj) for layer in self.layers(model)]
 
     def attention_outputs(self, model: nn.Module) -> list[nn.Module]:
-        fam = self.family(model)
+        fam = self._attention_only(model)
         return [layer.get_submodule(fam.attention_output) for layer in self.layers(model)]
 
     def mlp_outputs(self, model: nn.Module) -> list[nn.Module]:
@@ -146,11 +165,11 @@ class HFModules(Adapter):
         return [layer.get_submodule(fam.mlp_output) for fam, layer in layers]
 
     def attention_norms(self, model: nn.Module) -> list[nn.Module | None]:
-        name = self.family(model).post_attn_norm
+        name = self._attention_only(model).post_attn_norm
         return [None if name is None else layer.get_submodule(name) for layer in self.layers(model)]
 
     def mlp_input_from_heads(self, model: nn.Module, i: int, h: Tensor) -> Callable[[Tensor], Tensor]:
-        fam = self.family(model)
+        fam = self._attention_only(model)
         if fam.parallel(model.config):
             raise UnsupportedModelError(
                 f"{fam.name} with a parallel block: its MLP reads the layer input, which the "

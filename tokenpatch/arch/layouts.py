@@ -22,6 +22,8 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "MixtralTopKRouter": "out_in",
     "Qwen3MoeTopKRouter": "out_in",
     "OlmoeTopKRouter": "out_in",
+    "Qwen3NextTopKRouter": "out_in",
+    "Qwen3_5MoeTopKRouter": "out_in",
 }
 
 

@@ -8,7 +8,7 @@ after ``c_1..c_{i-1}``). The trajectory's deltas are then the token patch's own 
 one engine for every model. Two ways to run the rows:
 
 * ``padded`` (any adapter, from its ``trace`` and ``anchors``): the rows are sequences of their own,
-  left-padded to the longest one (``Adapter.prefix_inputs``), run by the model's own forward a chunk of
+  left-padded to the longest one of their chunk (``Adapter.prefix_inputs``), run by the model's own forward a chunk of
   rows at a time; the query is each row's last position;
 * ``virtual`` (an adapter whose layers run *virtual query rows*, ``Adapter.mix_prefixes``: our models):
   by causality the context's states at every layer are those of the full pass whatever the prefix, so
@@ -42,13 +42,16 @@ def padded(adapter, model, inputs: Any, query: int, rows: range, steps: bool) ->
     of prefixes; each chunk's records and anchors ``[B, len(chunk), .]``, yielded layer by layer. The
     rows share one length (the longest prefix of ``rows`` plus the query), so a rotation that depends on
     the length (``Adapter.length_scaling``) rotates each as it would alone only where all of ``rows`` lie
-    in one of its regimes: the caller groups them so. With ``steps`` the token right before the query,
+    in one of its regimes: the caller groups them so. Where left padding can change what a real token
+    reads (``Adapter.pads_exactly``: a recurrent layer whose biases make a pad's state nonzero), each
+    chunk is one prefix, without padding. With ``steps`` the token right before the query,
     ``c_i`` in every row, is removed (a row without context removes a pad: its increment is zero anyway)."""
     scaling = adapter.length_scaling(model)
-    batch, width = adapter.batch_size(inputs), rows.stop  # prefix i has i + 1 tokens
-    per_pass = max(1, ROWS_PER_PASS // batch)
+    batch = adapter.batch_size(inputs)
+    per_pass = max(1, ROWS_PER_PASS // batch) if adapter.pads_exactly(model) else 1
     for a in range(rows.start, rows.stop, per_pass):
         chunk = range(a, min(a + per_pass, rows.stop))
+        width = chunk.stop  # prefix i has i + 1 tokens: the chunk's longest
         seqs = adapter.prefix_inputs(model, inputs, query, chunk, width)  # [B * len(chunk), width]
         at = [width - 1]  # the query: every row's last position
 

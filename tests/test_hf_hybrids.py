@@ -1,0 +1,47 @@
+"""Hybrid models (``arch.hybrids``): a recurrent or convolutional mixer in some layers, attention in the
+others. ``tests/test_hf.py`` checks each hybrid of ``conftest.CONFIGS`` like every other design (every
+layer and the logits, chunks, padding, generation, trajectories, thought patches, files); this file
+checks what is particular to a recurrent layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenpatch as tp
+from tokenpatch.arch.hf_modules import HFModules
+from tokenpatch.interp import ablation
+
+T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
+from conftest import ids  # noqa: E402
+
+from tokenpatch.testing import tiny_hf_model  # noqa: E402
+
+
+def test_a_recurrent_layer_reading_its_pads_gets_unpadded_prefix_rows():
+    """LFM2 with biases on its convolution's input projection: transformers' own forward of a left-padded
+    row differs from the row alone (a pad's input, zeroed, becomes the bias), so the trajectory's prefix
+    rows run without padding and equal the token patch of each prefix to the bit of float64."""
+    model, x = tiny_hf_model("lfm2", conv_bias=True), ids(1, 10, seed=3)
+    pad = torch.cat([torch.zeros(1, 4, dtype=torch.long), x[:, :6]], 1)
+    mask = torch.cat([torch.zeros(1, 4), torch.ones(1, 6)], 1).long()
+    with torch.no_grad():  # the premise: left padding changes what the real tokens read
+        padded = model(input_ids=pad, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        assert (padded[0, 4:] - model(input_ids=x[:, :6]).logits[0]).abs().max() > 1e-8
+    assert not HFModules().pads_exactly(model)
+    traj = tp.trajectory(model, x)
+    for i in (0, 3, traj.query):
+        want = tp.token_patch(model, traj.prefix_inputs(x, i)).dense()
+        for key, delta in traj.patch(i).dense().items():
+            torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
+
+
+def test_attention_models_pad_exactly():
+    assert HFModules().pads_exactly(tiny_hf_model("llama"))
+
+
+def test_head_tools_refuse_a_recurrent_layer_by_name():
+    model = tiny_hf_model("lfm2")
+    with pytest.raises(tp.UnsupportedModelError, match=r"layer 0 of this lfm2 model mixes tokens by a gated short"):
+        with ablation.ablate_heads(model, [(1, 0)]):
+            pass

@@ -1,0 +1,66 @@
+"""Hybrid block designs: models whose layers mix tokens by attention in some layers and by a recurrent
+or convolutional layer in the others (``Mixer``), each layer with an MLP after its mixer.
+
+A token patch of such a layer is the usual one (``docs/recurrent-layers.md``): the MLP's input change
+and output shift, from the layer's states with the context and with the query alone, where "alone"
+runs the mixer from a zero state (no earlier token, zero convolution history) -- what the model's own
+forward does on a one-token sequence without a cache, which is how the no-context pass runs it.
+"""
+
+from __future__ import annotations
+
+from tokenpatch.arch.family import Family, Mixer, MoE
+
+__all__ = ["HYBRIDS"]
+
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): a short causal convolution, then the delta rule
+# S_t = g_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T, o_t = S_t q_t; a norm gated by the token's own z;
+# out_proj. A token alone: o = b (k . q) v from S_0 = 0.
+_DELTANET = Mixer("linear_attn", "linear_attn.out_proj", "gated delta rule (Gated DeltaNet)")
+# Qwen3-Next's and Qwen3.5's attention gates its output by a sigmoid of a second half of q_proj: a token
+# alone's output is not o_proj of its values, so it runs the layer (its key projection zeroed)
+_QWEN35 = Family(
+    name="qwen3_5",
+    model_types=("qwen3_5", "qwen3_5_text"),
+    mlp_norm="post_attention_layernorm",
+    inputs=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    down="mlp.down_proj",
+    lone_zero=("self_attn.k_proj",),
+    mixers=(_DELTANET,),
+)
+
+HYBRIDS: list[Family] = [
+    _QWEN35,
+    # Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's experts with a gated shared expert, the output shift in the
+    # shared expert's down_proj divided by its gate (arch.outputs.GatedOutput)
+    Family(
+        name="qwen3_next",
+        model_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"),
+        mlp_norm="post_attention_layernorm",
+        inputs=(
+            "mlp.gate.weight",
+            "mlp.experts.gate_up_proj",
+            "mlp.shared_expert.gate_proj.weight",
+            "mlp.shared_expert.up_proj.weight",
+            "mlp.shared_expert_gate.weight",
+        ),
+        down="mlp.shared_expert.down_proj",
+        moe=MoE(dense="qwen3_5", shared_gate="mlp.shared_expert_gate"),
+        lone_zero=("self_attn.k_proj",),
+        mixers=(_DELTANET,),
+    ),
+    # LFM2: gated short convolutions (B * x, a depthwise causal conv1d, times C) in most layers, Llama's
+    # attention (q/k norms) in the others; every layer a pre-norm SwiGLU MLP, feed_forward.w1/w3/w2
+    Family(
+        name="lfm2",
+        model_types=("lfm2",),
+        mlp_norm="ffn_norm",
+        mlp="feed_forward",
+        inputs=("feed_forward.w1.weight", "feed_forward.w3.weight"),
+        down="feed_forward.w2",
+        o_proj="self_attn.out_proj",
+        lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+        value="self_attn.v_proj",
+        mixers=(Mixer("conv", "conv.out_proj", "gated short convolution"),),
+    ),
+]
