@@ -8,6 +8,7 @@ its design, the patch kinds it uses and the worst error of each path, and writes
 ``benchmarks/results/hf_families.json``. ``tests/test_hf.py`` asserts the same bounds.
 
     python benchmarks/hf_families.py
+    python benchmarks/hf_families.py --only lfm2 jamba     # these rows (added to the results file)
 """
 
 from __future__ import annotations
@@ -57,14 +58,16 @@ def _cell(error: float | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hf_families.json"))
+    ap.add_argument("--only", nargs="+", choices=sorted(TINY_HF), help="these tiny models only (rows added to --out)")
     args = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    rows = {}
+    out = Path(args.out)
+    rows = json.loads(out.read_text())["models"] if args.only and out.exists() else {}
     print(
         "| tiny model | `model_type` | design | input side | output side | verify | generate | trajectory | thought patch |"
     )
     print("|---|---|---|---|---|---:|---:|---:|---:|")
-    for name in TINY_HF:
+    for name in args.only or TINY_HF:
         model = tiny_hf_model(name)
         adapter = adapter_for(model)
         sites = adapter.sites(model, 0)
@@ -88,7 +91,8 @@ def main() -> None:
             f"{r['generate']:.0e} | {_cell(r['trajectory'])} | {r['thought_patch']:.0e} |",
             flush=True,
         )
-    Path(args.out).write_text(json.dumps({"torch": torch.__version__, "models": rows}, indent=1) + "\n")
+    rows = {name: rows[name] for name in TINY_HF if name in rows}  # the table's order
+    out.write_text(json.dumps({"torch": torch.__version__, "models": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

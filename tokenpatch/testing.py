@@ -53,6 +53,7 @@ _DELTA = dict(  # Gated DeltaNet: 2 key heads, 4 value heads
 _DELTA_MOE = dict(
     _DELTA, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2
 )
+_JAMBA = dict(_KV, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)
 TINY_HF: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", _KV),
     "qwen2": ("Qwen2Config", _KV),  # biases on q, k, v
@@ -188,6 +189,9 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "qwen3_next": ("Qwen3NextConfig", dict(_DELTA_MOE, mlp_only_layers=[1])),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", _DELTA_MOE),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", dict(text_config=_DELTA_MOE)),
+    # Mamba layers beside attention (every other one), experts in every other layer
+    "jamba": ("JambaConfig", dict(_JAMBA, num_experts=4, num_experts_per_tok=2)),
+    "jamba_dense": ("JambaConfig", dict(_JAMBA, num_experts=1)),
 }
 # transformers' gated delta rule computes in float32 whatever the model dtype (its chunked scan): a
 # left-padded row's states differ from the row alone's by ~1e-8 in the model's own forward
@@ -202,6 +206,7 @@ MOE = (
     "qwen3_next",
     "qwen3_5_moe_text",
     "qwen3_5_moe",
+    "jamba",
 )  # run with transformers' eager experts
 
 

@@ -83,7 +83,7 @@ class HFModules(Adapter):
     def pads_exactly(self, model: nn.Module) -> bool:
         """Attention-only models: the pads are masked out. A recurrent layer (``Family.mixers``) reads what
         transformers gives it at a pad (zeroed inputs, then biases): taken as not exact."""
-        return not any(self._layer_family(model, i).recurrent for i in range(self.n_layers(model)))
+        return not self.family(model).mixers
 
     def check_model(self, model: nn.Module) -> None:
         """Refuse a model that is not a causal LM (a base model, a sequence or token classifier: no LM
@@ -139,11 +139,12 @@ class HFModules(Adapter):
         """The model's family, where every layer mixes tokens by attention heads (the head tools read
         them in every layer); a hybrid model's recurrent layer refused by name."""
         for i in range(self.n_layers(model)):
-            mixer = self._layer_family(model, i).recurrent
-            if mixer is not None:
+            fam = self._layer_family(model, i)
+            if fam.mixers:
+                mixer, where = fam.mixers[0], "in place of" if fam.recurrent else "beside"
                 raise UnsupportedModelError(
                     f"layer {i} of this {model.config.model_type} model mixes tokens by a {mixer.kind} "
-                    f"({mixer.module}), not attention heads: the head tools need attention in every layer"
+                    f"({mixer.module}) {where} attention heads: the head tools need attention alone in every layer"
                 )
         return self.family(model)
 

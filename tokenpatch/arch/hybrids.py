@@ -9,6 +9,8 @@ forward does on a one-token sequence without a cache, which is how the no-contex
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tokenpatch.arch.family import Family, Mixer, MoE
 
 __all__ = ["HYBRIDS"]
@@ -17,6 +19,9 @@ __all__ = ["HYBRIDS"]
 # S_t = g_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T, o_t = S_t q_t; a norm gated by the token's own z;
 # out_proj. A token alone: o = b (k . q) v from S_0 = 0.
 _DELTANET = Mixer("linear_attn", "linear_attn.out_proj", "gated delta rule (Gated DeltaNet)")
+# Mamba (Jamba) and Mamba 2: a causal conv1d, then the selective scan h_t = A_t h_{t-1} + B_t x_t,
+# y_t = C_t h_t + D x_t gated by silu(z_t), then out_proj. A token alone: h = B x, y = C B x + D x.
+_MAMBA = Mixer("mamba", "mamba.out_proj", "Mamba selective scan")
 # Qwen3-Next's and Qwen3.5's attention gates its output by a sigmoid of a second half of q_proj: a token
 # alone's output is not o_proj of its values, so it runs the layer (its key projection zeroed)
 _QWEN35 = Family(
@@ -29,8 +34,29 @@ _QWEN35 = Family(
     mixers=(_DELTANET,),
 )
 
+_JAMBA = Family(  # Llama's attention or a Mamba layer; a dense SwiGLU MLP, or experts in some layers
+    name="jamba",
+    model_types=("jamba",),
+    when=lambda config: config.num_experts == 1,
+    mlp="feed_forward",
+    mlp_norm="pre_ff_layernorm",
+    inputs=("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
+    down="feed_forward.down_proj",
+    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    value="self_attn.v_proj",
+    mixers=(_MAMBA,),
+)
 HYBRIDS: list[Family] = [
     _QWEN35,
+    _JAMBA,
+    replace(  # experts without a shared one: the output shift split over the chosen experts (arch.experts)
+        _JAMBA,
+        name="jamba_moe",
+        when=lambda config: config.num_experts > 1,
+        inputs=("feed_forward.router.weight", "feed_forward.experts.gate_up_proj"),
+        down="feed_forward.experts",
+        moe=MoE(dense="jamba"),
+    ),
     # Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's experts with a gated shared expert, the output shift in the
     # shared expert's down_proj divided by its gate (arch.outputs.GatedOutput)
     Family(

@@ -24,6 +24,7 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "OlmoeTopKRouter": "out_in",
     "Qwen3NextTopKRouter": "out_in",
     "Qwen3_5MoeTopKRouter": "out_in",
+    "JambaTopKRouter": "out_in",
 }
 
 
