@@ -192,10 +192,24 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     # Mamba layers beside attention (every other one), experts in every other layer
     "jamba": ("JambaConfig", dict(_JAMBA, num_experts=4, num_experts_per_tok=2)),
     "jamba_dense": ("JambaConfig", dict(_JAMBA, num_experts=1)),
+    # a Mamba 2 layer beside the attention in every layer; multipliers everywhere
+    "falcon_h1": (
+        "FalconH1Config",
+        dict(
+            _KV,
+            mamba_d_ssm=128,
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            mlp_multipliers=[0.9, 1.3],
+            pad_token_id=0,
+        ),
+    ),
 }
-# transformers' gated delta rule computes in float32 whatever the model dtype (its chunked scan): a
-# left-padded row's states differ from the row alone's by ~1e-8 in the model's own forward
-FLOAT32_SCANS = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+# transformers' chunked scans compute in float32 whatever the model dtype (the gated delta rule; Falcon-H1's
+# Mamba 2): a left-padded row's states differ from the row alone's by ~1e-8 in the model's own forward
+FLOAT32_SCANS = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "falcon_h1")
 EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
 MOE = (
     "qwen2_moe",

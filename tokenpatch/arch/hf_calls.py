@@ -5,8 +5,9 @@ after a prompt (its keys and values cached once), and each decoder layer's call 
 * ``prompted``: the prompt runs once with a cache; every batch of queries reads a copy of it (rows at a
   time, so that the copies stay under ``TARGET_CACHE_BYTES``): the same numbers as running ``[prompt; q]``
   whole, which is what runs where the prompt alone is rotated otherwise than prompt and queries together
-  (a rotary scaling that changes with the length, ``arch.rotary``) or where transformers cannot copy
-  the cache per query (a recurrent layer's states);
+  (a rotary scaling that changes with the length, ``arch.rotary``) or where a layer is recurrent (its
+  cached step is not the full forward's arithmetic in transformers: Falcon-H1's differs by ~1e-9 in
+  float64; some such caches cannot be copied per query);
 * ``layer_calls``: the first layer's input and the other arguments the model passes each layer (masks,
   rotary embeddings: whatever this model's forward builds), captured in one forward that stops once the
   last layer's call begins; a layer then runs alone as ``layer(stream, *args, **kwargs)``.
@@ -42,8 +43,12 @@ def prompted(adapter, model: nn.Module, prompt: Tensor, keys: tuple[str, ...]) -
     p, scaling = prompt.shape[1], adapter.length_scaling(model)
     forget_longest(model, scaling, prompt.device)
     cache = model.base_model(input_ids=prompt, use_cache=True).cache
-    # a cache transformers cannot copy per query (a recurrent layer's states): the prompt runs with each
-    repeatable = all(hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [None]))
+    # a recurrent layer's cached step is not its full forward's arithmetic in transformers (Falcon-H1's
+    # differs by ~1e-9 in float64), and some of their caches cannot be copied per query: the prompt runs
+    # with each batch of queries there
+    repeatable = not adapter.family(model).mixers and all(
+        hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [None])
+    )
     row_bytes = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) or 1
 
     def run(q: Tensor) -> list[LayerRecord]:

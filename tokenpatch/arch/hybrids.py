@@ -75,6 +75,19 @@ HYBRIDS: list[Family] = [
         lone_zero=("self_attn.k_proj",),
         mixers=(_DELTANET,),
     ),
+    # Falcon-H1: a Mamba 2 layer beside the attention in every layer, their outputs (each scaled) summed;
+    # the MLP scales its own output (mlp_multipliers[1]), which the output shift is divided by
+    Family(
+        name="falcon_h1",
+        model_types=("falcon_h1",),
+        mlp="feed_forward",
+        mlp_norm="pre_ff_layernorm",
+        inputs=("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
+        down="feed_forward.down_proj",
+        lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+        mixers=(Mixer("mamba", "mamba.out_proj", "Mamba 2 selective scan"),),
+        out_scale=lambda config: config.mlp_multipliers[1],
+    ),
     # LFM2: gated short convolutions (B * x, a depthwise causal conv1d, times C) in most layers, Llama's
     # attention (q/k norms) in the others; every layer a pre-norm SwiGLU MLP, feed_forward.w1/w3/w2
     Family(
