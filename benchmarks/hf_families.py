@@ -73,7 +73,11 @@ def main() -> None:
         sites = adapter.sites(model, 0)
         layer = next(n for n, m in model.named_modules() if m is adapter.layers(model)[0]) + "."
         inputs = ", ".join(n.removeprefix(layer).rpartition(".")[0] for n in sites.inputs) or "none (parallel)"
-        output = sites.output.kind + ("" if sites.output.scale == 1 else f" / {sites.output.scale:g}")
+        output = (
+            "none (no MLP)"
+            if sites.output is None
+            else sites.output.kind + ("" if sites.output.scale == 1 else f" / {sites.output.scale:g}")
+        )
         with float64_norms():
             err = errors(name)
         if name in EAGER_ONLY:  # eager attention's float32 softmax: the prompt cache and the full forward differ
@@ -82,7 +86,7 @@ def main() -> None:
             "model_type": model.config.model_type,
             "design": adapter.family(model).name,
             "inputs": list(sites.inputs),
-            "output": sites.output.kind,
+            "output": None if sites.output is None else sites.output.kind,
             **err,
         }
         r = rows[name]

@@ -1,4 +1,4 @@
-"""Hybrid models (``arch.hybrids``): a recurrent or convolutional mixer in some layers, attention in the
+"""Hybrid models (``arch.recurrent``): a recurrent or convolutional mixer in some layers, attention in the
 others. ``tests/test_hf.py`` checks each hybrid of ``conftest.CONFIGS`` like every other design (every
 layer and the logits, chunks, padding, generation, trajectories, thought patches, files); this file
 checks what is particular to a recurrent layer."""
@@ -36,8 +36,20 @@ def test_a_recurrent_layer_reading_its_pads_gets_unpadded_prefix_rows():
             torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
 
 
-def test_attention_models_pad_exactly():
+def test_attention_models_pad_exactly_and_recurrent_ones_are_not_trusted_to():
     assert HFModules().pads_exactly(tiny_hf_model("llama"))
+    assert not any(HFModules().pads_exactly(tiny_hf_model(name)) for name in ("lfm2", "jamba", "falcon_h1", "mamba2"))
+
+
+def test_a_float32_scan_gets_the_token_patch_of_each_prefix():
+    """Mamba 2's chunked scan runs in float32 in transformers: padded, a prefix row's patch was 2e-8 off
+    the prefix's own token patch (float64); unpadded, the same arithmetic as that token patch."""
+    model, x = tiny_hf_model("mamba2"), ids(1, 8, seed=1)
+    traj = tp.trajectory(model, x)
+    for i in (2, 7):
+        want = tp.token_patch(model, traj.prefix_inputs(x, i)).dense()
+        for key, delta in traj.patch(i).dense().items():
+            torch.testing.assert_close(delta, want[key], rtol=0, atol=1e-12)
 
 
 def test_head_tools_refuse_a_recurrent_layer_by_name():
@@ -48,3 +60,19 @@ def test_head_tools_refuse_a_recurrent_layer_by_name():
     ):
         with ablation.ablate_heads(model, [(1, 0)]):
             pass
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+def test_a_block_without_an_mlp_is_patched_in_its_mixers_out_proj(name):
+    """``out = h + W y`` (``y`` the scan's gated output): the context reaches the residual stream only
+    through ``W`` = ``out_proj``, so the patch is its input change ``y_0 -> y_C`` alone, one per layer,
+    and the lone token under it is the with-context one (without it, far from it)."""
+    model, x = tiny_hf_model(name), ids(2, 9)
+    patch = tp.token_patch(model, x, query=[-1, 4])
+    assert sorted(patch) == [f"backbone.layers.{i}.mixer.out_proj:input" for i in range(3)]
+    assert tp.verify(model, patch, x, query=[-1, 4]).max_abs <= 1e-12
+    last, alone = tp.token_patch(model, x), tp.strip_context(model, x)
+    with torch.no_grad():
+        want = model(x).logits[:, -1]
+        assert (model(**alone).logits[:, -1] - want).abs().max() > 1e-2
+        assert (tp.functional_call(model, last, **alone).logits[:, -1] - want).abs().max() <= 1e-12

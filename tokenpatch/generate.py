@@ -129,7 +129,7 @@ def generate(
         mask = torch.ones_like(ids)
     adapter.strip(inputs, torch.tensor([ids.shape[1] - 1]), separate=True)  # the last position must be a token
     plan = make_plan(1, -1, None)  # each step's patch: one lone token
-    cache, step_ids, step_pos = None, ids, pos
+    cache, step_ids, step_pos, seen = None, ids, pos, ids
     rows: dict[str, list[Tensor]] = {k: [] for k in ("tokens", "agree", "margin", "logit_error", "update_norms")}
     for _ in progress_bar(range(max_new_tokens), progress, desc="generate", unit="token"):
         last = torch.tensor([step_ids.shape[1] - 1], device=ids.device)
@@ -137,7 +137,7 @@ def generate(
             out = model(
                 input_ids=step_ids,
                 position_ids=step_pos,
-                attention_mask=mask,
+                attention_mask=_step_mask(model, seen, mask, cache),
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
@@ -164,6 +164,7 @@ def generate(
         rows["logit_error"].append((got.double() - ref.double()).abs().amax(-1))
         rows["update_norms"].append(_layer_norms(model, adapter, patch))
         step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+        seen = torch.cat([seen, step_ids], 1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         if eos_token_id is not None and bool(torch.stack(rows["tokens"], 1).eq(eos_token_id).any(1).all()):
             break
@@ -171,3 +172,14 @@ def generate(
         **{k: torch.stack(v, 1) for k, v in rows.items()},
         meta={"model": adapter.describe(model), "prompt_len": int(ids.shape[1]), "batch": batch},
     )
+
+
+def _step_mask(model: nn.Module, seen: Tensor, mask: Tensor, cache: Any) -> Tensor | None:
+    """The attention mask of a decoding step as the model's own ``generate`` passes it
+    (``prepare_inputs_for_generation``): the mask of every token so far for attention, none after the
+    first step for a model whose recurrent state already holds the prompt (Mamba: a mask longer than the
+    step's one token would broadcast its states)."""
+    prepared = model.prepare_inputs_for_generation(
+        seen, cache=cache, attention_mask=mask, use_cache=True, is_first_iteration=cache is None
+    )
+    return prepared.get("attention_mask", mask) if isinstance(prepared, dict) else mask

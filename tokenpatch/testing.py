@@ -54,6 +54,16 @@ _DELTA_MOE = dict(
     _DELTA, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2
 )
 _JAMBA = dict(_KV, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)
+_MAMBA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    state_size=8,
+    time_step_rank=8,
+    num_hidden_layers=3,
+    vocab_size=101,
+    residual_in_fp32=False,
+    pad_token_id=0,
+)
 TINY_HF: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", _KV),
     "qwen2": ("Qwen2Config", _KV),  # biases on q, k, v
@@ -178,7 +188,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "BioGptConfig",
         dict(_SMALL, max_position_embeddings=64, pad_token_id=0),
     ),  # OPT's loose fc1/fc2, positions offset by 2
-    # hybrids: a recurrent or convolutional mixer in some layers (arch.hybrids)
+    # hybrids: a recurrent or convolutional mixer in some layers (arch.recurrent)
     "lfm2": (  # gated short convolutions beside attention (q/k norms)
         "Lfm2Config",
         dict(_KV, layer_types=["conv", "full_attention", "conv"], pad_token_id=0),
@@ -192,6 +202,10 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     # Mamba layers beside attention (every other one), experts in every other layer
     "jamba": ("JambaConfig", dict(_JAMBA, num_experts=4, num_experts_per_tok=2)),
     "jamba_dense": ("JambaConfig", dict(_JAMBA, num_experts=1)),
+    # no MLP: the patch is the input change of the mixer's out_proj (residual_in_fp32 would round a float64 model)
+    "mamba": ("MambaConfig", _MAMBA),
+    "falcon_mamba": ("FalconMambaConfig", _MAMBA),
+    "mamba2": ("Mamba2Config", dict(_MAMBA, num_heads=8, head_dim=16, n_groups=1, chunk_size=8)),
     # a Mamba 2 layer beside the attention in every layer; multipliers everywhere
     "falcon_h1": (
         "FalconH1Config",
@@ -207,10 +221,11 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
-# transformers' chunked scans compute in float32 whatever the model dtype (the gated delta rule; Falcon-H1's
+# transformers' chunked scans compute in float32 whatever the model dtype (the gated delta rule; Mamba 2, Falcon-H1's
 # Mamba 2): a left-padded row's states differ from the row alone's by ~1e-8 in the model's own forward
-FLOAT32_SCANS = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "falcon_h1")
+FLOAT32_SCANS = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "falcon_h1", "mamba2")
 EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
+NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (
     "qwen2_moe",
     "mixtral",
@@ -236,7 +251,7 @@ def tiny_hf_model(name: str, seed: int = 0, attn: str | None = None, **overrides
     1-D parameter (norm weights, biases) moved off its init by ``N(0, 0.3^2)``, greedy generation to full length."""
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
-    attn = attn or ("eager" if name in EAGER_ONLY else "sdpa")
+    attn = attn or ("eager" if name in EAGER_ONLY + NO_ATTENTION else "sdpa")
     extra = {"experts_implementation": "eager"} if name in MOE else {}  # float64 experts on CPU
     model = transformers.AutoModelForCausalLM.from_config(
         tiny_hf_config(name, **overrides), attn_implementation=attn, **extra

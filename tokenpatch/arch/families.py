@@ -31,7 +31,7 @@ import math
 from dataclasses import replace
 
 from tokenpatch.arch.family import Family, MoE
-from tokenpatch.arch.hybrids import HYBRIDS
+from tokenpatch.arch.recurrent import HYBRIDS, RECURRENT
 
 __all__ = ["Family", "FAMILIES"]
 
@@ -337,4 +337,5 @@ FAMILIES: list[Family] = [
     _MIXTRAL,
     replace(_MIXTRAL, name="phimoe", model_types=("phimoe",), inputs=("mlp.router.weight", "mlp.experts.gate_up_proj")),
     *HYBRIDS,
+    *RECURRENT,
 ]

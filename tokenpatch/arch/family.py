@@ -90,7 +90,9 @@ class Family:
 
     The MLP: ``mlp`` (the module whose input is ``s``, the input change's site), ``inputs`` (the
     parameters reading ``s``), ``down`` (its output matrix, whose input is ``hidden``), ``moe`` (a
-    mixture of experts, ``MoE``).
+    mixture of experts, ``MoE``). A block without an MLP (Mamba's: ``out = h + mixer(norm(h))``) has
+    ``down=None``: ``mlp`` is the first dense map reading the mixer's context-dependent output (its
+    ``out_proj``), whose input change is the whole patch (``docs/recurrent-layers.md``).
 
     The norms, by where they sit: ``mlp_norm`` before the MLP (its input ``m``, its output ``s``;
     ``None``: the MLP reads the residual stream itself, ``s = m``); ``post_attn_norm`` and
@@ -117,7 +119,7 @@ class Family:
     mixers: tuple[Mixer, ...] = ()
     mlp: str = "mlp"
     inputs: tuple[str, ...]
-    down: str
+    down: str | None
     moe: MoE | None = None
     mlp_norm: str | None
     post_attn_norm: str | None = None
@@ -218,7 +220,7 @@ class Family:
             NamedSite("h", "", output=False),
             NamedSite("out", "", output=True),
             s,
-            NamedSite("hidden", self.down, output=False, experts=self.experts),
+            *(() if self.down is None else (NamedSite("hidden", self.down, output=False, experts=self.experts),)),
             m,
             *(site for present, site in optional if present),
         )

@@ -69,7 +69,7 @@ class HFModules(Adapter):
         a hybrid model's recurrent layers)."""
         fam, layer = self.family(model), self.layers(model)[i]
         try:
-            layer.get_submodule(fam.down)
+            layer.get_submodule(fam.down or fam.mlp)
         except AttributeError:
             if fam.moe is None or fam.moe.dense is None:
                 raise
@@ -114,9 +114,11 @@ class HFModules(Adapter):
         (fam, layer), p = self._layer(model, i), self._prefix(model, i)
         parallel = fam.parallel(model.config)
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
-        down = layer.get_submodule(fam.down)
+        down = None if fam.down is None else layer.get_submodule(fam.down)
         scale = fam.scale(model.config)
-        if fam.experts:
+        if down is None:  # a block without an MLP: the input change of its mixer's out_proj is the patch
+            output = None
+        elif fam.experts:
             if not stacked_experts(down, f"{p}{fam.down}"):
                 raise UnsupportedModelError(
                     f"{p}{fam.down} ({type(down).__name__}) is not a stacked-experts module of transformers "

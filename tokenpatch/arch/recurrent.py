@@ -1,10 +1,12 @@
-"""Hybrid block designs: models whose layers mix tokens by attention in some layers and by a recurrent
-or convolutional layer in the others (``Mixer``), each layer with an MLP after its mixer.
+"""Block designs with recurrent or convolutional mixers (``Mixer``): the hybrids, whose layers mix
+tokens by attention in some layers and by a recurrent or convolutional layer in the others, or beside
+it (``HYBRIDS``), and the purely recurrent models, whose blocks have no MLP (``RECURRENT``).
 
-A token patch of such a layer is the usual one (``docs/recurrent-layers.md``): the MLP's input change
-and output shift, from the layer's states with the context and with the query alone, where "alone"
-runs the mixer from a zero state (no earlier token, zero convolution history) -- what the model's own
-forward does on a one-token sequence without a cache, which is how the no-context pass runs it.
+A token alone runs such a mixer from a zero state (no earlier token, zero convolution history): what
+the model's own forward does on a one-token sequence without a cache, which is how the no-context pass
+runs it (``docs/recurrent-layers.md``). A hybrid layer's patch is then the usual one (the MLP's input
+change and output shift); a block without an MLP, ``out = h + W y``, is patched in the input of its
+mixer's output matrix ``W``, through which alone the context reaches the residual stream.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import replace
 
 from tokenpatch.arch.family import Family, Mixer, MoE
 
-__all__ = ["HYBRIDS"]
+__all__ = ["HYBRIDS", "RECURRENT"]
 
 # Gated DeltaNet (Qwen3-Next, Qwen3.5): a short causal convolution, then the delta rule
 # S_t = g_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T, o_t = S_t q_t; a norm gated by the token's own z;
@@ -101,5 +103,22 @@ HYBRIDS: list[Family] = [
         lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
         value="self_attn.v_proj",
         mixers=(Mixer("conv", "conv.out_proj", "gated short convolution"),),
+    ),
+]
+
+# Blocks without an MLP: out = h + mixer(norm(h)). The context reaches the residual stream only through
+# the mixer's out_proj, whose input change is the whole patch: W (y_C - y_0) y_0^T / |y_0|^2
+# (docs/recurrent-layers.md); ``mlp`` names that out_proj (the module whose input is ``s``).
+RECURRENT: list[Family] = [
+    Family(
+        name="mamba",
+        model_types=("mamba", "falcon_mamba", "mamba2"),
+        attn="mixer",
+        o_proj="mixer.out_proj",
+        mlp="mixer.out_proj",
+        mlp_norm=None,
+        inputs=("mixer.out_proj.weight",),
+        down=None,
+        mixers=(Mixer("mixer", "mixer.out_proj", "Mamba selective scan"),),
     ),
 ]
