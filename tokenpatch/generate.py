@@ -93,7 +93,8 @@ def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
             if name in patch:
                 total = total + norm_of(patch[name])[:, 0].double().square()
         per_layer.append(torch.as_tensor(total).sqrt().cpu())  # layers may sit on different devices
-    return torch.stack(per_layer, -1)
+    # a layer that changes nothing (a block that mixes no tokens, Nemotron-H's MLPs): zero in every row
+    return torch.stack(torch.broadcast_tensors(*per_layer), -1)
 
 
 @torch.no_grad()

@@ -49,6 +49,9 @@ __all__ = ["LoraExport", "save_lora", "lora_pieces"]
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # how peft names the wrapped model's modules in its files
 PEFT_MOE_NAMES = ("gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # _peft_retargets
+# peft refuses a LoRA on these modules of these model types (its Mamba kernels bypass them): written whole
+PEFT_MAMBA_TYPES = ("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h")
+PEFT_MAMBA_NAMES = ("out_proj", "conv1d")
 DUMMY_TARGETS = "dummy-target-modules"  # peft's target_modules when only modules_to_save are written
 
 
@@ -246,10 +249,14 @@ def save_lora(
 def _peft_retargets(model: nn.Module, module: str) -> bool:
     """Whether peft would not load a LoRA on ``module``: on a mixture-of-experts model (its config counts
     experts) peft (0.18 on, with transformers 5) takes a target named like an expert projection (``PEFT_MOE_NAMES``)
-    for the fused experts and drops it, even on a dense layer (a Qwen3-MoE with ``mlp_only_layers``)."""
+    for the fused experts and drops it, even on a dense layer (a Qwen3-MoE with ``mlp_only_layers``); on
+    a Mamba model it refuses a LoRA of the mixer's ``out_proj`` and ``conv1d`` (``PEFT_MAMBA_NAMES``)."""
     config = getattr(model, "config", None)
+    leaf = module.rsplit(".", 1)[-1]
+    if getattr(config, "model_type", None) in PEFT_MAMBA_TYPES and leaf in PEFT_MAMBA_NAMES:
+        return True
     moe = any(getattr(config, k, None) for k in ("num_experts", "num_local_experts"))
-    return moe and module.rsplit(".", 1)[-1] in PEFT_MOE_NAMES
+    return moe and leaf in PEFT_MOE_NAMES
 
 
 def _merged(model: nn.Module, module: str, parts: list, db: Tensor | None) -> dict[str, Tensor]:

@@ -206,6 +206,28 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "mamba": ("MambaConfig", _MAMBA),
     "falcon_mamba": ("FalconMambaConfig", _MAMBA),
     "mamba2": ("Mamba2Config", dict(_MAMBA, num_heads=8, head_dim=16, n_groups=1, chunk_size=8)),
+    # one sublayer per block (Mamba 2, experts, attention, MLP), none followed by an MLP
+    "nemotron_h": (
+        "NemotronHConfig",
+        dict(
+            _KV,
+            num_hidden_layers=4,
+            head_dim=16,
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
+            ssm_state_size=8,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=1,
+            chunk_size=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            residual_in_fp32=False,
+        ),
+    ),
     # a Mamba 2 layer beside the attention in every layer; multipliers everywhere
     "falcon_h1": (
         "FalconH1Config",
@@ -223,7 +245,16 @@ TINY_HF: dict[str, tuple[str, dict]] = {
 }
 # transformers' chunked scans compute in float32 whatever the model dtype (the gated delta rule; Mamba 2, Falcon-H1's
 # Mamba 2): a left-padded row's states differ from the row alone's by ~1e-8 in the model's own forward
-FLOAT32_SCANS = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "falcon_h1", "mamba2")
+FLOAT32_SCANS = (
+    "qwen3_5_text",
+    "qwen3_5",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "qwen3_5_moe",
+    "falcon_h1",
+    "mamba2",
+    "nemotron_h",
+)
 EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (
@@ -236,6 +267,7 @@ MOE = (
     "qwen3_5_moe_text",
     "qwen3_5_moe",
     "jamba",
+    "nemotron_h",
 )  # run with transformers' eager experts
 
 

@@ -60,7 +60,10 @@ class Mixer:
     """A layer's mixer other than softmax attention, found in a layer in place of ``Family.attn``: a
     recurrent or convolutional layer (``docs/recurrent-layers.md``). ``module``: the mixer; ``out_proj``:
     its output matrix, the first dense map that reads its context-dependent output; ``kind``: what it
-    computes, in words (descriptions and errors only).
+    computes, in words (descriptions and errors only). ``classes``: the class names the module must
+    have (where every layer names its mixer alike, Nemotron-H's ``mixer``; empty: any); ``fields``: the
+    family fields such a layer has otherwise (its MLP, norms), as ``(name, value)`` pairs; ``beside``:
+    the mixer runs beside the layer's attention (Falcon-H1), whose record the layer keeps.
 
     Such a layer needs nothing new of a token patch: a token alone runs the mixer from a zero state
     (no earlier token, zero convolution history), which the no-context pass does, each query a
@@ -69,6 +72,15 @@ class Mixer:
     module: str
     out_proj: str
     kind: str
+    classes: tuple[str, ...] = ()
+    fields: tuple[tuple[str, Any], ...] = ()
+    beside: bool = False
+
+    def found(self, layer: Any) -> bool:
+        """Whether ``layer`` (an ``nn.Module``) has this mixer."""
+        if not _has(layer, self.module):
+            return False
+        return not self.classes or type(layer.get_submodule(self.module)).__name__ in self.classes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,16 +143,22 @@ class Family:
 
     # ----------------------------------------------------------------- derived roles (the one place)
     def at(self, layer: Any) -> Family:
-        """The record of ``layer`` (an ``nn.Module``): this one where the layer has ``attn``, else the one
-        of the first of ``mixers`` it has (its ``attn`` and ``o_proj`` the mixer's, no lone-token
-        shortcut: ``lone_zero`` and ``value`` empty); ``self`` where it has none of them (the caller's
-        lookup of the missing module then names it)."""
-        if not self.mixers or _has(layer, self.attn):
-            return self
-        mixer = next((m for m in self.mixers if _has(layer, m.module)), None)
+        """The record of ``layer`` (an ``nn.Module``): the one of the first of ``mixers`` it has in place
+        of attention (its ``attn`` and ``o_proj`` the mixer's, its ``fields``; no lone-token shortcut:
+        ``lone_zero`` and ``value`` empty), else this one (an attention layer, or one with a mixer beside
+        its attention)."""
+        mixer = next((m for m in self.mixers if not m.beside and m.found(layer)), None)
         if mixer is None:
             return self
-        return replace(self, attn=mixer.module, o_proj=mixer.out_proj, lone_zero=(), value=None, mixers=(mixer,))
+        return replace(
+            self,
+            attn=mixer.module,
+            o_proj=mixer.out_proj,
+            lone_zero=(),
+            value=None,
+            mixers=(mixer,),
+            **dict(mixer.fields),
+        )
 
     @property
     def recurrent(self) -> Mixer | None:

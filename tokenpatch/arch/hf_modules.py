@@ -67,14 +67,15 @@ class HFModules(Adapter):
         """The family record of layer ``i``: the model's, or its ``MoE.dense`` one where the layer has a
         plain MLP (a mixture-of-experts model's dense layers), as the layer's mixer has it (``Family.at``:
         a hybrid model's recurrent layers)."""
-        fam, layer = self.family(model), self.layers(model)[i]
+        layer = self.layers(model)[i]
+        fam = self.family(model).at(layer)
         try:
             layer.get_submodule(fam.down or fam.mlp)
         except AttributeError:
             if fam.moe is None or fam.moe.dense is None:
                 raise
-            fam = next(f for f in FAMILIES if f.name == fam.moe.dense)
-        return fam.at(layer)
+            fam = next(f for f in FAMILIES if f.name == fam.moe.dense).at(layer)
+        return fam
 
     def _layer(self, model: nn.Module, i: int) -> tuple[Family, nn.Module]:
         """Layer ``i``'s family record (``_layer_family``) and the layer, whose submodules its names name."""

@@ -87,7 +87,7 @@ HYBRIDS: list[Family] = [
         inputs=("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
         down="feed_forward.down_proj",
         lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
-        mixers=(Mixer("mamba", "mamba.out_proj", "Mamba 2 selective scan"),),
+        mixers=(Mixer("mamba", "mamba.out_proj", "Mamba 2 selective scan", beside=True),),
         out_scale=lambda config: config.mlp_multipliers[1],
     ),
     # LFM2: gated short convolutions (B * x, a depthwise causal conv1d, times C) in most layers, Llama's
@@ -109,6 +109,7 @@ HYBRIDS: list[Family] = [
 # Blocks without an MLP: out = h + mixer(norm(h)). The context reaches the residual stream only through
 # the mixer's out_proj, whose input change is the whole patch: W (y_C - y_0) y_0^T / |y_0|^2
 # (docs/recurrent-layers.md); ``mlp`` names that out_proj (the module whose input is ``s``).
+_NO_MIXING = (("mlp", "mixer"), ("inputs", ()))  # a block that mixes no tokens: a zero input change, nothing read
 RECURRENT: list[Family] = [
     Family(
         name="mamba",
@@ -120,5 +121,37 @@ RECURRENT: list[Family] = [
         inputs=("mixer.out_proj.weight",),
         down=None,
         mixers=(Mixer("mixer", "mixer.out_proj", "Mamba selective scan"),),
+    ),
+    # Nemotron-H: blocks of one sublayer each, every one named ``mixer`` (told apart by class): a Mamba 2
+    # layer or an attention, whose output matrix's input change is the patch (no MLP after them), or an
+    # MLP or mixture of experts, which mixes no tokens (its input, the layer input's norm, is the same
+    # with and without the context: a zero input change)
+    Family(
+        name="nemotron_h",
+        model_types=("nemotron_h",),
+        attn="mixer",
+        o_proj="mixer.o_proj",
+        lone_zero=("mixer.q_proj", "mixer.k_proj"),
+        mlp="mixer.o_proj",
+        mlp_norm=None,
+        inputs=("mixer.o_proj.weight",),
+        down=None,
+        mixers=(
+            Mixer(
+                "mixer",
+                "mixer.out_proj",
+                "Mamba 2 selective scan",
+                classes=("NemotronHMamba2Mixer",),
+                fields=(("mlp", "mixer.out_proj"), ("inputs", ("mixer.out_proj.weight",))),
+            ),
+            Mixer("mixer", "mixer.down_proj", "MLP (no token mixing)", classes=("NemotronHMLP",), fields=_NO_MIXING),
+            Mixer(
+                "mixer",
+                "mixer.shared_experts.down_proj",
+                "mixture of experts (no token mixing)",
+                classes=("NemotronHMoE",),
+                fields=_NO_MIXING,
+            ),
+        ),
     ),
 ]
