@@ -76,3 +76,16 @@ def test_a_block_without_an_mlp_is_patched_in_its_mixers_out_proj(name):
         want = model(x).logits[:, -1]
         assert (model(**alone).logits[:, -1] - want).abs().max() > 1e-2
         assert (tp.functional_call(model, last, **alone).logits[:, -1] - want).abs().max() <= 1e-12
+
+
+def test_nemotron_h_blocks_that_mix_no_tokens_change_nothing():
+    """Nemotron-H's MLP and experts blocks read the layer input's norm, the same with and without the
+    context: their input change is zero. Its experts' router computes in float32 whatever the model
+    dtype, so a float64 model is exact to that rounding only (~1e-10 here, where the other designs give
+    1e-16)."""
+    kinds = ["linear_attention", "moe", "full_attention", "mlp"]
+    model, x = tiny_hf_model("nemotron_h", layers_block_type=kinds, num_hidden_layers=4), ids(1, 8, seed=1)
+    patch = tp.token_patch(model, x)
+    for i in (1, 3):
+        assert float(patch.dense()[f"model.layers.{i}.mixer:input"].abs().max()) == 0.0
+    assert tp.verify(model, patch, x).max_abs <= 1e-8
