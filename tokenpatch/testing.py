@@ -267,7 +267,6 @@ MOE = (
     "qwen3_5_moe_text",
     "qwen3_5_moe",
     "jamba",
-    "nemotron_h",
 )  # run with transformers' eager experts
 
 
@@ -284,7 +283,8 @@ def tiny_hf_model(name: str, seed: int = 0, attn: str | None = None, **overrides
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
     attn = attn or ("eager" if name in EAGER_ONLY + NO_ATTENTION else "sdpa")
-    extra = {"experts_implementation": "eager"} if name in MOE else {}  # float64 experts on CPU
+    # float64 experts on CPU (and Nemotron-H's experts blocks, where a config has them)
+    extra = {"experts_implementation": "eager"} if name in (*MOE, "nemotron_h") else {}
     model = transformers.AutoModelForCausalLM.from_config(
         tiny_hf_config(name, **overrides), attn_implementation=attn, **extra
     )
