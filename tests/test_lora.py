@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft")
 DENSE = [name for name in CONFIGS if name not in MOE]  # stacked experts: no LoRA format (tested below)
 # a norm scale patched after the MLP is written whole; an output bias as peft's lora_bias
 EXTRAS = {
-    **dict.fromkeys(["gemma2", "gemma3", "olmo2", "olmo3", "exaone4", "glm4"], ["modules_to_save"]),
+    **dict.fromkeys(["gemma2", "gemma3", "olmo2", "olmo3", "exaone4", "glm4", "olmo_hybrid"], ["modules_to_save"]),
     # peft refuses a LoRA of a Mamba mixer's out_proj, and takes a jamba config (it counts experts) to have
     # fused experts named like its dense MLP's matrices: those are written whole
     **dict.fromkeys(["mamba", "falcon_mamba", "mamba2", "nemotron_h", "jamba_dense"], ["modules_to_save"]),

@@ -202,6 +202,34 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     # Mamba layers beside attention (every other one), experts in every other layer
     "jamba": ("JambaConfig", dict(_JAMBA, num_experts=4, num_experts_per_tok=2)),
     "jamba_dense": ("JambaConfig", dict(_JAMBA, num_experts=1)),
+    "bamba": (  # Mamba 2 layers beside attention (layers 1), a dense MLP everywhere
+        "BambaConfig",
+        dict(_KV, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8),
+    ),
+    "lfm2_moe": (  # LFM2 with experts after its first (dense) layer
+        "Lfm2MoeConfig",
+        dict(
+            _KV,
+            layer_types=["conv", "full_attention", "conv"],
+            moe_intermediate_size=32,
+            num_dense_layers=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+        ),
+    ),
+    # OLMo 2's attention layers between Gated DeltaNet layers of Llama's form
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        # no padding_idx: a zero-embedding token (the pad) meets no norm before OLMo 2's attention, so alone its
+        # MLP input would be exactly zero while the context moves it (no minimal patch: ZeroAnchorError)
+        dict(
+            _DELTA,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            pad_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
     # no MLP: the patch is the input change of the mixer's out_proj (residual_in_fp32 would round a float64 model)
     "mamba": ("MambaConfig", _MAMBA),
     "falcon_mamba": ("FalconMambaConfig", _MAMBA),
@@ -254,6 +282,8 @@ FLOAT32_SCANS = (
     "falcon_h1",
     "mamba2",
     "nemotron_h",
+    "olmo_hybrid",
+    "bamba",
 )
 EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
@@ -267,6 +297,7 @@ MOE = (
     "qwen3_5_moe_text",
     "qwen3_5_moe",
     "jamba",
+    "lfm2_moe",
 )  # run with transformers' eager experts
 
 

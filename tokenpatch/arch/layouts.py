@@ -25,6 +25,7 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "Qwen3NextTopKRouter": "out_in",
     "Qwen3_5MoeTopKRouter": "out_in",
     "JambaTopKRouter": "out_in",
+    "Lfm2MoeTopKRouter": "out_in",
 }
 
 

@@ -68,6 +68,7 @@ NORMS: dict[str, NormClass] = {
     "Gemma2RMSNorm": _scaled(1.0, "gemma2"),
     "Olmo2RMSNorm": _scaled(0.0, "olmo2"),
     "Olmo3RMSNorm": _scaled(0.0, "olmo3"),
+    "OlmoHybridRMSNorm": _scaled(0.0, "olmo_hybrid"),
     "Exaone4RMSNorm": _scaled(0.0, "exaone4"),
     "Glm4RMSNorm": _scaled(0.0, "glm4"),
 }

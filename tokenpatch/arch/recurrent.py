@@ -24,6 +24,7 @@ _DELTANET = Mixer("linear_attn", "linear_attn.out_proj", "gated delta rule (Gate
 # Mamba (Jamba) and Mamba 2: a causal conv1d, then the selective scan h_t = A_t h_{t-1} + B_t x_t,
 # y_t = C_t h_t + D x_t gated by silu(z_t), then out_proj. A token alone: h = B x, y = C B x + D x.
 _MAMBA = Mixer("mamba", "mamba.out_proj", "Mamba selective scan")
+_MAMBA2 = Mixer("mamba", "mamba.out_proj", "Mamba 2 selective scan")
 # Qwen3-Next's and Qwen3.5's attention gates its output by a sigmoid of a second half of q_proj: a token
 # alone's output is not o_proj of its values, so it runs the layer (its key projection zeroed)
 _QWEN35 = Family(
@@ -47,6 +48,20 @@ _JAMBA = Family(  # Llama's attention or a Mamba layer; a dense SwiGLU MLP, or e
     lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
     value="self_attn.v_proj",
     mixers=(_MAMBA,),
+)
+# LFM2: gated short convolutions (B * x, a depthwise causal conv1d, times C) in most layers, Llama's
+# attention (q/k norms) in the others; every layer a pre-norm SwiGLU MLP, feed_forward.w1/w3/w2
+_LFM2 = Family(
+    name="lfm2",
+    model_types=("lfm2",),
+    mlp_norm="ffn_norm",
+    mlp="feed_forward",
+    inputs=("feed_forward.w1.weight", "feed_forward.w3.weight"),
+    down="feed_forward.w2",
+    o_proj="self_attn.out_proj",
+    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    value="self_attn.v_proj",
+    mixers=(Mixer("conv", "conv.out_proj", "gated short convolution"),),
 )
 HYBRIDS: list[Family] = [
     _QWEN35,
@@ -77,6 +92,8 @@ HYBRIDS: list[Family] = [
         lone_zero=("self_attn.k_proj",),
         mixers=(_DELTANET,),
     ),
+    # Bamba: Jamba's block with Mamba 2 layers, a dense MLP in every layer
+    replace(_JAMBA, name="bamba", model_types=("bamba",), when=lambda config: True, mixers=(_MAMBA2,)),
     # Falcon-H1: a Mamba 2 layer beside the attention in every layer, their outputs (each scaled) summed;
     # the MLP scales its own output (mlp_multipliers[1]), which the output shift is divided by
     Family(
@@ -87,22 +104,39 @@ HYBRIDS: list[Family] = [
         inputs=("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
         down="feed_forward.down_proj",
         lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
-        mixers=(Mixer("mamba", "mamba.out_proj", "Mamba 2 selective scan", beside=True),),
+        mixers=(replace(_MAMBA2, beside=True),),
         out_scale=lambda config: config.mlp_multipliers[1],
     ),
-    # LFM2: gated short convolutions (B * x, a depthwise causal conv1d, times C) in most layers, Llama's
-    # attention (q/k norms) in the others; every layer a pre-norm SwiGLU MLP, feed_forward.w1/w3/w2
+    _LFM2,
+    # LFM2-MoE: experts without a shared one after the first layers (num_dense_layers), LFM2's there
+    replace(
+        _LFM2,
+        name="lfm2_moe",
+        model_types=("lfm2_moe",),
+        inputs=("feed_forward.gate.weight", "feed_forward.experts.gate_up_proj"),
+        down="feed_forward.experts",
+        moe=MoE(dense="lfm2"),
+    ),
+    # OLMo hybrid: OLMo 2's attention layers (norms after each sublayer, none before the MLP) between
+    # Gated DeltaNet layers of Llama's form (a norm before the MLP, none after)
     Family(
-        name="lfm2",
-        model_types=("lfm2",),
-        mlp_norm="ffn_norm",
-        mlp="feed_forward",
-        inputs=("feed_forward.w1.weight", "feed_forward.w3.weight"),
-        down="feed_forward.w2",
-        o_proj="self_attn.out_proj",
+        name="olmo_hybrid",
+        model_types=("olmo_hybrid",),
+        mlp_norm=None,
+        post_attn_norm="post_attention_layernorm",
+        post_mlp_norm="post_feedforward_layernorm",
+        inputs=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        down="mlp.down_proj",
         lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
         value="self_attn.v_proj",
-        mixers=(Mixer("conv", "conv.out_proj", "gated short convolution"),),
+        mixers=(
+            Mixer(
+                "linear_attn",
+                "linear_attn.o_proj",
+                "gated delta rule (Gated DeltaNet)",
+                fields=(("mlp_norm", "post_attention_layernorm"), ("post_attn_norm", None), ("post_mlp_norm", None)),
+            ),
+        ),
     ),
 ]
 
