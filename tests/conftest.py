@@ -3,6 +3,7 @@ so a missing term in a patch cannot hide behind gamma = 1, beta = 0."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -11,7 +12,15 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import tokenpatch as tp
-from tokenpatch.testing import TINY_HF, float64_norms, perturbed, tiny_hf_config, tiny_hf_model
+from tokenpatch.testing import (
+    FLOAT32_INSIDE,
+    TINY_HF,
+    float64_everywhere,
+    float64_norms,
+    perturbed,
+    tiny_hf_config,
+    tiny_hf_model,
+)
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=200)
@@ -122,10 +131,12 @@ def build(name: str, seed: int = 0, attn: str | None = None):
 
 
 @pytest.fixture
-def float64_gemma_norms():
+def float64_gemma_norms(request):
     """The norms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2) compute in float32
-    whatever the model dtype; evaluate them in float64."""
-    with float64_norms():
+    whatever the model dtype; evaluate them in float64. A test of a tiny model whose transformers code
+    casts to float32 elsewhere too (``FLOAT32_INSIDE``: scans, routers) runs every cast in float64."""
+    name = getattr(getattr(request.node, "callspec", None), "params", {}).get("name")
+    with float64_norms(), float64_everywhere() if name in FLOAT32_INSIDE else contextlib.nullcontext():
         yield
 
 

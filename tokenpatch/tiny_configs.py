@@ -4,7 +4,7 @@ design (``arch.families.FAMILIES``), and what each needs to run exactly: read by
 
 from __future__ import annotations
 
-__all__ = ["TINY_HF", "EAGER_ONLY", "NO_ATTENTION", "MOE", "FLOAT32_SCANS"]
+__all__ = ["TINY_HF", "EAGER_ONLY", "NO_ATTENTION", "MOE", "FLOAT32_INSIDE"]
 
 # One tiny random configuration per block design tokenpatch patches (``arch.families.FAMILIES``), as
 # ``(transformers config class, keyword arguments)``: what tokenpatch's tests check to float64
@@ -245,9 +245,10 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
-# transformers' chunked scans compute in float32 whatever the model dtype (the gated delta rule; Mamba 2, Falcon-H1's
-# Mamba 2): a left-padded row's states differ from the row alone's by ~1e-8 in the model's own forward
-FLOAT32_SCANS = (
+# transformers casts to float32 inside these whatever the model dtype (the chunked scans of Gated DeltaNet
+# and Mamba 2; routers): a float64 model's own forward of a left-padded row differs from the row alone's by
+# ~1e-8, a cached step from the full forward. Their tests run under ``testing.float64_everywhere``.
+FLOAT32_INSIDE = (
     "qwen3_5_text",
     "qwen3_5",
     "qwen3_next",
