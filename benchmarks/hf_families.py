@@ -14,6 +14,7 @@ its design, the patch kinds it uses and the worst error of each path, and writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 import tokenpatch as tp
 from tokenpatch.arch import adapter_for
-from tokenpatch.testing import EAGER_ONLY, TINY_HF, float64_norms, tiny_hf_model
+from tokenpatch.testing import EAGER_ONLY, FLOAT32_INSIDE, TINY_HF, float64_everywhere, float64_norms, tiny_hf_model
 
 
 def errors(name: str) -> dict:
@@ -78,7 +79,8 @@ def main() -> None:
             if sites.output is None
             else sites.output.kind + ("" if sites.output.scale == 1 else f" / {sites.output.scale:g}")
         )
-        with float64_norms():
+        inside = float64_everywhere() if name in FLOAT32_INSIDE else contextlib.nullcontext()
+        with float64_norms(), inside:  # transformers' float32 casts (norms; scans, routers) made float64
             err = errors(name)
         if name in EAGER_ONLY:  # eager attention's float32 softmax: the prompt cache and the full forward differ
             err["attention"] = "eager"

@@ -27,6 +27,25 @@ _DELTA = dict(  # Gated DeltaNet: 2 key heads, 4 value heads
 _DELTA_MOE = dict(
     _DELTA, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2
 )
+_SHARED_MOE = dict(_KV, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
+_LATENT = dict(  # DeepSeek's latent attention: queries and keys/values through low-rank latents
+    _SMALL,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    qk_head_dim=16,
+    head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=32,
+    pad_token_id=0,
+)
 _JAMBA = dict(_KV, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)
 _MAMBA = dict(
     hidden_size=64,
@@ -162,6 +181,24 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "BioGptConfig",
         dict(_SMALL, max_position_embeddings=64, pad_token_id=0),
     ),  # OPT's loose fc1/fc2, positions offset by 2
+    # mixtures of experts with a shared expert added ungated, a plain MLP in the first layer
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        dict(_KV, moe_intermediate_size=32, moe_k=2, moe_num_experts=4, moe_num_shared_experts=1, pad_token_id=0),
+    ),
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        dict(
+            _SHARED_MOE,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+        ),
+    ),
+    "glm4_moe": ("Glm4MoeConfig", dict(_SHARED_MOE, n_routed_experts=4, num_nextn_predict_layers=0)),
+    # the same after latent attention
+    "deepseek_v2": ("DeepseekV2Config", dict(_LATENT, first_k_dense_replace=1)),
+    "deepseek_v3": ("DeepseekV3Config", dict(_LATENT, first_k_dense_replace=1, num_nextn_predict_layers=0)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(_LATENT, mlp_layer_types=["dense", "sparse", "sparse"])),
     # hybrids: a recurrent or convolutional mixer in some layers (arch.recurrent)
     "lfm2": (  # gated short convolutions beside attention (q/k norms)
         "Lfm2Config",
@@ -246,7 +283,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     ),
 }
 # transformers casts to float32 inside these whatever the model dtype (the chunked scans of Gated DeltaNet
-# and Mamba 2; routers): a float64 model's own forward of a left-padded row differs from the row alone's by
+# and Mamba 2; mixture-of-experts routers): a float64 model's own forward of a left-padded row differs from the row alone's by
 # ~1e-8, a cached step from the full forward. Their tests run under ``testing.float64_everywhere``.
 FLOAT32_INSIDE = (
     "qwen3_5_text",
@@ -259,6 +296,12 @@ FLOAT32_INSIDE = (
     "nemotron_h",
     "olmo_hybrid",
     "bamba",
+    "ernie4_5_moe",
+    "exaone_moe",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
 )
 EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
@@ -273,4 +316,10 @@ MOE = (
     "qwen3_5_moe",
     "jamba",
     "lfm2_moe",
+    "ernie4_5_moe",
+    "exaone_moe",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
 )  # run with transformers' eager experts

@@ -32,6 +32,7 @@ from dataclasses import replace
 
 from tokenpatch.arch.family import Family, MoE
 from tokenpatch.arch.recurrent import HYBRIDS, RECURRENT
+from tokenpatch.arch.shared_experts import SHARED_EXPERTS
 
 __all__ = ["Family", "FAMILIES"]
 
@@ -336,6 +337,7 @@ FAMILIES: list[Family] = [
     ),
     _MIXTRAL,
     replace(_MIXTRAL, name="phimoe", model_types=("phimoe",), inputs=("mlp.router.weight", "mlp.experts.gate_up_proj")),
+    *SHARED_EXPERTS,
     *HYBRIDS,
     *RECURRENT,
 ]

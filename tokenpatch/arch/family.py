@@ -48,11 +48,13 @@ def _has(module: Any, name: str) -> bool:
 class MoE:
     """A mixture-of-experts MLP. ``dense``: the family of its layers with a plain MLP (Qwen3-MoE's
     ``mlp_only_layers``). ``shared_gate``: a shared expert's gate module, whose sigmoid scales
-    ``Family.down`` (the shared expert's output matrix); ``None``: no shared expert, ``down`` is the
-    stacked experts (``arch.experts``)."""
+    ``Family.down`` (the shared expert's output matrix); ``shared``: a shared expert added as it is
+    (DeepSeek's, GLM-4-MoE's, ERNIE 4.5's), ``down`` its output matrix, which takes the whole output
+    shift; neither: ``down`` is the stacked experts (``arch.experts``)."""
 
     dense: str | None = "llama"
     shared_gate: str | None = None
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ class Family:
     @property
     def experts(self) -> bool:
         """``down`` is the stacked experts (a mixture of experts without a shared expert)."""
-        return self.moe is not None and self.moe.shared_gate is None
+        return self.moe is not None and self.moe.shared_gate is None and not self.moe.shared
 
     @property
     def add_norm(self) -> str | None:

@@ -26,6 +26,12 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "Qwen3_5MoeTopKRouter": "out_in",
     "JambaTopKRouter": "out_in",
     "Lfm2MoeTopKRouter": "out_in",
+    "Ernie4_5_MoeTopKRouter": "out_in",
+    "ExaoneMoeTopkRouter": "out_in",
+    "Glm4MoeTopkRouter": "out_in",
+    "Glm4MoeLiteTopkRouter": "out_in",
+    "DeepseekV2TopkRouter": "out_in",
+    "DeepseekV3TopkRouter": "out_in",
 }
 
 

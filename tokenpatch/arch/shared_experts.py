@@ -1,0 +1,57 @@
+"""Mixtures of experts with a shared expert added as it is (no gate): DeepSeek V2/V3, GLM-4-MoE (and its
+latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE.
+
+The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
+read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
+same weights); the output shift ``m_C - m_0`` goes whole into the shared expert's output matrix, whose
+output the block adds unscaled (``MoE.shared``): the rank-1 ``(m_C - m_0) h_C^T / |h_C|^2`` on its hidden
+state. The first layers of DeepSeek V3 and GLM-4-MoE have a plain MLP (``first_k_dense_replace``,
+``mlp_layer_types``): their record is ``MoE.dense``'s.
+
+Latent attention (DeepSeek, GLM-4-MoE-Lite: keys and values up-projected from a compressed latent) does
+more than mix values, so a token alone runs its layers (no ``value``); its MLPs are skipped as always.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tokenpatch.arch.family import Family, MoE
+
+__all__ = ["SHARED_EXPERTS"]
+
+_ROUTED_AND_SHARED = (
+    "mlp.gate.weight",
+    "mlp.experts.gate_up_proj",
+    "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared_experts.up_proj.weight",
+)
+_SHARED = Family(
+    name="shared_experts",
+    model_types=("ernie4_5_moe", "exaone_moe", "glm4_moe"),
+    mlp_norm="post_attention_layernorm",
+    inputs=_ROUTED_AND_SHARED,
+    down="mlp.shared_experts.down_proj",
+    moe=MoE(dense="llama", shared=True),
+    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    value="self_attn.v_proj",
+)
+_LATENT = Family(  # a plain MLP after latent attention (no model of its own: DeepSeek V3's first layers)
+    name="latent_attention",
+    model_types=(),
+    mlp_norm="post_attention_layernorm",
+    inputs=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    down="mlp.down_proj",
+)
+SHARED_EXPERTS: list[Family] = [
+    _SHARED,
+    replace(
+        _SHARED,
+        name="latent_shared_experts",
+        model_types=("deepseek_v2", "deepseek_v3", "glm4_moe_lite"),
+        moe=MoE(dense="latent_attention", shared=True),
+        lone_zero=(),
+        value=None,
+    ),
+    _LATENT,
+]
