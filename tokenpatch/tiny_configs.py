@@ -245,14 +245,15 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "mamba": ("MambaConfig", _MAMBA),
     "falcon_mamba": ("FalconMambaConfig", _MAMBA),
     "mamba2": ("Mamba2Config", dict(_MAMBA, num_heads=8, head_dim=16, n_groups=1, chunk_size=8)),
-    # one sublayer per block (Mamba 2, attention, MLP), none followed by an MLP; its experts' router computes
-    # in float32 whatever the model dtype (a float64 model is exact to that rounding, ~1e-10: not here)
+    # one sublayer per block (Mamba 2, experts, attention, MLP), none followed by an MLP (FLOAT32_INSIDE:
+    # its scan and its experts' router compute in float32 whatever the model dtype)
     "nemotron_h": (
         "NemotronHConfig",
         dict(
             _KV,
+            num_hidden_layers=4,
             head_dim=16,
-            layers_block_type=["linear_attention", "full_attention", "mlp"],
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
             ssm_state_size=8,
             mamba_num_heads=8,
             mamba_head_dim=16,
