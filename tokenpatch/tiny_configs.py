@@ -199,6 +199,20 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "deepseek_v2": ("DeepseekV2Config", dict(_LATENT, first_k_dense_replace=1)),
     "deepseek_v3": ("DeepseekV3Config", dict(_LATENT, first_k_dense_replace=1, num_nextn_predict_layers=0)),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(_LATENT, mlp_layer_types=["dense", "sparse", "sparse"])),
+    # Kimi delta attention beside latent attention, shared experts after a dense first layer
+    "kimi_linear": (
+        "KimiLinearConfig",
+        dict(
+            _LATENT,
+            num_experts=4,
+            num_experts_per_token=2,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_head_dim=16,
+            linear_num_heads=4,
+            pad_token_id=None,  # a zero pad embedding: alone, its MLP input would be exactly zero (no patch)
+        ),
+    ),
     # hybrids: a recurrent or convolutional mixer in some layers (arch.recurrent)
     "lfm2": (  # gated short convolutions beside attention (q/k norms)
         "Lfm2Config",
@@ -303,6 +317,7 @@ FLOAT32_INSIDE = (
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe_lite",
+    "kimi_linear",
 )
 EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
@@ -323,4 +338,5 @@ MOE = (
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe_lite",
+    "kimi_linear",
 )  # run with transformers' eager experts

@@ -32,6 +32,7 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "Glm4MoeLiteTopkRouter": "out_in",
     "DeepseekV2TopkRouter": "out_in",
     "DeepseekV3TopkRouter": "out_in",
+    "KimiLinearTopkRouter": "out_in",
 }
 
 

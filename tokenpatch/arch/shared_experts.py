@@ -1,5 +1,5 @@
 """Mixtures of experts with a shared expert added as it is (no gate): DeepSeek V2/V3, GLM-4-MoE (and its
-latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE.
+latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, and the hybrid Kimi Linear.
 
 The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
 read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenpatch.arch.family import Family, MoE
+from tokenpatch.arch.family import Family, Mixer, MoE
 
 __all__ = ["SHARED_EXPERTS"]
 
@@ -43,15 +43,27 @@ _LATENT = Family(  # a plain MLP after latent attention (no model of its own: De
     inputs=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     down="mlp.down_proj",
 )
+_LATENT_SHARED = replace(
+    _SHARED,
+    name="latent_shared_experts",
+    model_types=("deepseek_v2", "deepseek_v3", "glm4_moe_lite"),
+    moe=MoE(dense="latent_attention", shared=True),
+    lone_zero=(),
+    value=None,
+)
+# Kimi Linear: Kimi delta attention (a gated delta rule, docs/recurrent-layers.md) in 3 of every 4 layers,
+# latent attention in the others, every one named ``self_attn`` (told apart by class)
+_KDA = Mixer("self_attn", "self_attn.o_proj", "Kimi delta attention", classes=("KimiLinearDeltaAttention",))
 SHARED_EXPERTS: list[Family] = [
     _SHARED,
-    replace(
-        _SHARED,
-        name="latent_shared_experts",
-        model_types=("deepseek_v2", "deepseek_v3", "glm4_moe_lite"),
-        moe=MoE(dense="latent_attention", shared=True),
-        lone_zero=(),
-        value=None,
-    ),
+    _LATENT_SHARED,
     _LATENT,
+    replace(
+        _LATENT_SHARED,
+        name="kimi_linear",
+        model_types=("kimi_linear",),
+        moe=MoE(dense="kimi_linear_dense", shared=True),
+        mixers=(_KDA,),
+    ),
+    replace(_LATENT, name="kimi_linear_dense", mixers=(_KDA,)),
 ]
