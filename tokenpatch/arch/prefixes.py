@@ -39,8 +39,8 @@ Rows = tuple[int, range, LayerRecord, tuple[Tensor, Tensor], tuple[Tensor, Tenso
 
 def padded(adapter, model, inputs: Any, query: int, rows: range, steps: bool) -> Iterator[Rows]:
     """The rows ``rows`` as left-padded sequences of the model's own forward (module docstring), in chunks
-    of prefixes; each chunk's records and anchors ``[B, len(chunk), .]``, yielded layer by layer. The
-    rows share one length (the longest prefix of ``rows`` plus the query), so a rotation that depends on
+    of prefixes; each chunk's records and anchors ``[B, len(chunk), .]``, yielded layer by layer. A
+    chunk's rows share one length (its longest prefix plus the query), so a rotation that depends on
     the length (``Adapter.length_scaling``) rotates each as it would alone only where all of ``rows`` lie
     in one of its regimes: the caller groups them so. Where left padding can change what a real token
     reads (``Adapter.pads_exactly``: a recurrent layer whose biases make a pad's state nonzero), each
