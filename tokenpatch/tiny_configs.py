@@ -300,6 +300,16 @@ TINY_HF: dict[str, tuple[str, dict]] = {
 # transformers casts to float32 inside these whatever the model dtype (the chunked scans of Gated DeltaNet
 # and Mamba 2; mixture-of-experts routers): a float64 model's own forward of a left-padded row differs from the row alone's by
 # ~1e-8, a cached step from the full forward. Their tests run under ``testing.float64_everywhere``.
+# mixtures of experts with an ungated shared expert: eager experts, and their routers cast to float32
+_SHARED_EXPERTS = (
+    "ernie4_5_moe",
+    "exaone_moe",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "kimi_linear",
+)
 FLOAT32_INSIDE = (
     "qwen3_5_text",
     "qwen3_5",
@@ -311,13 +321,7 @@ FLOAT32_INSIDE = (
     "nemotron_h",
     "olmo_hybrid",
     "bamba",
-    "ernie4_5_moe",
-    "exaone_moe",
-    "glm4_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe_lite",
-    "kimi_linear",
+    *_SHARED_EXPERTS,
 )
 EAGER_ONLY = ("gemma2", "bloom", "vaultgemma", "gpt_neo", "mpt")  # transformers has no sdpa path for these
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
@@ -332,11 +336,5 @@ MOE = (
     "qwen3_5_moe",
     "jamba",
     "lfm2_moe",
-    "ernie4_5_moe",
-    "exaone_moe",
-    "glm4_moe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe_lite",
-    "kimi_linear",
+    *_SHARED_EXPERTS,
 )  # run with transformers' eager experts

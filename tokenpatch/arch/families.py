@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from tokenpatch.arch.family import Family, MoE
 from tokenpatch.arch.recurrent import HYBRIDS, RECURRENT
-from tokenpatch.arch.shared_experts import SHARED_EXPERTS
+from tokenpatch.arch.shared_experts import GATED_SHARED_INPUTS, SHARED_EXPERTS
 
 __all__ = ["Family", "FAMILIES"]
 
@@ -323,13 +323,7 @@ FAMILIES: list[Family] = [
         name="qwen2_moe",
         model_types=("qwen2_moe",),
         mlp_norm="post_attention_layernorm",
-        inputs=(
-            "mlp.gate.weight",
-            "mlp.experts.gate_up_proj",
-            "mlp.shared_expert.gate_proj.weight",
-            "mlp.shared_expert.up_proj.weight",
-            "mlp.shared_expert_gate.weight",
-        ),
+        inputs=GATED_SHARED_INPUTS,
         down="mlp.shared_expert.down_proj",
         moe=MoE(dense="llama", shared_gate="mlp.shared_expert_gate"),
         lone_zero=_QK,

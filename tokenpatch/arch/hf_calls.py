@@ -42,13 +42,11 @@ def prompted(adapter, model: nn.Module, prompt: Tensor, keys: tuple[str, ...]) -
     prompt = adapter.check_inputs(model, prompt)["input_ids"]  # [1, P], on the embedding's device
     p, scaling = prompt.shape[1], adapter.length_scaling(model)
     forget_longest(model, scaling, prompt.device)
-    cache = model.base_model(input_ids=prompt, use_cache=True).cache
     # a recurrent layer's cached step is not its full forward's arithmetic in transformers (Falcon-H1's
     # differs by ~1e-9 in float64), and some of their caches cannot be copied per query: the prompt runs
-    # with each batch of queries there
-    repeatable = not adapter.family(model).mixers and all(
-        hasattr(layer, "batch_repeat_interleave") for layer in getattr(cache, "layers", [None])
-    )
+    # with each batch of queries there, and no cache is made
+    repeatable = not adapter.family(model).mixers
+    cache = model.base_model(input_ids=prompt, use_cache=True).cache if repeatable else None
     row_bytes = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) or 1
 
     def run(q: Tensor) -> list[LayerRecord]:
@@ -99,11 +97,5 @@ def layer_calls(adapter, model: nn.Module, inputs: Tensor) -> tuple[Tensor, list
 
 
 def _cache_tensors(cache) -> list[Tensor]:
-    """The tensors a Hugging Face cache holds (for its size): keys and values, and a recurrent layer's
-    convolution and recurrent states (held in lists or dicts, one per state)."""
-    found = []
-    for layer in getattr(cache, "layers", []):
-        for value in vars(layer).values():
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
-            found += [t for t in items if isinstance(t, Tensor) and t.ndim > 1]
-    return found
+    """The key and value tensors a Hugging Face cache holds (for its size)."""
+    return [t for layer in getattr(cache, "layers", []) for t in (layer.keys, layer.values) if isinstance(t, Tensor)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tokenpatch.arch.family import Family, Mixer, MoE
+from tokenpatch.arch.shared_experts import GATED_SHARED_INPUTS
 
 __all__ = ["HYBRIDS", "RECURRENT"]
 
@@ -80,13 +81,7 @@ HYBRIDS: list[Family] = [
         name="qwen3_next",
         model_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"),
         mlp_norm="post_attention_layernorm",
-        inputs=(
-            "mlp.gate.weight",
-            "mlp.experts.gate_up_proj",
-            "mlp.shared_expert.gate_proj.weight",
-            "mlp.shared_expert.up_proj.weight",
-            "mlp.shared_expert_gate.weight",
-        ),
+        inputs=GATED_SHARED_INPUTS,
         down="mlp.shared_expert.down_proj",
         moe=MoE(dense="qwen3_5", shared_gate="mlp.shared_expert_gate"),
         lone_zero=("self_attn.k_proj",),

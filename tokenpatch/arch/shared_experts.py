@@ -18,7 +18,17 @@ from dataclasses import replace
 
 from tokenpatch.arch.family import Family, Mixer, MoE
 
-__all__ = ["SHARED_EXPERTS"]
+__all__ = ["SHARED_EXPERTS", "GATED_SHARED_INPUTS"]
+
+# Qwen2-MoE's form (also Qwen3-Next's): a shared expert scaled by the sigmoid of its gate; every parameter
+# reading the MLP input
+GATED_SHARED_INPUTS = (
+    "mlp.gate.weight",
+    "mlp.experts.gate_up_proj",
+    "mlp.shared_expert.gate_proj.weight",
+    "mlp.shared_expert.up_proj.weight",
+    "mlp.shared_expert_gate.weight",
+)
 
 _ROUTED_AND_SHARED = (
     "mlp.gate.weight",
