@@ -42,11 +42,13 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, monkeypatch, pretrai
     from tokenpatch.workbench.report import compress as report_compress
     from tokenpatch.workbench.report import induction as report_induction
     from tokenpatch.workbench.report import markov as report_markov
+    from tokenpatch.workbench.report import recurrence as report_recurrence
     from tokenpatch.workbench.report.reproduce import SECTIONS, reproduce
     from tokenpatch.workbench.train.lm import LMTrain
 
     tiny = {**report_markov.REDUCED, "chains": (2, 8), "steps": 40, "show": (2, 8)}
     smaller = {
+        "recurrence": functools.partial(report_recurrence.recurrence_section, n_tasks=4),
         "prompt_compression": functools.partial(
             report_compress.compression_section, test=8, calibration=12, dev=8, n_heads=4
         ),
@@ -69,6 +71,7 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, monkeypatch, pretrai
         "equivalence",
         "model",
         "dynamics",
+        "recurrence",
         "finetune",
         "online",
         "thought",
@@ -105,6 +108,12 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, monkeypatch, pretrai
         assert on[model]["chosen_lr"] == min(on[model]["sweep"], key=lambda r: r["heldout_mse"])["lr"]
         assert len(on[model]["heldout_icl"]) == len(on[model]["heldout_sgd"]) == on[model]["n_context"] + 1
     assert on["trained"]["heldout_icl"][-1] < 0.1 * on["trained"]["heldout_icl"][0]  # the context is read
+    rec = data["sections"]["recurrence"]  # transformers' mixers, trained and untrained, every block
+    assert set(rec["models"]) == set(tp.models.SHIPPED_TRANSFORMERS)
+    for record in rec["models"].values():
+        for layer in record["layers"] + record["untrained"]:
+            q = layer["slope_quartiles"]
+            assert q[0] <= q[1] <= q[2] and 0 <= layer["limit_distance_half"]
     dyn = data["sections"]["dynamics"]
     assert set(dyn["models"]) == set(tp.models.SHIPPED)
     for record in dyn["models"].values():  # every layer's fitted exponent quartiles, ordered

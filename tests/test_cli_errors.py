@@ -52,7 +52,8 @@ CASES = [  # (argv, what the one line must say); {d} is the fixture folder
     (["train", "--out", "{d}/new.safetensors", "--export", "{d}/notes.txt"], "--export {d}/notes.txt already exists"),
     (
         ["train", "--layer", "mamba"],
-        "argument --layer: invalid choice: 'mamba' (choose from 'gru', 'linear', 'lstm', 'rnn', 'softmax')",
+        "argument --layer: invalid choice: 'mamba' (choose from 'gru', 'linear', 'lstm', 'rnn', 'softmax', "
+        "'gated_deltanet', 'llama', 'mamba2', 'rg_lru', 'short_conv')",
     ),
     (["train", "--norm", "middle"], "argument --norm: invalid choice: 'middle'"),
     (["train", "--steps", "0"], "argument --steps: 0 is too small"),
@@ -332,6 +333,7 @@ def test_the_lazy_table_is_the_type_checking_block():
 
 def test_cli_defaults_are_the_library_values():
     from tokenpatch.lora import CONFIG_FILE
+    from tokenpatch.models.hf_layers import HF_LAYERS
     from tokenpatch.models.icl import MODEL_FORMAT, NORMS
     from tokenpatch.models.layers import LAYERS
     from tokenpatch.models.markov import MarkovModel
@@ -341,7 +343,7 @@ def test_cli_defaults_are_the_library_values():
     from tokenpatch.workbench.train.linreg import DEFAULT_MODEL, DEFAULT_TASK, DEFAULT_TRAIN
     from tokenpatch.workbench.train.markov import MarkovTrain
 
-    assert d.LAYERS == tuple(sorted(LAYERS)) and d.NORMS == NORMS
+    assert d.LAYERS == tuple(sorted(LAYERS)) and d.HF_LAYERS == tuple(sorted(HF_LAYERS)) and d.NORMS == NORMS
     assert (d.MODEL_FORMAT, d.PATCH_FORMAT) == (MODEL_FORMAT, PATCH_FORMAT)
     assert d.LORA_CONFIG == CONFIG_FILE
     for values, obj in (
@@ -353,7 +355,7 @@ def test_cli_defaults_are_the_library_values():
         (d.MARKOV_TRAIN, MarkovTrain()),
     ):
         assert values == {k: getattr(obj, k) for k in values}, type(obj).__name__
-    for layer in LAYERS:  # the layers ICLConfig holds to d_model % n_heads == 0
+    for layer in d.LAYERS + d.HF_LAYERS:  # the layers ICLConfig holds to d_model % n_heads == 0
         with (
             pytest.raises(tp.InputError, match="not divisible")
             if layer in d.HEADED_LAYERS

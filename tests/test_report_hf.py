@@ -58,12 +58,22 @@ def test_reproduce_succeeds_with_the_note(monkeypatch, tmp_path):
     nothing_installed(monkeypatch)
     stubbed = {
         key: (lambda out, progress, _key=key: Section(_key, _key.title(), "stub", [], {}))
-        for key in ("equivalence", "model", "dynamics", "finetune", "online", "thought", "markov", "induction")
+        for key in (
+            "equivalence",
+            "model",
+            "dynamics",
+            "recurrence",
+            "finetune",
+            "online",
+            "thought",
+            "markov",
+            "induction",
+        )
     }
     path = report.reproduce(tmp_path, progress=False, sections={**dict.fromkeys(report.SECTIONS), **stubbed})
     text = path.read_text()
-    body, compression = text.split("## 7. Real language models\n\n", 1)[1].split("## 8. Prompt compression", 1)
-    compression = compression.split("## 9. ", 1)[0]
+    body, compression = text.split("## 8. Real language models\n\n", 1)[1].split("## 9. Prompt compression", 1)
+    compression = compression.split("## 10. ", 1)[0]
     assert body.strip().count("\n") == 0 and body.startswith("Skipped")
     assert compression.split("\n\n", 1)[1].strip().count("\n") == 0 and "Skipped" in compression
     data = json.loads((tmp_path / "results.json").read_text())

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from tokenpatch.arch.norms import NORMS
+from tokenpatch.float64_mode import float64_everywhere
 from tokenpatch.tiny_configs import EAGER_ONLY, FLOAT32_INSIDE, MOE, NO_ATTENTION, TINY_HF
 
 __all__ = [
@@ -96,28 +96,3 @@ def float64_norms() -> Iterator[None]:
     finally:
         for module, forward in saved:
             module.forward = forward
-
-
-class _NoFloat32(TorchFunctionMode):
-    """Every cast to float32 (``x.float()``, ``x.to(torch.float32)``, ``dtype=torch.float32``) made float64."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.float:
-            func = torch.Tensor.double
-        if kwargs.get("dtype") is torch.float32:
-            kwargs["dtype"] = torch.float64
-        return func(*(torch.float64 if a is torch.float32 else a for a in args), **kwargs)
-
-
-@contextlib.contextmanager
-def float64_everywhere() -> Iterator[None]:
-    """Inside the block, every cast to float32 that ``transformers`` makes whatever the model dtype is a
-    cast to float64: the chunked scans of Gated DeltaNet and Mamba 2, the routers of DeepSeek-style
-    mixtures of experts, the norms of ``float64_norms``, float32 softmaxes. A float64 model then computes
-    in float64 throughout, and two forwards that should agree (a left-padded row and the row alone, a
-    cached step and the full forward) agree to float64 rounding; tokenpatch's patch is exact either way
-    (to the model's own arithmetic), this only makes that arithmetic float64. A test helper: every torch
-    call inside the block goes through it (slower), and a float32 model's casts become float64 too."""
-    with _NoFloat32():
-        yield

@@ -19,6 +19,7 @@ __all__ = [
     "step_norms",
     "total_norms",
     "decay_exponent",
+    "limit_distance",
     "step_alignment",
     "layer_alignment",
     "effective_rank",
@@ -50,6 +51,17 @@ def step_norms(traj: Trajectory, name: str) -> Tensor:
     d = _matrix(traj, name)
     now, before = d.index((slice(None), slice(1, None))), d.index((slice(None), slice(None, -1)))
     return (now + LowRank(-before.u, before.v)).norm()
+
+
+def limit_distance(traj: Trajectory, name: str) -> Tensor:
+    """``|dW_i - dW_N|_F / |dW_N|_F`` for every prefix ``i = 0..N`` -> ``[B, N + 1]``: how far the update
+    after ``i`` context tokens is from the one after all ``N`` (1 at ``i = 0``, 0 at ``i = N``). Where the
+    updates converge it falls like the step norms' tail sum; where each token rewrites the update, it stays
+    near 1 until the end."""
+    d = _matrix(traj, name)  # u [B, N + 1, r, rows]
+    last = d.index((slice(None), slice(-1, None)))  # [B, 1, ...]
+    gap = d + LowRank(-last.u.expand_as(d.u), last.v.expand_as(d.v))  # dW_i - dW_N, kept as factors
+    return gap.norm() / last.norm()
 
 
 def decay_exponent(norms: Tensor, start: int = 2) -> Tensor:

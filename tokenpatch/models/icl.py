@@ -37,7 +37,9 @@ from torch import Tensor, nn
 
 from tokenpatch import files
 from tokenpatch.errors import FileFormatError, InputError
+from tokenpatch.models.hf_layers import HF_LAYER_NAMES, HF_LAYERS, make_hf_layer
 from tokenpatch.models.layers import LAYERS, make_layer
+from tokenpatch.models.placement import as_device, as_dtype
 from tokenpatch.solve import block_values
 
 __all__ = [
@@ -48,10 +50,9 @@ __all__ = [
     "save_model",
     "load_model",
     "read_checkpoint",
-    "as_dtype",
-    "as_device",
     "DEFAULT_CHECKPOINT",
     "SHIPPED",
+    "SHIPPED_TRANSFORMERS",
     "MODEL_FORMAT",
 ]
 
@@ -62,6 +63,10 @@ SHIPPED = {
     "softmax": DEFAULT_CHECKPOINT,
     **{k: f"linreg-{k}-pre10.safetensors" for k in ("linear", "rnn", "gru", "lstm")},
 }
+# Shipped models whose mixers are transformers' own (hf_layers.py; workbench.train.kinds has the recipe).
+SHIPPED_TRANSFORMERS = {
+    k: f"linreg-tf-{k}.safetensors" for k in ("llama", "deltanet", "mamba2", "rg_lru", "short_conv", "hybrid")
+}
 NORMS = ("none", "pre", "post")
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 LAYER_NAMES = {
@@ -70,7 +75,9 @@ LAYER_NAMES = {
     "rnn": "Elman-RNN",
     "gru": "GRU",
     "lstm": "LSTM",
+    **HF_LAYER_NAMES,
 }
+MIXERS = (*LAYERS, *HF_LAYERS)  # every contextual layer kind: ours (layers.py), then transformers' (hf_layers.py)
 
 
 @dataclass(frozen=True)
@@ -83,12 +90,14 @@ class ICLConfig:
     n_layers: int = 2
     n_heads: int = 4
     d_mlp: int = 0  # 0 means 4 * d_model
-    layer: str = "softmax"  # one of layers.LAYERS
+    layer: str = "softmax"  # one of MIXERS
     norm: str = "pre"  # none | pre | post
     residual: bool = True
     bias: bool = True
     activation: str = "gelu"
     mlp: bool = True  # False: attention-only blocks, y = h + A(LN1(h)) (no token patch: nothing to act on)
+    interleave: str = ""  # a hybrid: this kind (one of MIXERS) in every ``interval``-th layer, as Qwen3.5 does
+    interval: int = 0
 
     def __post_init__(self) -> None:
         for name in ("d_in", "d_out", "d_model", "n_layers", "n_heads"):
@@ -97,36 +106,48 @@ class ICLConfig:
                 raise InputError(f"ICLConfig.{name} must be a positive integer, got {value!r}")
         if self.d_mlp < 0:
             raise InputError(f"ICLConfig.d_mlp must be >= 0, got {self.d_mlp}")
-        if self.layer not in LAYERS:
-            raise InputError(f"ICLConfig.layer={self.layer!r}; choose one of {sorted(LAYERS)}")
+        for name in ("layer", "interleave") if self.interleave else ("layer",):
+            if getattr(self, name) not in MIXERS:
+                raise InputError(f"ICLConfig.{name}={getattr(self, name)!r}; choose one of {sorted(MIXERS)}")
+        if bool(self.interleave) != (self.interval > 0):
+            raise InputError(
+                "a hybrid ICLConfig needs both interleave (a layer kind) and interval (a positive integer)"
+            )
         if self.norm not in NORMS:
             raise InputError(f"ICLConfig.norm={self.norm!r}; choose one of {NORMS}")
         if self.activation not in ACTIVATIONS:
             raise InputError(f"ICLConfig.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
         if not self.mlp and (self.norm == "post" or not self.residual):
             raise InputError("an attention-only model (mlp=False) needs the residual stream and norm 'pre' or 'none'")
-        if self.layer in ("softmax", "linear") and self.d_model % self.n_heads:
+        if self.layer not in ("rnn", "gru", "lstm") and self.d_model % self.n_heads:
             raise InputError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
     @property
     def hidden(self) -> int:
         return self.d_mlp or 4 * self.d_model
 
+    def kind(self, i: int) -> str:
+        """The contextual layer kind of block ``i``: ``interleave`` in blocks ``interval - 1``,
+        ``2 interval - 1``, ..., ``layer`` elsewhere."""
+        return self.interleave if self.interval and (i + 1) % self.interval == 0 else self.layer
+
     def describe(self) -> str:
         """E.g. ``"10-layer Pre-LN softmax-attention transformer"``."""
         norm = {"none": "norm-free", "pre": "Pre-LN", "post": "Post-LN"}[self.norm]
         mixer = LAYER_NAMES[self.layer]
-        kind = "transformer" if self.layer in ("softmax", "linear") else "network"
+        kind = "transformer" if self.layer in ("softmax", "linear", "llama") else "network"
         res = "" if self.residual else " residual-free"
         only = "" if self.mlp else " (attention-only)"
-        return f"{self.n_layers}-layer {norm}{res} {mixer} {kind}{only}"
+        every = f" with {LAYER_NAMES[self.interleave]} every {self.interval}th layer" if self.interval else ""
+        return f"{self.n_layers}-layer {norm}{res} {mixer} {kind}{only}{every}"
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict; ``mlp`` only when False, so every file written before it existed
         (checkpoints, training recipes) reads and resumes unchanged."""
         d = dataclasses.asdict(self)
-        if d["mlp"]:
-            del d["mlp"]
+        for name, default in (("mlp", True), ("interleave", ""), ("interval", 0)):
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
@@ -157,14 +178,18 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One contextual block; see the table in the module docstring."""
 
-    def __init__(self, config: ICLConfig):
+    def __init__(self, config: ICLConfig, layer: str | None = None):
         super().__init__()
         c = self.config = config
         self.norm, self.residual = c.norm, c.residual
         if c.norm != "none":
             self.ln1 = nn.LayerNorm(c.d_model)
             self.ln2 = nn.LayerNorm(c.d_model)
-        self.mixer = make_layer(c.layer, c.d_model, c.n_heads, bias=c.bias)
+        kind = layer or c.layer
+        if kind in HF_LAYERS:
+            self.mixer = make_hf_layer(kind, c.d_model, c.n_heads)
+        else:
+            self.mixer = make_layer(kind, c.d_model, c.n_heads, bias=c.bias)
         self.mlp = MLP(c.d_model, c.hidden, c.activation, bias=c.bias) if c.mlp else None
 
     def mix(self, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -205,7 +230,7 @@ class ICLTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.read_in = nn.Linear(config.d_in, config.d_model, bias=config.bias)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(Block(config, config.kind(i)) for i in range(config.n_layers))
         self.ln_f = nn.LayerNorm(config.d_model) if config.norm == "pre" else nn.Identity()
         self.read_out = nn.Linear(config.d_model, config.d_out, bias=config.bias)
         self.meta: dict[str, Any] = {}  # filled by load_model from the checkpoint
@@ -287,50 +312,15 @@ def load_model(
     if path is not None and layer is not None:
         raise InputError("give a checkpoint path or a shipped model's layer, not both")
     if path is None:
-        layer = layer or "softmax"
-        if layer not in SHIPPED:
-            raise InputError(f"no shipped model with layer {layer!r}; shipped: {sorted(SHIPPED)}")
-        ref = resources.files("tokenpatch.models") / "data" / SHIPPED[layer]
+        layer, shipped = layer or "softmax", {**SHIPPED, **SHIPPED_TRANSFORMERS}
+        if layer not in shipped:
+            raise InputError(f"no shipped model with layer {layer!r}; shipped: {sorted(shipped)}")
+        ref = resources.files("tokenpatch.models") / "data" / shipped[layer]
         with resources.as_file(ref) as p:
             model = read_checkpoint(Path(p))[0]
     else:
         model = read_checkpoint(path)[0]
     return model.to(device=device, dtype=dtype)
-
-
-_DTYPES = {
-    "float64": torch.float64,
-    "double": torch.float64,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A floating torch dtype from a dtype or its name (``"float32"``, ``"torch.float16"``, ``"bfloat16"``)."""
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.removeprefix("torch.")]
-    raise InputError(f"dtype {dtype!r} is not a floating dtype; use one of {sorted(set(_DTYPES))} or a torch.dtype")
-
-
-def as_device(device: torch.device | str | None) -> torch.device | None:
-    """A torch device that exists on this machine, from a device or its name (``"cpu"``, ``"cuda:1"``)."""
-    if device is None:
-        return None
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InputError(f"device {device!r} is not a device name (e.g. 'cpu', 'cuda', 'cuda:1', 'mps')") from exc
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise InputError(f"device {str(device)!r} is not available here ({torch.cuda.device_count()} CUDA devices)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise InputError("device 'mps' is not available here")
-    return device
 
 
 def check_inputs(model: ICLTransformer | Block, inputs: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "LAYERS",
     "HEADED_LAYERS",
+    "HF_LAYERS",
     "NORMS",
     "MODEL_FORMAT",
     "PATCH_FORMAT",
@@ -23,7 +24,9 @@ __all__ = [
 ]
 
 LAYERS = ("gru", "linear", "lstm", "rnn", "softmax")  # sorted(tokenpatch.models.layers.LAYERS)
-HEADED_LAYERS = ("softmax", "linear")  # layers whose d_model must divide into heads (ICLConfig)
+# sorted(tokenpatch.models.hf_layers.HF_LAYERS): transformers' own mixers
+HF_LAYERS = ("gated_deltanet", "llama", "mamba2", "rg_lru", "short_conv")
+HEADED_LAYERS = ("softmax", "linear", *HF_LAYERS)  # layers whose d_model must divide into heads (ICLConfig)
 NORMS = ("none", "pre", "post")  # tokenpatch.models.icl.NORMS
 MODEL_FORMAT = "tokenpatch.model/1"  # tokenpatch.models.icl.MODEL_FORMAT
 PATCH_FORMAT = "tokenpatch.patch/1"  # tokenpatch.patch_files.PATCH_FORMAT

@@ -43,8 +43,10 @@ def check_train(args) -> None:
             raise usage(
                 f"--out {out} holds weights only (an export), so training cannot resume from it; choose another path"
             )
-    if args.layer in HEADED_LAYERS and args.d_model % args.heads:
+    if any(k in HEADED_LAYERS for k in (args.layer, args.interleave)) and args.d_model % args.heads:
         raise usage(f"d_model={args.d_model} is not divisible by n_heads={args.heads}")
+    if (args.interleave is None) != (args.interval is None):
+        raise usage("--interleave and --interval go together (a hybrid: --interleave KIND --interval N)")
 
 
 def train(args) -> int:
@@ -63,6 +65,8 @@ def train(args) -> int:
         layer=args.layer,
         norm=args.norm,
         residual=not args.no_residual,
+        interleave=args.interleave or "",
+        interval=args.interval or 0,
     )
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, checkpoint_every=args.checkpoint_every

@@ -35,6 +35,7 @@ from tokenpatch.workbench.cli.args import (
     number,
 )
 from tokenpatch.workbench.cli.defaults import (
+    HF_LAYERS,
     LAYERS,
     LINREG_MODEL,
     LINREG_TASK,
@@ -77,7 +78,19 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=count(1), default=shape["n_layers"], help="number of blocks")
     t.add_argument("--d-model", type=count(1), default=shape["d_model"], help="residual stream width")
     t.add_argument("--heads", type=count(1), default=shape["n_heads"], help="attention heads")
-    t.add_argument("--layer", choices=LAYERS, default=shape["layer"], help="contextual layer")
+    t.add_argument(
+        "--layer",
+        choices=LAYERS + HF_LAYERS,
+        default=shape["layer"],
+        help=f"contextual layer: ours, or transformers' own mixer ({', '.join(HF_LAYERS)}; needs tokenpatch[hf])",
+    )
+    t.add_argument(
+        "--interleave",
+        choices=LAYERS + HF_LAYERS,
+        help="a hybrid: this layer kind in every --interval-th block, --layer in the others (Qwen3.5: "
+        "--layer gated_deltanet --interleave llama --interval 4; default: none, every block --layer)",
+    )
+    t.add_argument("--interval", type=count(1), help="with --interleave: its period in blocks (default: none)")
     t.add_argument("--norm", choices=NORMS, default=shape["norm"], help="norm placement")
     t.add_argument("--no-residual", action="store_true", help="blocks without the residual connection")
     t.add_argument("--steps", type=count(1), default=recipe["steps"], help="training steps")

@@ -108,14 +108,18 @@ def training_curve(
     return path
 
 
-def step_norms(curves: dict[str, dict[str, list[float]]], path: str | Path, title: str) -> Path:
+def step_norms(
+    curves: dict[str, dict[str, list[float]]], path: str | Path, title: str, paired: tuple[str, ...] = ()
+) -> Path:
     """Median step norm ``|dW_i - dW_{i-1}|_F`` against the context token ``i`` (log-log), one panel
-    per layer of the model, one line per model. ``curves``: panel -> model label -> medians."""
+    per layer of the model, one line per model. ``curves``: panel -> model label -> medians. In the
+    ``paired`` panels the lines come in pairs drawn in one colour, the first solid, the second dashed."""
     path = Path(path)
     fig, axes = plt.subplots(1, len(curves), figsize=(5.2 * len(curves), 4.2), constrained_layout=True, squeeze=False)
     for ax, (panel, lines) in zip(axes[0], curves.items()):
-        for label, ys in lines.items():
-            ax.loglog(range(1, len(ys) + 1), ys, "o-", ms=3, label=label)
+        for j, (label, ys) in enumerate(lines.items()):
+            style = dict(color=f"C{j // 2}", ls="-" if j % 2 == 0 else "--") if panel in paired else {}
+            ax.loglog(range(1, len(ys) + 1), ys, "o-", ms=3, label=label, **style)
         ax.set_xlabel("context token i")
         ax.set_ylabel("median step norm (log)")
         ax.set_title(panel)

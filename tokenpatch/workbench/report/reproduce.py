@@ -36,6 +36,7 @@ from tokenpatch.workbench.report.induction import induction_section
 from tokenpatch.workbench.report.markov import markov_section
 from tokenpatch.workbench.report.online import online_section
 from tokenpatch.workbench.report.real_models import real_models_section
+from tokenpatch.workbench.report.recurrence import recurrence_section
 from tokenpatch.workbench.report.section import Section, code_digest, read_part, write_part
 from tokenpatch.workbench.report.thought import REDUCED as THOUGHT_REDUCED
 from tokenpatch.workbench.report.thought import thought_section
@@ -177,6 +178,7 @@ SECTIONS = (
     "equivalence",
     "model",
     "dynamics",
+    "recurrence",
     "finetune",
     "online",
     "thought",
@@ -188,7 +190,14 @@ SECTIONS = (
 CHECKPOINT_SECTIONS = ("equivalence", "model")
 
 
-FULL_SECTIONS = ("finetune", "thought", "prompt_compression", "markov", "induction")  # the sections --full changes
+FULL_SECTIONS = (
+    "recurrence",
+    "finetune",
+    "thought",
+    "prompt_compression",
+    "markov",
+    "induction",
+)  # the sections --full changes
 
 
 def _default_builders(model, n_tasks: int, seed: int, full: bool = False) -> dict:
@@ -198,6 +207,8 @@ def _default_builders(model, n_tasks: int, seed: int, full: bool = False) -> dic
         ),
         "model": lambda out, progress: model_section(model, out),
         "dynamics": dynamics_section,
+        # transformers' mixers: the shipped models, or trained here (full); a one-line note without transformers
+        "recurrence": functools.partial(recurrence_section, full=True) if full else recurrence_section,
         "finetune": finetune_section if full else functools.partial(finetune_section, **FINETUNE_REDUCED),
         "online": online_section,
         # four prompts and m up to 1024 (THOUGHT_REDUCED), or eight and m up to 4096 (full)
@@ -229,7 +240,7 @@ def reproduce(
     ``equivalence`` and ``model`` with a ``checkpoint``); a list of keys; or a dict ``key ->
     function(out, progress=...)`` whose functions replace the default of their key (``None`` keeps it),
     e.g. ``{"markov": functools.partial(markov_section, preset=small)}`` for a shorter run. ``full``: train
-    the Markov sweep and the small LM here instead of reading the runs shipped with tokenpatch, compare
+    the Markov sweep, the small LM and the models with transformers' mixers here instead of reading the runs shipped with tokenpatch, compare
     in-context learning with fine-tuning on 32 tasks (the default: 12) and fit the thought patches of
     eight prompts up to m = 4096 calibration queries on 1000 test queries, distilled on two (the default:
     four, up to 1024, on 500, distilled on one), and choose the compressed prompt's ridge on dev (the default: given) with the

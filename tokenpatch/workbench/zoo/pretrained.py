@@ -53,12 +53,12 @@ from tokenpatch.workbench.zoo import verify as digests
 from tokenpatch.workbench.zoo.cache import ensure, matches
 
 # The registry (names, specs, requirements, the cache folder) imports no torch, so the command line
-# checks a model name in milliseconds; torch and tokenpatch.models.icl load with the first model.
+# checks a model name in milliseconds; torch and tokenpatch.models.placement load with the first model.
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from tokenpatch.models import icl  # noqa: F401 (load_pretrained imports it with importlib, when a model loads)
+    from tokenpatch.models import placement  # noqa: F401 (load_pretrained imports it with importlib, when a model loads)
 
 __all__ = [
     "PretrainedSpec",
@@ -352,13 +352,13 @@ def load_pretrained(
     spec = _spec(name)
     import torch
 
-    icl = importlib.import_module("tokenpatch.models.icl")
-    dtype = torch.float32 if dtype is None else icl.as_dtype(dtype)
+    placement = importlib.import_module("tokenpatch.models.placement")
+    dtype = torch.float32 if dtype is None else placement.as_dtype(dtype)
     if dtype not in tuple(getattr(torch, d) for d in DTYPES):
         raise InputError(
             f"dtype {dtype} is not supported for pretrained models; use torch.float32 (default) or torch.float64"
         )
-    device = icl.as_device(device)
+    device = placement.as_device(device)
     mode = digests.resolve_mode(verify)
     check_requirements(name)
     folder = pretrained_cache_dir(name, cache_dir)
