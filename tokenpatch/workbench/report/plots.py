@@ -118,8 +118,8 @@ def step_norms(
     fig, axes = plt.subplots(1, len(curves), figsize=(5.2 * len(curves), 4.2), constrained_layout=True, squeeze=False)
     for ax, (panel, lines) in zip(axes[0], curves.items()):
         for j, (label, ys) in enumerate(lines.items()):
-            style = dict(color=f"C{j // 2}", ls="-" if j % 2 == 0 else "--") if panel in paired else {}
-            ax.loglog(range(1, len(ys) + 1), ys, "o-", ms=3, label=label, **style)
+            style = dict(color=f"C{j // 2}", ls="-" if j % 2 == 0 else "--") if panel in paired else {"ls": "-"}
+            ax.loglog(range(1, len(ys) + 1), ys, marker="o", ms=3, label=label, **style)
         ax.set_xlabel("context token i")
         ax.set_ylabel("median step norm (log)")
         ax.set_title(panel)
