@@ -92,7 +92,7 @@ def test_chunk_removed_and_keep_bos(name, float64_gemma_norms):
         torch.testing.assert_close(got, model(x).logits[:, -1], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in EAGER_ONLY])
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in EAGER_ONLY and n != "recurrent_gemma"])  # refused
 def test_padded_batch_gives_each_prompts_patches(name, float64_gemma_norms):
     model = build(name)
     a, b = ids(1, 12, seed=2), ids(1, 7, seed=3)

@@ -89,3 +89,31 @@ def test_nemotron_h_blocks_that_mix_no_tokens_change_nothing():
     for i in (1, 3):
         assert float(patch.dense()[f"model.layers.{i}.mixer:input"].abs().max()) == 0.0
     assert tp.verify(model, patch, x).max_abs <= 1e-8
+
+
+def test_recurrent_gemma_refuses_padding_it_would_read():
+    """RecurrentGemma's recurrent block runs its convolution and scan over left padding (transformers does
+    not mask it): the padded row's own forward is not the prompt's, so a padded batch is refused in one
+    line, and each prompt alone is exact."""
+    model, x = tiny_hf_model("recurrent_gemma"), ids(1, 8, seed=3)
+    pad = torch.cat([torch.full((1, 3), 7), x], 1)
+    mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 8)], 1).long()
+    with torch.no_grad():  # the premise
+        padded = model(input_ids=pad, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        assert (padded[0, 3:] - model(input_ids=x).logits[0]).abs().max() > 1e-6
+    with pytest.raises(tp.InputError, match="reads padding: transformers does not mask the input of its real-gated"):
+        tp.token_patch(model, {"input_ids": pad, "attention_mask": mask})
+    assert tp.verify(model, tp.token_patch(model, x), x).max_abs <= 1e-12
+
+
+@torch.no_grad()
+def test_recurrent_gemma_patched_forward_ignores_the_state_its_modules_keep():
+    """RecurrentGemma keeps its decoding state in its modules: after a cached forward of another prompt, a
+    one-token forward with ``use_cache`` continues from it. ``tp.functional_call`` runs it without a cache
+    (``Adapter.forward_defaults``), so the stripped query under its patch is the with-context pass."""
+    model, x = tiny_hf_model("recurrent_gemma"), ids(2, 9, seed=4)
+    patch, stripped = tp.token_patch(model, x), tp.strip_context(model, x)
+    want = model(x).logits[:, -1]
+    model(ids(2, 6, seed=5))  # a cached forward (use_cache is the config's default) of other tokens
+    assert model.config.use_cache
+    torch.testing.assert_close(tp.functional_call(model, patch, **stripped).logits[:, -1], want, rtol=0, atol=1e-12)

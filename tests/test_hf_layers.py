@@ -92,7 +92,7 @@ def test_patches_and_every_prefix_exact(kinds):
 def test_hybrid_config():
     config = ICLConfig(d_in=3, d_model=8, n_layers=4, n_heads=2, **HYBRID)
     assert [config.kind(i) for i in range(4)] == ["gated_deltanet", "llama", "gated_deltanet", "llama"]
-    assert "Llama-attention every 2th layer" in config.describe()
+    assert config.describe() == "4-layer Pre-LN Gated-DeltaNet network, Llama-attention in one block of every 2"
     assert ICLConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     plain = ICLConfig(d_in=3).to_dict()
     assert "interleave" not in plain and "interval" not in plain  # files written before hybrids read unchanged
@@ -102,6 +102,8 @@ def test_hybrid_config():
         ICLConfig(d_in=3, layer="gru", interval=2)
     with pytest.raises(tp.InputError, match="not divisible"):
         ICLConfig(d_in=3, d_model=6, n_heads=4, layer="mamba2")
+    with pytest.raises(tp.InputError, match="not divisible"):  # a headed layer in the hybrid's other blocks
+        ICLConfig(d_in=3, d_model=6, n_heads=4, layer="gru", interleave="llama", interval=2)
 
 
 def test_limit_distance_from_the_factors():

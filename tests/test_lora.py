@@ -46,6 +46,7 @@ EXTRAS = {
             "gpt_neo",
             "codegen",
             "biogpt",
+            "recurrent_gemma",
         ],
         ["lora_bias"],
     ),

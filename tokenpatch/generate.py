@@ -130,7 +130,7 @@ def generate(
         mask = torch.ones_like(ids)
     adapter.strip(inputs, torch.tensor([ids.shape[1] - 1]), separate=True)  # the last position must be a token
     plan = make_plan(1, -1, None)  # each step's patch: one lone token
-    cache, step_ids, step_pos, seen = None, ids, pos, ids
+    cache, step_ids, step_pos, seen, cached = None, ids, pos, ids, True
     rows: dict[str, list[Tensor]] = {k: [] for k in ("tokens", "agree", "margin", "logit_error", "update_norms")}
     for _ in progress_bar(range(max_new_tokens), progress, desc="generate", unit="token"):
         last = torch.tensor([step_ids.shape[1] - 1], device=ids.device)
@@ -140,10 +140,12 @@ def generate(
                 position_ids=step_pos,
                 attention_mask=_step_mask(model, seen, mask, cache),
                 cache=cache,
-                use_cache=True,
+                use_cache=cached,
                 logits_to_keep=1,
             )
-        cache, ref = out.cache, out.logits[:, -1]  # [B, vocab]
+        # a model without a cache object (RecurrentGemma keeps its state in its modules) runs every step whole
+        cache, ref = getattr(out, "cache", None), out.logits[:, -1]  # [B, vocab]
+        cached = cache is not None
         lone = {"input_ids": step_ids[:, -1:], "position_ids": step_pos[:, -1:], "attention_mask": None}
         anchors = adapter.anchors(model, lone, [0], rec)
         patch = assemble(
@@ -164,8 +166,8 @@ def generate(
         rows["margin"].append(top2[:, 0] - top2[:, 1])
         rows["logit_error"].append((got.double() - ref.double()).abs().amax(-1))
         rows["update_norms"].append(_layer_norms(model, adapter, patch))
-        step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
-        seen = torch.cat([seen, step_ids], 1)
+        seen, pos = torch.cat([seen, nxt[:, None]], 1), torch.cat([pos, pos[:, -1:] + 1], 1)
+        step_ids, step_pos = (nxt[:, None], pos[:, -1:]) if cached else (seen, pos)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         if eos_token_id is not None and bool(torch.stack(rows["tokens"], 1).eq(eos_token_id).any(1).all()):
             break

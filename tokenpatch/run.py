@@ -57,7 +57,9 @@ def functional_call(model: nn.Module, patch: Patch, *args, broadcast: bool = Fal
     would mean materialising ``W + u v^T`` per patch, and cannot vary them along the batch.)
 
     Positions: where the model's adapter can tell (``Adapter.check_positions``), a forward that leaves
-    out the position ids a patch needs is refused (a Hugging Face model then counts them from 0).
+    out the position ids a patch needs is refused (a Hugging Face model then counts them from 0). The
+    adapter's ``forward_defaults`` are passed unless given (RecurrentGemma, which keeps its decoding
+    state in its modules, runs with ``use_cache=False``).
     Tokens: a token patch records a fingerprint of the no-context token ids of each ``[b, q]``
     (``Patch.tokens``) and other token ids are refused: it is exact for those only. ``broadcast=True``
     or ``any_length=True`` runs it on other tokens on purpose, and a static patch (a thought patch,
@@ -67,6 +69,7 @@ def functional_call(model: nn.Module, patch: Patch, *args, broadcast: bool = Fal
     adapter = next((a for a in ADAPTERS if a.matches(model)), None)  # a model of no family runs unchecked
     if adapter is not None:
         adapter.check_positions(model, patch, args, kwargs)
+        kwargs = {**adapter.forward_defaults(model), **kwargs}
     _check_tokens(patch, args, kwargs, broadcast or any_length)
     return patched_run(model, model, patch, *args, broadcast=broadcast, any_length=any_length, **kwargs)
 

@@ -214,6 +214,18 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
     # hybrids: a recurrent or convolutional mixer in some layers (arch.recurrent)
+    "recurrent_gemma": (  # RG-LRU recurrent blocks beside local multi-query attention (Griffin)
+        "RecurrentGemmaConfig",
+        dict(
+            _SMALL,
+            intermediate_size=192,  # its MLP is half as wide
+            num_key_value_heads=1,
+            lru_width=64,
+            attention_window_size=5,
+            block_types=["recurrent", "attention", "recurrent"],
+            pad_token_id=0,
+        ),
+    ),
     "lfm2": (  # gated short convolutions beside attention (q/k norms)
         "Lfm2Config",
         dict(_KV, layer_types=["conv", "full_attention", "conv"], pad_token_id=0),
@@ -311,6 +323,7 @@ _SHARED_EXPERTS = (
     "kimi_linear",
 )
 FLOAT32_INSIDE = (
+    "recurrent_gemma",
     "qwen3_5_text",
     "qwen3_5",
     "qwen3_next",

@@ -277,6 +277,12 @@ class Adapter:
         self.require("prefix_inputs", "trace", "anchors", by="tp.trajectory")
         return prefixes.padded(self, model, inputs, query, rows, steps)
 
+    def forward_defaults(self, model: nn.Module) -> dict:
+        """Keyword arguments ``tp.functional_call`` gives the model's forward unless the caller does:
+        ``{"use_cache": False}`` for a model that keeps its decoding state in its modules (RecurrentGemma),
+        whose one-token forward with a cache would continue from the last cached forward's state."""
+        return {}
+
     def pads_exactly(self, model: nn.Module) -> bool:
         """Whether left padding leaves every real token's states as they are without it (attention masks
         the pads out; a recurrent layer may not: a bias makes a pad's state nonzero). ``False``: the

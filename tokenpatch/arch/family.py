@@ -65,7 +65,11 @@ class Mixer:
     computes, in words (descriptions and errors only). ``classes``: the class names the module must
     have (where every layer names its mixer alike, Nemotron-H's ``mixer``; empty: any); ``fields``: the
     family fields such a layer has otherwise (its MLP, norms), as ``(name, value)`` pairs; ``beside``:
-    the mixer runs beside the layer's attention (Falcon-H1), whose record the layer keeps.
+    the mixer runs beside the layer's attention (Falcon-H1), whose record the layer keeps; ``reads_pads``:
+    transformers does not mask its input at padding (RecurrentGemma's recurrent block), so a left-padded
+    row's forward is not its prompt's, and padded inputs are refused; ``keeps_state``: transformers keeps
+    its decoding state in the module rather than in a cache object (RecurrentGemma's), so a one-token
+    forward with ``use_cache`` continues from the last cached forward: tokenpatch's run without a cache.
 
     Such a layer needs nothing new of a token patch: a token alone runs the mixer from a zero state
     (no earlier token, zero convolution history), which the no-context pass does, each query a
@@ -77,6 +81,8 @@ class Mixer:
     classes: tuple[str, ...] = ()
     fields: tuple[tuple[str, Any], ...] = ()
     beside: bool = False
+    reads_pads: bool = False
+    keeps_state: bool = False
 
     def found(self, layer: Any) -> bool:
         """Whether ``layer`` (an ``nn.Module``) has this mixer."""

@@ -186,6 +186,13 @@ class HFInputs(HFModules):
             if bool(((mask != 0) & (mask != 1)).any()):  # before any cast: 0.5 is not a token
                 raise InputError("attention_mask must hold 0 (padding) and 1 (token) only")
             mask = None if mask.all() else mask.to(device=device, dtype=torch.long)
+            leaky = [m.kind for m in self.family(model).mixers if m.reads_pads]
+            if mask is not None and leaky:
+                raise InputError(
+                    f"{type(model).__name__} reads padding: transformers does not mask the input of its "
+                    f"{leaky[0]} layers, so a padded row's forward is not its prompt's; pass each prompt "
+                    "without padding (one per call, or a batch of one length)"
+                )
         pos = inputs.get("position_ids")
         if pos is None:
             pos = (

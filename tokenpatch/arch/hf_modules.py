@@ -81,6 +81,9 @@ class HFModules(Adapter):
         """Layer ``i``'s family record (``_layer_family``) and the layer, whose submodules its names name."""
         return self._layer_family(model, i), self.layers(model)[i]
 
+    def forward_defaults(self, model: nn.Module) -> dict:
+        return {"use_cache": False} if any(m.keeps_state for m in self.family(model).mixers) else {}
+
     def pads_exactly(self, model: nn.Module) -> bool:
         """Attention-only models: the pads are masked out. A recurrent layer (``Family.mixers``) reads what
         transformers gives it at a pad (zeroed inputs, then biases): taken as not exact."""

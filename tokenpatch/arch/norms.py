@@ -64,6 +64,7 @@ NORMS: dict[str, NormClass] = {
     "Phi3RMSNorm": NormClass(),
     "GraniteRMSNorm": NormClass(),
     "GemmaRMSNorm": NormClass(offset=1.0),
+    "RecurrentGemmaRMSNorm": NormClass(offset=1.0),
     "Gemma3RMSNorm": _scaled(1.0, "gemma3"),
     "Gemma2RMSNorm": _scaled(1.0, "gemma2"),
     "Olmo2RMSNorm": _scaled(0.0, "olmo2"),

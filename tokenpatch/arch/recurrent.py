@@ -64,7 +64,34 @@ _LFM2 = Family(
     value="self_attn.v_proj",
     mixers=(Mixer("conv", "conv.out_proj", "gated short convolution"),),
 )
+# RecurrentGemma (Griffin): a temporal block that is local MQA attention (partial rotary) or a recurrent
+# block, linear_out((RG-LRU(conv1d(linear_x x))) * gelu(linear_y x)), told apart by class; every layer a
+# gated MLP with biases (mlp_block), Gemma's 1 + w RMSNorms. The RG-LRU h_t = a_t h_(t-1) + sqrt(1 - a_t^2)
+# (i_t x_t) starts from a zero state on a token alone (its input not rescaled at position 0).
+_RECURRENT_GEMMA = Family(
+    name="recurrent_gemma",
+    model_types=("recurrent_gemma",),
+    attn="temporal_block",
+    o_proj="temporal_block.o_proj",
+    lone_zero=("temporal_block.q_proj", "temporal_block.k_proj"),
+    value="temporal_block.v_proj",
+    mlp="mlp_block",
+    mlp_norm="channel_pre_norm",
+    inputs=("mlp_block.gate_proj.weight", "mlp_block.up_proj.weight"),
+    down="mlp_block.down_proj",
+    mixers=(
+        Mixer(
+            "temporal_block",
+            "temporal_block.linear_out",
+            "real-gated linear recurrence (RG-LRU)",
+            classes=("RecurrentGemmaRecurrentBlock",),
+            reads_pads=True,  # its convolution and scan run over the pads (transformers 5.25)
+            keeps_state=True,  # its conv and scan states live on the module between cached forwards
+        ),
+    ),
+)
 HYBRIDS: list[Family] = [
+    _RECURRENT_GEMMA,
     _QWEN35,
     _JAMBA,
     replace(  # experts without a shared one: the output shift split over the chosen experts (arch.experts)

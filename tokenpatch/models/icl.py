@@ -3,7 +3,8 @@
     inputs [B, T, d_in] --read_in--> h^0 --block_1--> h^1 ... --block_L--> h^L --ln_f--> read_out
 
 Each ``Block`` is a contextual block (``docs/patch-theorem.md``, ``docs/deep-models.md``) with one of the
-contextual layers of ``layers.py`` as its mixer and a two-layer MLP
+contextual layers of ``layers.py`` (ours) or ``hf_layers.py`` (``transformers``' own mixers; a hybrid
+alternates two, ``ICLConfig.interleave``) as its mixer and a two-layer MLP
 ``MLP(s) = fc_out(act(fc_in(s)))``. Norm placement and the residual are options::
 
     norm   residual  mixer part (m: value the MLP output is added to; s: MLP input)   output y
@@ -119,7 +120,8 @@ class ICLConfig:
             raise InputError(f"ICLConfig.activation={self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
         if not self.mlp and (self.norm == "post" or not self.residual):
             raise InputError("an attention-only model (mlp=False) needs the residual stream and norm 'pre' or 'none'")
-        if self.layer not in ("rnn", "gru", "lstm") and self.d_model % self.n_heads:
+        kinds = (self.layer, self.interleave) if self.interleave else (self.layer,)
+        if any(k not in ("rnn", "gru", "lstm") for k in kinds) and self.d_model % self.n_heads:  # headed layers
             raise InputError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
     @property
@@ -138,7 +140,7 @@ class ICLConfig:
         kind = "transformer" if self.layer in ("softmax", "linear", "llama") else "network"
         res = "" if self.residual else " residual-free"
         only = "" if self.mlp else " (attention-only)"
-        every = f" with {LAYER_NAMES[self.interleave]} every {self.interval}th layer" if self.interval else ""
+        every = f", {LAYER_NAMES[self.interleave]} in one block of every {self.interval}" if self.interval else ""
         return f"{self.n_layers}-layer {norm}{res} {mixer} {kind}{only}{every}"
 
     def to_dict(self) -> dict[str, Any]:
