@@ -62,7 +62,11 @@ def test_reproduce_writes_report_figures_and_json(tmp_path, monkeypatch, pretrai
     }
     reproduce(tmp_path, n_tasks=16, progress=False, sections={**dict.fromkeys(SECTIONS), **smaller})
     report = (tmp_path / "report.md").read_text()
-    assert "| layer 0 |" in report and "| output |" in report and "NOT MET" not in report
+    # every target met but a real model's float32 rule, which the real-models section reports as the machine's
+    # rounding gives it (tests/test_report_hf.py checks that row)
+    ours = re.sub(r"\n## \d+\. Real language models\n.*?(?=\n## \d+\. )", "\n", report, flags=re.S)
+    assert "Real language models" in report and "Real language models" not in ours
+    assert "| layer 0 |" in ours and "| output |" in ours and "NOT MET" not in ours
     for fig in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (tmp_path / fig).stat().st_size > 10_000  # a real PNG
     data = json.loads((tmp_path / "results.json").read_text())
