@@ -7,8 +7,9 @@ of the docs: per tiny model (``tokenpatch.testing.TINY_HF``; norms and biases mo
 its design, the patch kinds it uses and the worst error of each path, and writes
 ``benchmarks/results/hf_families.json``. ``tests/test_hf.py`` asserts the same bounds.
 
-    python benchmarks/hf_families.py
-    python benchmarks/hf_families.py --only lfm2 jamba     # these rows (added to the results file)
+    python benchmarks/hf_families.py                       # every row (a few minutes), then the table
+    python benchmarks/hf_families.py --only lfm2 jamba     # these rows (added to the results file), the table
+    python benchmarks/hf_families.py --table               # the table of the results file, measuring nothing
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -56,49 +58,66 @@ def _cell(error: float | None) -> str:
     return "NaN in eager + padding" if error is None else f"{error:.0e}"
 
 
+def describe(name: str) -> dict:
+    """What the table says of the tiny model ``name`` besides its errors: its ``model_type``, design,
+    the kinds of its layers (their token mixers, ``Mixer.kind``; Nemotron-H's sublayers without one
+    too), and its layer 0's input and output sides."""
+    model = tiny_hf_model(name)
+    adapter = adapter_for(model)
+    family, sites = adapter.family(model), adapter.sites(model, 0)
+    layer = next(n for n, m in model.named_modules() if m is adapter.layers(model)[0]) + "."
+    mixers = dict.fromkeys(
+        (family.at(x).recurrent.kind if family.at(x).recurrent else "attention") for x in adapter.layers(model)
+    )
+    mixers.update(dict.fromkeys(m.kind for m in family.mixers if m.beside))  # beside the attention (Falcon-H1)
+    return {
+        "model_type": model.config.model_type,
+        "design": family.name,
+        "mixers": " + ".join(mixers),
+        "inputs": ", ".join(n.removeprefix(layer).rpartition(".")[0] for n in sites.inputs) or "none (parallel)",
+        "output": "none (no MLP)"
+        if sites.output is None
+        else sites.output.kind + ("" if sites.output.scale == 1 else f" / {sites.output.scale:g}"),
+    }
+
+
+def table(rows: dict) -> None:
+    """The docs' table: every measured tiny model, in ``TINY_HF``'s order."""
+    print(
+        "| tiny model | `model_type` | design | layer kinds | input side | output side | verify | generate "
+        "| trajectory | thought patch |"
+    )
+    print("|---|---|---|---|---|---|---:|---:|---:|---:|")
+    for name in TINY_HF:
+        if name in rows:
+            r = {**rows[name], **describe(name)}
+            print(
+                f"| {name} | {r['model_type']} | {r['design']} | {r['mixers']} | {r['inputs']} | {r['output']} "
+                f"| {r['verify']:.0e} | {r['generate']:.0e} | {_cell(r['trajectory'])} | {r['thought_patch']:.0e} |"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hf_families.json"))
     ap.add_argument("--only", nargs="+", choices=sorted(TINY_HF), help="these tiny models only (rows added to --out)")
+    ap.add_argument("--table", action="store_true", help="print the table of --out, measuring nothing")
     args = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     out = Path(args.out)
-    rows = json.loads(out.read_text())["models"] if args.only and out.exists() else {}
-    print(
-        "| tiny model | `model_type` | design | input side | output side | verify | generate | trajectory | thought patch |"
-    )
-    print("|---|---|---|---|---|---:|---:|---:|---:|")
-    for name in args.only or TINY_HF:
-        model = tiny_hf_model(name)
-        adapter = adapter_for(model)
-        sites = adapter.sites(model, 0)
-        layer = next(n for n, m in model.named_modules() if m is adapter.layers(model)[0]) + "."
-        inputs = ", ".join(n.removeprefix(layer).rpartition(".")[0] for n in sites.inputs) or "none (parallel)"
-        output = (
-            "none (no MLP)"
-            if sites.output is None
-            else sites.output.kind + ("" if sites.output.scale == 1 else f" / {sites.output.scale:g}")
-        )
+    rows = json.loads(out.read_text())["models"] if (args.only or args.table) and out.exists() else {}
+    for name in [] if args.table else args.only or TINY_HF:
         inside = float64_everywhere() if name in FLOAT32_INSIDE else contextlib.nullcontext()
         with float64_norms(), inside:  # transformers' float32 casts (norms; scans, routers) made float64
             err = errors(name)
         if name in EAGER_ONLY:  # eager attention's float32 softmax: the prompt cache and the full forward differ
             err["attention"] = "eager"
-        rows[name] = {
-            "model_type": model.config.model_type,
-            "design": adapter.family(model).name,
-            "inputs": list(sites.inputs),
-            "output": None if sites.output is None else sites.output.kind,
-            **err,
-        }
-        r = rows[name]
-        print(
-            f"| {name} | {r['model_type']} | {r['design']} | {inputs} | {output} | {r['verify']:.0e} | "
-            f"{r['generate']:.0e} | {_cell(r['trajectory'])} | {r['thought_patch']:.0e} |",
-            flush=True,
-        )
-    rows = {name: rows[name] for name in TINY_HF if name in rows}  # the table's order
-    out.write_text(json.dumps({"torch": torch.__version__, "models": rows}, indent=1) + "\n")
+        rows[name] = {**describe(name), **err}
+        done = ", ".join(f"{k} {v:.0e}" for k, v in err.items() if isinstance(v, float))
+        print(f"[hf_families] {name}: {done}", file=sys.stderr, flush=True)
+        rows = {n: rows[n] for n in TINY_HF if n in rows}  # the table's order; saved row by row
+        out.write_text(json.dumps({"torch": torch.__version__, "models": rows}, indent=1) + "\n")
+    table(rows)
 
 
 if __name__ == "__main__":

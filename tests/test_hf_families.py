@@ -34,7 +34,9 @@ def design(config) -> str | None:
 
 TESTED = {(config().model_type, design(config())) for config in CONFIGS.values()}
 # a mixture of experts' plain-MLP layers have their own record (MoE.dense), tested with the model's
-DENSE = {f.moe.dense for f in tp.arch.FAMILIES if f.moe is not None and f.name in {n for _, n in TESTED}}
+DENSE = {
+    f.moe.dense for f in tp.arch.FAMILIES if f.moe is not None and f.moe.dense and f.name in {n for _, n in TESTED}
+}
 
 
 def default_config(model_type: str):
@@ -53,13 +55,14 @@ def test_every_supported_design_is_tested_on_a_tiny_model():
 def test_every_causal_lm_in_transformers_is_exact_or_refused():
     logging.disable(logging.WARNING)  # default configs of 200 families: transformers' notes about them
     try:
-        refused, built, untested = 0, 0, []
+        refused, built, patched, untested = 0, 0, 0, []
         for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
             config = default_config(model_type)
             if config is None:
                 continue
             name = design(config)
             if name is not None:  # patched: the design must be one tests/test_hf.py checks to 1e-12
+                patched += 1
                 if (config.model_type, name) not in TESTED:
                     untested.append((model_type, name))
                 continue
@@ -77,7 +80,7 @@ def test_every_causal_lm_in_transformers_is_exact_or_refused():
     finally:
         logging.disable(logging.NOTSET)
     assert not untested, f"designs no tiny model tests: {untested} (add a config to tests/conftest.py CONFIGS)"
-    assert refused > 100 and built > 0.8 * refused  # the walk reached the registry, mostly real classes
+    assert patched + refused > 180 and built > 0.8 * refused  # the walk reached the registry, mostly real classes
 
 
 def test_a_known_type_in_an_unsupported_configuration_is_refused_by_name():
@@ -89,3 +92,12 @@ def test_a_known_type_in_an_unsupported_configuration_is_refused_by_name():
     shell.config = config
     with pytest.raises(tp.UnsupportedModelError, match=r"configuration of model_type 'falcon'.*falcon_parallel"):
         tp.token_patch(shell, torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_hyperclovax_with_a_residual_multiplier_is_refused_by_its_design():
+    """HyperCLOVA X's norm after the MLP is patched in its scale only where the residual multiplier is 1
+    (the output shift through a norm times a constant is not derived): any other multiplier is refused
+    before anything runs, naming the model_type and the design it would have."""
+    model = tp.testing.tiny_hf_model("hyperclovax", residual_multiplier=0.5)
+    with pytest.raises(tp.UnsupportedModelError, match=r"configuration of model_type 'hyperclovax'.*hyperclovax"):
+        tp.token_patch(model, torch.zeros(1, 3, dtype=torch.long) + 5)

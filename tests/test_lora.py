@@ -24,7 +24,9 @@ peft = pytest.importorskip("peft")
 DENSE = [name for name in CONFIGS if name not in MOE]  # stacked experts: no LoRA format (tested below)
 # a norm scale patched after the MLP is written whole; an output bias as peft's lora_bias
 EXTRAS = {
-    **dict.fromkeys(["gemma2", "gemma3", "olmo2", "olmo3", "exaone4", "glm4", "olmo_hybrid"], ["modules_to_save"]),
+    **dict.fromkeys(
+        ["gemma2", "gemma3", "olmo2", "olmo3", "exaone4", "glm4", "olmo_hybrid", "hyperclovax"], ["modules_to_save"]
+    ),
     # peft refuses a LoRA of a Mamba mixer's out_proj, and takes a jamba config (it counts experts) to have
     # fused experts named like its dense MLP's matrices: those are written whole
     **dict.fromkeys(["mamba", "falcon_mamba", "mamba2", "nemotron_h", "jamba_dense"], ["modules_to_save"]),
@@ -125,7 +127,9 @@ def test_what_is_not_one_static_update_is_refused(tmp_path):
         tp.save_lora(model, "patch.safetensors", tmp_path / "a")
     for name in MOE:
         moe = build(name)
-        with pytest.raises(tp.UnsupportedModelError, match=r"experts.gate_up_proj .* a LoRA cannot target"):
+        with pytest.raises(
+            tp.UnsupportedModelError, match=r"experts\.(gate_up_proj|down_proj) .* a LoRA cannot target"
+        ):
             tp.save_lora(moe, _thought(moe), tmp_path / name)
         assert not (tmp_path / name).exists()
 

@@ -18,11 +18,15 @@ read and where the output side goes; that is the ``Family`` record. The five for
 * parallel (``gpt_neox`` by default, ``phi``, ``gptj``, ``codegen``, ``cohere``, ``stablelm_parallel``,
   Falcon's ``falcon_parallel`` and ``falcon_ln_mlp``): the MLP reads a norm of the layer input, the same in both
   passes, so there is no input change; the whole attention difference is the output shift;
-* mixture of experts (``qwen2_moe``, with a shared expert; ``mixtral``, ``qwen3_moe``, ``olmoe``,
-  ``phimoe``, without): the router and every expert read the input change (the same experts are
-  chosen, with the same weights); the output shift goes into the shared expert's ``down_proj``,
-  divided by its sigmoid gate, or, without one, into the chosen experts' ``down_proj``, split in
-  proportion to their routing weights (``arch.experts``).
+* mixture of experts: the router and every expert read the input change (the same experts are
+  chosen, with the same weights); the output shift goes into a shared expert's ``down_proj``
+  (``arch.shared_experts``: divided by its sigmoid gate where it has one), or, without one, into the
+  chosen experts' ``down_proj``, split in proportion to their routing weights (``arch.routed_experts``,
+  ``arch.experts``).
+
+An attention that does more than mix values (sinks, a gate on its output, latent attention, a norm
+before ``o_proj``) names no ``value``: a token alone runs the layer. The hybrid and recurrent designs
+are in ``arch.recurrent``.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from tokenpatch.arch.family import Family, MoE
+from tokenpatch.arch.family import Family
 from tokenpatch.arch.recurrent import HYBRIDS, RECURRENT
-from tokenpatch.arch.shared_experts import GATED_SHARED_INPUTS, SHARED_EXPERTS
+from tokenpatch.arch.routed_experts import ROUTED_EXPERTS
+from tokenpatch.arch.shared_experts import SHARED_EXPERTS
 
 __all__ = ["Family", "FAMILIES"]
 
@@ -76,17 +81,6 @@ _FALCON = Family(  # sequential (parallel_attn=False); its query, key and value 
     down="mlp.dense_4h_to_h",
     o_proj="self_attention.dense",
     when=lambda c: not c.parallel_attn and not c.new_decoder_architecture,
-)
-# Mixture of experts without a shared expert: the output shift is split over the chosen experts'
-# stacked down_proj in proportion to their routing weights (arch.experts); layers with a plain MLP
-# (Qwen3-MoE's mlp_only_layers) are patched as Llama's. PhiMoE names its router ``router``.
-_MIXTRAL = replace(
-    _LLAMA,
-    name="mixtral",
-    model_types=("mixtral", "qwen3_moe", "olmoe"),
-    inputs=("mlp.gate.weight", "mlp.experts.gate_up_proj"),
-    down="mlp.experts",
-    moe=MoE(dense="llama"),
 )
 _GPT2 = Family(
     name="gpt2",
@@ -185,6 +179,27 @@ FAMILIES: list[Family] = [
     replace(
         _LLAMA, name="granite", model_types=("granite",), out_scale=lambda config: float(config.residual_multiplier)
     ),
+    # HyperCLOVA X: Gemma 2's four norms and Granite's multipliers, the output norm's scale patched where
+    # the residual multiplier is 1 (a multiplier beside a norm after the MLP is not supported yet)
+    replace(
+        _LLAMA,
+        name="hyperclovax",
+        model_types=("hyperclovax",),
+        post_attn_norm="post_norm1",
+        post_mlp_norm="post_norm2",
+        out_scale=lambda config: float(config.residual_multiplier),
+        when=lambda config: float(config.residual_multiplier) == 1.0,
+    ),
+    # Granite with attention sinks (a learned logit per head in every softmax): a token alone's attention
+    # weight on itself is sigmoid(q.k - sink), so its query and key are needed and it runs the layers
+    replace(
+        _LLAMA,
+        name="granite_swa",
+        model_types=("granite_swa",),
+        out_scale=lambda config: float(config.residual_multiplier),
+        lone_zero=(),
+        value=None,
+    ),
     # Norms after the sublayers (OLMo 2 and 3, EXAONE 4): the MLP reads the residual stream itself
     # (s = m), and a norm between the MLP and the residual add is patched in its scale, as Gemma 2/3's.
     replace(
@@ -249,7 +264,7 @@ FAMILIES: list[Family] = [
     replace(
         _LLAMA,
         name="apertus",
-        model_types=("apertus",),
+        model_types=("apertus", "apertus1p5_text"),
         mlp_norm="feedforward_layernorm",
         inputs=("mlp.up_proj.weight",),
     ),
@@ -315,22 +330,7 @@ FAMILIES: list[Family] = [
         post_add_norms=("self_attn_layer_norm", "final_layer_norm"),
         when=lambda config: not config.do_layer_norm_before,
     ),
-    # Mixture of experts with a shared expert: the router and every expert read the MLP input (one
-    # input change patches them all, so the same experts are chosen with the same weights); the
-    # output shift goes into the shared expert's down_proj, divided by its sigmoid gate. Layers with
-    # a plain MLP (``mlp_only_layers``) are patched as Llama's.
-    Family(
-        name="qwen2_moe",
-        model_types=("qwen2_moe",),
-        mlp_norm="post_attention_layernorm",
-        inputs=GATED_SHARED_INPUTS,
-        down="mlp.shared_expert.down_proj",
-        moe=MoE(dense="llama", shared_gate="mlp.shared_expert_gate"),
-        lone_zero=_QK,
-        value="self_attn.v_proj",
-    ),
-    _MIXTRAL,
-    replace(_MIXTRAL, name="phimoe", model_types=("phimoe",), inputs=("mlp.router.weight", "mlp.experts.gate_up_proj")),
+    *ROUTED_EXPERTS,
     *SHARED_EXPERTS,
     *HYBRIDS,
     *RECURRENT,

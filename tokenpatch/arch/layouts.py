@@ -33,6 +33,17 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "DeepseekV2TopkRouter": "out_in",
     "DeepseekV3TopkRouter": "out_in",
     "KimiLinearTopkRouter": "out_in",
+    "MiniMaxM2TopKRouter": "out_in",
+    "GraniteMoeTopKRouter": "out_in",
+    "SolarOpenTopkRouter": "out_in",
+    "MellumTopKRouter": "out_in",
+    "MiniCPM5MoeTopkRouter": "out_in",
+    "HYV3TopKRouter": "out_in",
+    "LagunaTopKRouter": "out_in",
+    "FlintTopKRouter": "out_in",
+    "MiMoV2FlashTopkRouter": "out_in",
+    "LaraMiniTopKRouter": "out_in",
+    "Cohere2MoeTopKRouter": "out_in",
 }
 
 

@@ -72,6 +72,7 @@ NORMS: dict[str, NormClass] = {
     "OlmoHybridRMSNorm": _scaled(0.0, "olmo_hybrid"),
     "Exaone4RMSNorm": _scaled(0.0, "exaone4"),
     "Glm4RMSNorm": _scaled(0.0, "glm4"),
+    "HyperCLOVAXRMSNorm": _scaled(0.0, "hyperclovax"),
 }
 
 # Read from ``NORMS``: the RMSNorms' offsets (``arch.float64``), and the norms whose scale a patch may

@@ -114,6 +114,16 @@ HYBRIDS: list[Family] = [
         lone_zero=("self_attn.k_proj",),
         mixers=(_DELTANET,),
     ),
+    # LaRA mini: Qwen3-Next's layers (and sliding-window attention ones) with the shared expert added ungated
+    Family(
+        name="lara_mini",
+        model_types=("lara_mini",),
+        mlp_norm="post_attention_layernorm",
+        inputs=GATED_SHARED_INPUTS[:4],
+        down="mlp.shared_expert.down_proj",
+        moe=MoE(dense="qwen3_5", shared=True),
+        mixers=(_DELTANET,),
+    ),
     # Bamba: Jamba's block with Mamba 2 layers, a dense MLP in every layer
     replace(_JAMBA, name="bamba", model_types=("bamba",), when=lambda config: True, mixers=(_MAMBA2,)),
     # Falcon-H1: a Mamba 2 layer beside the attention in every layer, their outputs (each scaled) summed;

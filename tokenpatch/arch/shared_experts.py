@@ -1,5 +1,6 @@
-"""Mixtures of experts with a shared expert added as it is (no gate): DeepSeek V2/V3, GLM-4-MoE (and its
-latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, and the hybrid Kimi Linear.
+"""Mixtures of experts with a shared expert: Qwen2-MoE's, scaled by a gate; and added as it is (no gate):
+DeepSeek V2/V3, GLM-4-MoE (and its latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, HunYuan V3,
+Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Laguna, MiniCPM 5, Flint, and the hybrid Kimi Linear.
 
 The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
 read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
@@ -38,7 +39,7 @@ _ROUTED_AND_SHARED = (
 )
 _SHARED = Family(
     name="shared_experts",
-    model_types=("ernie4_5_moe", "exaone_moe", "glm4_moe"),
+    model_types=("ernie4_5_moe", "exaone_moe", "glm4_moe", "param2moe", "sarvam_moe", "solar_open", "hy_v3"),
     mlp_norm="post_attention_layernorm",
     inputs=_ROUTED_AND_SHARED,
     down="mlp.shared_experts.down_proj",
@@ -46,9 +47,9 @@ _SHARED = Family(
     lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
     value="self_attn.v_proj",
 )
-_LATENT = Family(  # a plain MLP after latent attention (no model of its own: DeepSeek V3's first layers)
+_LATENT = Family(  # a plain MLP after an attention whose lone token runs the layer (DeepSeek V3's first layers)
     name="latent_attention",
-    model_types=(),
+    model_types=("youtu",),
     mlp_norm="post_attention_layernorm",
     inputs=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     down="mlp.down_proj",
@@ -56,7 +57,7 @@ _LATENT = Family(  # a plain MLP after latent attention (no model of its own: De
 _LATENT_SHARED = replace(
     _SHARED,
     name="latent_shared_experts",
-    model_types=("deepseek_v2", "deepseek_v3", "glm4_moe_lite"),
+    model_types=("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla"),
     moe=MoE(dense="latent_attention", shared=True),
     lone_zero=(),
     value=None,
@@ -65,6 +66,17 @@ _LATENT_SHARED = replace(
 # latent attention in the others, every one named ``self_attn`` (told apart by class)
 _KDA = Mixer("self_attn", "self_attn.o_proj", "Kimi delta attention", classes=("KimiLinearDeltaAttention",))
 SHARED_EXPERTS: list[Family] = [
+    # Qwen2-MoE: the output shift goes into the shared expert's down_proj, divided by its sigmoid gate
+    Family(
+        name="qwen2_moe",
+        model_types=("qwen2_moe",),
+        mlp_norm="post_attention_layernorm",
+        inputs=GATED_SHARED_INPUTS,
+        down="mlp.shared_expert.down_proj",
+        moe=MoE(dense="llama", shared_gate="mlp.shared_expert_gate"),
+        lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+        value="self_attn.v_proj",
+    ),
     _SHARED,
     _LATENT_SHARED,
     _LATENT,
@@ -76,4 +88,24 @@ SHARED_EXPERTS: list[Family] = [
         mixers=(_KDA,),
     ),
     replace(_LATENT, name="kimi_linear_dense", mixers=(_KDA,)),
+    # shared experts after an attention that does more than mix values (a gate on its output: Laguna,
+    # MiniCPM 5; sinks: Flint, whose one shared expert is named shared_expert): a token alone runs the layers
+    replace(
+        _SHARED,
+        name="shared_experts_attention",
+        model_types=("laguna", "minicpm5_moe"),
+        lone_zero=(),
+        value=None,
+        moe=MoE(dense="latent_attention", shared=True),
+    ),
+    replace(
+        _SHARED,
+        name="flint",
+        model_types=("flint",),
+        inputs=GATED_SHARED_INPUTS[:4],
+        down="mlp.shared_expert.down_proj",
+        lone_zero=(),
+        value=None,
+        moe=MoE(dense="latent_attention", shared=True),
+    ),
 ]

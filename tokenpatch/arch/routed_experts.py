@@ -1,0 +1,62 @@
+"""Mixtures of experts without a shared expert (Mixtral's form): Mixtral, Qwen3-MoE, OLMoE, MiniMax-M2,
+Mellum, PhiMoE, MiMo-V2-Flash, Cohere 2-MoE and Granite-MoE.
+
+The router and every expert read the MLP input ``s``, so one input change patches them all (the same
+experts are chosen, with the same routing weights); the output shift ``m_C - m_0`` goes into the chosen
+experts' stacked ``down_proj``, split in proportion to their routing weights (``arch.experts``). Layers
+with a plain MLP (Qwen3-MoE's ``mlp_only_layers``, MiMo-V2-Flash's first) are their ``MoE.dense`` record's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tokenpatch.arch.family import Family, MoE
+
+__all__ = ["ROUTED_EXPERTS"]
+
+_MIXTRAL = Family(
+    name="mixtral",
+    model_types=("mixtral", "qwen3_moe", "olmoe", "minimax_m2", "mellum"),
+    mlp_norm="post_attention_layernorm",
+    inputs=("mlp.gate.weight", "mlp.experts.gate_up_proj"),
+    down="mlp.experts",
+    moe=MoE(dense="llama"),
+    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    value="self_attn.v_proj",
+)
+ROUTED_EXPERTS: list[Family] = [
+    _MIXTRAL,
+    # PhiMoE names its router ``router``
+    replace(_MIXTRAL, name="phimoe", model_types=("phimoe",), inputs=("mlp.router.weight", "mlp.experts.gate_up_proj")),
+    # after an attention that does more than mix values (MiMo-V2-Flash: sinks in its sliding-window layers,
+    # docs/hugging-face.md): a token alone runs the layers; its dense first layer likewise (latent_attention)
+    replace(
+        _MIXTRAL,
+        name="mixtral_attention",
+        model_types=("mimo_v2_flash",),
+        lone_zero=(),
+        value=None,
+        moe=MoE(dense="latent_attention"),
+    ),
+    # Cohere 2's parallel block (attention and MLP read one norm of the layer input): no input change, the
+    # whole difference in the experts
+    replace(
+        _MIXTRAL,
+        name="cohere2_moe",
+        model_types=("cohere2_moe",),
+        mlp_norm="input_layernorm",
+        parallel=lambda config: True,
+    ),
+    # Granite's residual multiplier around the experts, named block_sparse_moe
+    replace(
+        _MIXTRAL,
+        name="granitemoe",
+        model_types=("granitemoe",),
+        mlp="block_sparse_moe",
+        inputs=("block_sparse_moe.router.weight", "block_sparse_moe.experts.gate_up_proj"),
+        down="block_sparse_moe.experts",
+        out_scale=lambda config: float(config.residual_multiplier),
+        moe=MoE(dense=None),
+    ),
+]

@@ -1,0 +1,98 @@
+"""The tiny random configurations of the mixtures of experts with a shared expert (``arch.shared_experts``):
+GLM-4-MoE's form, and DeepSeek's after latent attention. Part of ``tiny_configs.TINY_HF``, read as it is."""
+
+from __future__ import annotations
+
+__all__ = ["TINY_SHARED_EXPERTS", "LATENT"]
+
+_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101)
+_KV = dict(_SMALL, num_key_value_heads=2)
+_SHARED_MOE = dict(_KV, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
+LATENT = dict(  # DeepSeek's latent attention: queries and keys/values through low-rank latents
+    _SMALL,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    qk_head_dim=16,
+    head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=32,
+    pad_token_id=0,
+)
+TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
+    # mixtures of experts with a shared expert added ungated, a plain MLP in the first layer
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        dict(_KV, moe_intermediate_size=32, moe_k=2, moe_num_experts=4, moe_num_shared_experts=1, pad_token_id=0),
+    ),
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        dict(
+            _SHARED_MOE,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+        ),
+    ),
+    "glm4_moe": ("Glm4MoeConfig", dict(_SHARED_MOE, n_routed_experts=4, num_nextn_predict_layers=0)),
+    "param2moe": ("Param2MoeConfig", dict(_SHARED_MOE, head_dim=16, n_routed_experts=4, first_k_dense_replace=1)),
+    "sarvam_moe": ("SarvamMoEConfig", dict(_SHARED_MOE, head_dim=16, n_routed_experts=4, first_k_dense_replace=1)),
+    # a zero pad embedding (as Kimi Linear's): greedy decoding of this tiny model reaches the pad token
+    "solar_open": ("SolarOpenConfig", dict(_SHARED_MOE, head_dim=16, n_routed_experts=4, pad_token_id=None)),
+    "hy_v3": ("HYV3Config", dict(_SHARED_MOE, head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"])),
+    # the same after an attention with a gate on its output (Laguna, MiniCPM 5) or sinks (Flint)
+    "laguna": (
+        "LagunaConfig",
+        dict(
+            _SHARED_MOE, head_dim=16, shared_expert_intermediate_size=48, mlp_layer_types=["dense", "sparse", "sparse"]
+        ),
+    ),
+    "minicpm5_moe": (
+        "MiniCPM5MoeConfig",
+        dict(
+            _SHARED_MOE,
+            head_dim=16,
+            n_routed_experts=4,
+            n_group=1,
+            topk_group=1,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            pad_token_id=None,  # a zero pad embedding (as Kimi Linear's)
+        ),
+    ),
+    "flint": (
+        "FlintConfig",
+        dict(
+            _SHARED_MOE,
+            head_dim=16,
+            shared_expert_intermediate_size=48,
+            sliding_window=4,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+            pad_token_id=None,  # a zero pad embedding (as Kimi Linear's)
+        ),
+    ),
+    # the same after latent attention
+    "deepseek_v2": ("DeepseekV2Config", dict(LATENT, first_k_dense_replace=1)),
+    "deepseek_v3": ("DeepseekV3Config", dict(LATENT, first_k_dense_replace=1, num_nextn_predict_layers=0)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(LATENT, mlp_layer_types=["dense", "sparse", "sparse"])),
+    "sarvam_mla": ("SarvamMLAConfig", dict(LATENT, first_k_dense_replace=1)),
+    # Kimi delta attention beside latent attention, shared experts after a dense first layer
+    "kimi_linear": (
+        "KimiLinearConfig",
+        dict(
+            LATENT,
+            num_experts=4,
+            num_experts_per_token=2,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_head_dim=16,
+            linear_num_heads=4,
+            pad_token_id=None,  # a zero pad embedding: alone, its MLP input would be exactly zero (no patch)
+        ),
+    ),
+}
