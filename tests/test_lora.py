@@ -33,6 +33,7 @@ EXTRAS = {
     **dict.fromkeys(
         [
             "gpt2",
+            "openai-gpt",
             "gpt_neox",
             "gpt_neox_sequential",
             "starcoder2",

@@ -145,6 +145,10 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "cohere2": ("Cohere2Config", dict(_KV, pad_token_id=0)),  # parallel, as Cohere
     "olmo3": ("Olmo3Config", dict(_KV, pad_token_id=0)),  # norms after the sublayers, as OLMo 2
     "exaone4": ("Exaone4Config", dict(_KV, pad_token_id=0)),
+    "openai-gpt": (  # GPT-1: norms after each residual add
+        "OpenAIGPTConfig",
+        dict(n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=101),
+    ),
     "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
     # learned positions offset by 2, the MLP two loose matrices run on [batch * positions, d]
     "opt": ("OPTConfig", _OPT),
@@ -208,6 +212,8 @@ _SHARED_EXPERTS = (
     "sarvam_moe",
     "solar_open",
     "sarvam_mla",
+    "deepseek_v32",
+    "glm_moe_dsa",
     "hy_v3",
     "laguna",
     "minicpm5_moe",
@@ -244,6 +250,7 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
     "granite_swa",
     "mimo_v2_flash",
     "flint",
+    "openai-gpt",
 )
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (

@@ -81,6 +81,15 @@ TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
     "deepseek_v3": ("DeepseekV3Config", dict(LATENT, first_k_dense_replace=1, num_nextn_predict_layers=0)),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(LATENT, mlp_layer_types=["dense", "sparse", "sparse"])),
     "sarvam_mla": ("SarvamMLAConfig", dict(LATENT, first_k_dense_replace=1)),
+    # the same with indexed sparse attention: each query attends to its index_topk best keys (4 of up to 12)
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        dict(LATENT, first_k_dense_replace=1, index_topk=4, index_head_dim=16, index_n_heads=2, pad_token_id=None),
+    ),
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig",
+        dict(LATENT, first_k_dense_replace=1, index_topk=4, index_head_dim=16, index_n_heads=2, pad_token_id=None),
+    ),
     # Kimi delta attention beside latent attention, shared experts after a dense first layer
     "kimi_linear": (
         "KimiLinearConfig",

@@ -93,6 +93,14 @@ _GPT2 = Family(
     o_proj="attn.c_proj",
     position_table="wpe",
 )
+_GPT1 = replace(  # GPT-1: GPT-2's names, norms after each residual add (OPT-350m's form)
+    _GPT2,
+    name="openai_gpt",
+    model_types=("openai-gpt",),
+    mlp_norm=None,
+    post_add_norms=("ln_1", "ln_2"),
+    position_table="positions_embed",
+)
 _GPTJ = Family(
     name="gptj",
     model_types=("gptj",),
@@ -152,6 +160,7 @@ FAMILIES: list[Family] = [
         post_attn_norm="post_attention_layernorm",
     ),
     _GPT2,
+    _GPT1,
     Family(
         name="gpt_neox",
         model_types=("gpt_neox",),

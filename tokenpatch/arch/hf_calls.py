@@ -43,10 +43,14 @@ def prompted(adapter, model: nn.Module, prompt: Tensor, keys: tuple[str, ...]) -
     p, scaling = prompt.shape[1], adapter.length_scaling(model)
     forget_longest(model, scaling, prompt.device)
     # a recurrent layer's cached step is not its full forward's arithmetic in transformers (Falcon-H1's
-    # differs by ~1e-9 in float64), and some of their caches cannot be copied per query: the prompt runs
-    # with each batch of queries there, and no cache is made
-    repeatable = not adapter.family(model).mixers
-    cache = model.base_model(input_ids=prompt, use_cache=True).cache if repeatable else None
+    # differs by ~1e-9 in float64), and some of their caches cannot be copied per query; a model may keep
+    # no cache at all (GPT-1): the prompt runs with each batch of queries there, and no cache is made
+    cache = (
+        None
+        if adapter.family(model).mixers
+        else getattr(model.base_model(input_ids=prompt, use_cache=True), "cache", None)
+    )
+    repeatable = cache is not None
     row_bytes = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) or 1
 
     def run(q: Tensor) -> list[LayerRecord]:

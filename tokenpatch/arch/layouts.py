@@ -44,6 +44,8 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "MiMoV2FlashTopkRouter": "out_in",
     "LaraMiniTopKRouter": "out_in",
     "Cohere2MoeTopKRouter": "out_in",
+    "DeepseekV32TopkRouter": "out_in",
+    "GlmMoeDsaTopkRouter": "out_in",
 }
 
 

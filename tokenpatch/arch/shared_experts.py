@@ -62,6 +62,18 @@ _LATENT_SHARED = replace(
     lone_zero=(),
     value=None,
 )
+# DeepSeek V3.2 and GLM-MoE-DSA: latent attention restricted to the keys an indexer ranks best for each
+# query (index_topk of them; a token alone: itself, so the no-context pass is unchanged). Declared as a
+# mixer beside the attention because transformers' indexer ranks pad keys too: a left-padded row's logits
+# differ from the row alone's (0.12 on the tiny model), so padded inputs are refused (reads_pads) and a
+# trajectory's prefix rows run unpadded.
+_INDEXER = Mixer(
+    "self_attn.indexer",
+    "self_attn.o_proj",
+    "indexed sparse attention (an indexer picks the keys)",
+    beside=True,
+    reads_pads=True,
+)
 # Kimi Linear: Kimi delta attention (a gated delta rule, docs/recurrent-layers.md) in 3 of every 4 layers,
 # latent attention in the others, every one named ``self_attn`` (told apart by class)
 _KDA = Mixer("self_attn", "self_attn.o_proj", "Kimi delta attention", classes=("KimiLinearDeltaAttention",))
@@ -88,6 +100,14 @@ SHARED_EXPERTS: list[Family] = [
         mixers=(_KDA,),
     ),
     replace(_LATENT, name="kimi_linear_dense", mixers=(_KDA,)),
+    replace(
+        _LATENT_SHARED,
+        name="indexed_attention",
+        model_types=("deepseek_v32", "glm_moe_dsa"),
+        moe=MoE(dense="indexed_attention_dense", shared=True),
+        mixers=(_INDEXER,),
+    ),
+    replace(_LATENT, name="indexed_attention_dense", mixers=(_INDEXER,)),
     # shared experts after an attention that does more than mix values (a gate on its output: Laguna,
     # MiniCPM 5; sinks: Flint, whose one shared expert is named shared_expert): a token alone runs the layers
     replace(
