@@ -25,8 +25,8 @@ T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip inst
 from conftest import CONFIGS, GEMMAS, VOCAB, build, ids  # noqa: E402
 
 # transformers reads their left padding (RecurrentGemma's recurrent block; DeepSeek V3.2's indexer ranks pad
-# keys): a padded batch is refused (test_padding_read_by_the_model_is_refused)
-READS_PADS = ("recurrent_gemma", "deepseek_v32", "glm_moe_dsa")
+# keys; MiniMax's lightning attention): a padded batch is refused (test_padding_read_by_the_model_is_refused)
+READS_PADS = ("recurrent_gemma", "deepseek_v32", "glm_moe_dsa", "minimax")
 
 # The padded tests leave out the models transformers runs with eager attention only: it gives NaN on
 # left padding (Gemma 2, Bloom, VaultGemma, MPT; refused in one line) or, GPT-Neo's, computes the scores in
@@ -113,18 +113,21 @@ def test_padded_batch_gives_each_prompts_patches(name, float64_gemma_norms):
     assert stripped["position_ids"].flatten().tolist() == [11, 10, 6, 5]  # each token keeps its own position
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa", "minimax"])
 def test_padding_read_by_the_model_is_refused(name):
-    """DeepSeek V3.2's indexer ranks every key, pads included: transformers' own forward of a left-padded
-    row is not the row's (the premise), so a padded batch is refused in one line naming the layer kind,
-    and each prompt alone is exact, the indexer keeping 4 of its keys."""
+    """DeepSeek V3.2's indexer ranks every key, pads included, and MiniMax's lightning attention reads
+    them too: transformers' own forward of a left-padded row is not the row's (the premise, in float64),
+    so a padded batch is refused in one line naming the layer kind, and each prompt alone is exact (the
+    indexer keeping 4 of its keys)."""
     model, x = build(name), ids(1, 9, seed=3)
     pad = torch.cat([torch.full((1, 3), 7), x], 1)
     mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 9)], 1).long()
     with torch.no_grad(), tp.testing.float64_everywhere():
         padded = model(input_ids=pad, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
-        assert (padded[0, 3:] - model(input_ids=x).logits[0]).abs().max() > 1e-3
-        with pytest.raises(tp.InputError, match="reads padding: transformers does not mask the input of its indexed"):
+        assert (padded[0, 3:] - model(input_ids=x).logits[0]).abs().max() > 1e-9
+        with pytest.raises(
+            tp.InputError, match="reads padding: transformers does not mask the input of its (indexed|lig)"
+        ):
             tp.token_patch(model, {"input_ids": pad, "attention_mask": mask})
         assert tp.verify(model, tp.token_patch(model, x, query="all"), x).max_abs <= 1e-12
 

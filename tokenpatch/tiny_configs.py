@@ -265,6 +265,7 @@ MOE = (
     "mimo_v2_flash",
     "cohere2_moe",
     "lara_mini",
+    "minimax",
     "qwen3_next",
     "qwen3_5_moe_text",
     "qwen3_5_moe",

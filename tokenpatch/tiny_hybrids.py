@@ -60,6 +60,24 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
         dict(_DELTA_MOE, sliding_window=4, layer_types=["linear_attention", "sliding_attention", "full_attention"]),
     ),
     # Mamba layers beside attention (every other one), experts in every other layer
+    # lightning attention beside softmax attention, Mixtral's experts, a normalised residual stream
+    "minimax": (
+        "MiniMaxConfig",
+        dict(
+            _KV,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            block_size=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            full_attn_alpha_factor=0.8,
+            full_attn_beta_factor=1.3,
+            linear_attn_alpha_factor=0.9,
+            linear_attn_beta_factor=1.1,
+            mlp_alpha_factor=0.6,
+            mlp_beta_factor=1.7,
+        ),
+    ),
     "jamba": ("JambaConfig", dict(_JAMBA, num_experts=4, num_experts_per_tok=2)),
     "jamba_dense": ("JambaConfig", dict(_JAMBA, num_experts=1)),
     "bamba": (  # Mamba 2 layers beside attention (layers 1), a dense MLP everywhere

@@ -6,10 +6,10 @@ A block, in the notation of ``docs/patch-theorem.md`` (``h`` the layer input, ``
 
     sequential   a = post_attn_norm(A(h)) * r,   m = h + a  (then post_add_norms[0](m)),
                  s = mlp_norm(m)  (s = m without one),
-                 out = m + post_mlp_norm(down(hidden)) * r  (then post_add_norms[1](out))
+                 out = c m + post_mlp_norm(down(hidden)) * r  (then post_add_norms[1](out))
     parallel     s = mlp_norm(h),  out = h + A(h) + MLP(s)      (m = h + A(h))
 
-``r`` is ``out_scale(config)`` (1 without one). Every role a reader needs beyond the fields (the module
+``r`` is ``out_scale(config)``, ``c`` ``residual_scale(config)`` (1 without them). Every role a reader needs beyond the fields (the module
 whose output is a sublayer's contribution, the module whose input is ``m``, whether ``s = m``, the
 experts, the recorded sites) is derived here, in one place, from the fields: a design is its fields.
 """
@@ -122,7 +122,8 @@ class Family:
     ``N'(m + MLP(m))``; a token patch needs nothing of the second, a thought patch fits the sum).
 
     The output side: ``out_scale`` (a constant the block multiplies each sublayer's output by, from the
-    config: Granite's ``residual_multiplier``), ``matrices_out`` (the sublayers' contributions are
+    config: Granite's ``residual_multiplier``), ``residual_scale`` (a constant it multiplies the residual
+    value ``m`` by at the MLP's add: MiniMax's ``mlp_alpha_factor``), ``matrices_out`` (the sublayers' contributions are
     their output matrices' outputs, ``o_proj``'s and ``down``'s: the modules add the residual
     themselves, Bloom and MPT's MLP, or the MLP is no module, OPT), ``position_table`` (a learned
     position embedding under the base model, GPT-2's ``wpe``, whose size bounds the position ids)."""
@@ -146,6 +147,7 @@ class Family:
     post_mlp_norm: str | None = None
     post_add_norms: tuple[str, str] | None = None
     out_scale: Callable[[Any], float] | None = None
+    residual_scale: Callable[[Any], float] | None = None
     matrices_out: bool = False
     position_table: str | None = None
 
@@ -153,11 +155,12 @@ class Family:
     def at(self, layer: Any) -> Family:
         """The record of ``layer`` (an ``nn.Module``): the one of the first of ``mixers`` it has in place
         of attention (its ``attn`` and ``o_proj`` the mixer's, its ``fields``; no lone-token shortcut:
-        ``lone_zero`` and ``value`` empty), else this one (an attention layer, or one with a mixer beside
-        its attention)."""
+        ``lone_zero`` and ``value`` empty), else this one without the mixers other layers have in place of
+        attention (an attention layer, or one with a mixer beside its attention: ``recurrent`` is ``None``)."""
         mixer = next((m for m in self.mixers if not m.beside and m.found(layer)), None)
-        if mixer is None:
-            return self
+        if mixer is None:  # an attention layer: the mixers in place of attention are other layers'
+            beside = tuple(m for m in self.mixers if m.beside)
+            return self if beside == self.mixers else replace(self, mixers=beside)
         return replace(
             self,
             attn=mixer.module,
@@ -217,6 +220,11 @@ class Family:
     def scale(self, config: Any) -> float:
         """``r``: what the block multiplies each sublayer's output by (1 without ``out_scale``)."""
         return 1.0 if self.out_scale is None else float(self.out_scale(config))
+
+    def residual(self, config: Any) -> float:
+        """``c``: what the block multiplies the residual value ``m`` by at the MLP's add (1 without
+        ``residual_scale``)."""
+        return 1.0 if self.residual_scale is None else float(self.residual_scale(config))
 
     def sites(self, parallel: bool) -> tuple[NamedSite, ...]:
         """The named sites a layer of this design records (``HFAdapter.recording``), in the order

@@ -45,6 +45,7 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "LaraMiniTopKRouter": "out_in",
     "Cohere2MoeTopKRouter": "out_in",
     "DeepseekV32TopkRouter": "out_in",
+    "MiniMaxTopKRouter": "out_in",
     "GlmMoeDsaTopkRouter": "out_in",
 }
 

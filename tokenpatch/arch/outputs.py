@@ -88,12 +88,14 @@ class OutputSite(metaclass=_ByKind):
 
     ``name``: the parameter the shift goes to (a bias, or an output matrix); ``norm``: the scale of a
     norm after the MLP (``ScaledMatrixOutput`` only); ``scale``: the block's multiplier of the MLP
-    output. Indexing (``site[0]``, ``site[1:]``) reads it as the tuple ``(kind, name)`` or ``(kind,
+    output, ``residual`` its multiplier of the residual value ``m`` at that add (``out = residual m +
+    scale MLP(s)``). Indexing (``site[0]``, ``site[1:]``) reads it as the tuple ``(kind, name)`` or ``(kind,
     name, norm)`` of earlier versions; read the fields instead."""
 
     name: str
     norm: str | None = None
     scale: float = 1.0
+    residual: float = 1.0
 
     kind: ClassVar[str] = ""  # the name files and descriptions use
     needs: ClassVar[tuple[str, ...]] = ()  # recorded fields read beyond m and hidden
@@ -130,8 +132,8 @@ class OutputSite(metaclass=_ByKind):
 
     # ------------------------------------------------------------------------- what each kind computes
     def shift(self, m_c: Tensor, m_0: Tensor, rec: LayerRecord) -> Tensor:
-        """What the output matrix's output must change by at each query: ``(m_C - m_0) / scale``."""
-        return solve.output_shift(m_c, m_0, self.scale)
+        """What the output matrix's output must change by at each query: ``residual (m_C - m_0) / scale``."""
+        return solve.output_shift(m_c, m_0, self.scale / self.residual)
 
     def token_deltas(self, model: nn.Module, m_c: Tensor, m_0: Tensor, rec: LayerRecord) -> dict[str, Any]:
         """The exact output-side deltas ``[B, Q, ...]`` from ``m_C``, ``m_0`` and the with-context record."""
@@ -206,7 +208,7 @@ class GatedOutput(MatrixOutput):
 
     def shift(self, m_c, m_0, rec):
         gate = torch.sigmoid(rec.gate.to(solve.work_dtype(m_c, rec.gate)))  # [B, Q, 1]
-        return solve.output_shift(m_c, m_0) / (gate * self.scale)
+        return solve.output_shift(m_c, m_0, 1 / self.residual) / (gate * self.scale)
 
     def divide(self, t, r0, v):
         return t / torch.sigmoid(r0.gate[v].to(t.dtype))
@@ -245,7 +247,7 @@ class ScaledMatrixOutput(OutputSite):
     def __post_init__(self):
         if self.norm is None:
             raise UnsupportedModelError(f"OutputSite 'matrix+scale' ({self.name}): give the norm's scale, norm=")
-        if self.scale != 1.0:
+        if self.scale != 1.0 or self.residual != 1.0:
             raise UnsupportedModelError(f"OutputSite 'matrix+scale' ({self.name}): a norm after the MLP with a scale")
 
     @property

@@ -170,6 +170,31 @@ HYBRIDS: list[Family] = [
             ),
         ),
     ),
+    # MiniMax: lightning attention (linear attention with a decay) in place of softmax attention in some
+    # layers, told apart by class, and Mixtral's experts. Its residual stream is the normalised one: a
+    # layer computes x = a LN_1(h) + b attn(LN_1(h)), s = LN_2(x), out = alpha s + beta MLP(s). So the MLP
+    # reads what it is added to (s = m, no mlp_norm), and with the input change (MLP(s_0) -> MLP(s_C))
+    # the layer still misses alpha (s_C - s_0): the experts' output must move by alpha (s_C - s_0) / beta
+    # (residual_scale alpha, out_scale beta; docs/hugging-face.md).
+    Family(
+        name="minimax",
+        model_types=("minimax",),
+        mlp_norm=None,
+        inputs=("mlp.gate.weight", "mlp.experts.gate_up_proj"),
+        down="mlp.experts",
+        moe=MoE(dense=None),
+        out_scale=lambda config: config.mlp_beta_factor,
+        residual_scale=lambda config: config.mlp_alpha_factor,
+        mixers=(
+            Mixer(
+                "self_attn",
+                "self_attn.out_proj",
+                "lightning attention (linear attention with a decay)",
+                classes=("MiniMaxLightningAttention",),
+                reads_pads=True,  # a left-padded row's forward is 3e-9 off the row alone's in float64
+            ),
+        ),
+    ),
 ]
 
 # Blocks without an MLP: out = h + mixer(norm(h)). The context reaches the residual stream only through
