@@ -215,6 +215,7 @@ _SHARED_EXPERTS = (
     "deepseek_v32",
     "glm_moe_dsa",
     "hy_v3",
+    "hunyuan_v1_moe",
     "laguna",
     "minicpm5_moe",
     "flint",

@@ -45,6 +45,18 @@ TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
     "sarvam_moe": ("SarvamMoEConfig", dict(_SHARED_MOE, head_dim=16, n_routed_experts=4, first_k_dense_replace=1)),
     # a zero pad embedding (as Kimi Linear's): greedy decoding of this tiny model reaches the pad token
     "solar_open": ("SolarOpenConfig", dict(_SHARED_MOE, head_dim=16, n_routed_experts=4, pad_token_id=None)),
+    "hunyuan_v1_moe": (  # q/k norms per head; the shared expert beside the experts in every layer
+        "HunYuanMoEV1Config",
+        dict(
+            _KV,
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=4,
+            moe_topk=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            pad_token_id=None,
+        ),
+    ),
     "hy_v3": ("HYV3Config", dict(_SHARED_MOE, head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"])),
     # the same after an attention with a gate on its output (Laguna, MiniCPM 5) or sinks (Flint)
     "laguna": (

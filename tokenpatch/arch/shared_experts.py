@@ -118,6 +118,19 @@ SHARED_EXPERTS: list[Family] = [
         value=None,
         moe=MoE(dense="latent_attention", shared=True),
     ),
+    # HunYuan-MoE V1: the router is a gate module's wg, the shared expert named shared_mlp
+    replace(
+        _SHARED,
+        name="hunyuan_moe",
+        model_types=("hunyuan_v1_moe",),
+        inputs=(
+            "mlp.gate.wg.weight",
+            "mlp.experts.gate_up_proj",
+            "mlp.shared_mlp.gate_proj.weight",
+            "mlp.shared_mlp.up_proj.weight",
+        ),
+        down="mlp.shared_mlp.down_proj",
+    ),
     replace(
         _SHARED,
         name="flint",
