@@ -110,14 +110,7 @@ SHARED_EXPERTS: list[Family] = [
     replace(_LATENT, name="indexed_attention_dense", mixers=(_INDEXER,)),
     # shared experts after an attention that does more than mix values (a gate on its output: Laguna,
     # MiniCPM 5; sinks: Flint, whose one shared expert is named shared_expert): a token alone runs the layers
-    replace(
-        _SHARED,
-        name="shared_experts_attention",
-        model_types=("laguna", "minicpm5_moe"),
-        lone_zero=(),
-        value=None,
-        moe=MoE(dense="latent_attention", shared=True),
-    ),
+    replace(_LATENT_SHARED, name="shared_experts_attention", model_types=("laguna", "minicpm5_moe")),
     # HunYuan-MoE V1: the router is a gate module's wg, the shared expert named shared_mlp
     replace(
         _SHARED,
@@ -132,13 +125,10 @@ SHARED_EXPERTS: list[Family] = [
         down="mlp.shared_mlp.down_proj",
     ),
     replace(
-        _SHARED,
+        _LATENT_SHARED,
         name="flint",
         model_types=("flint",),
         inputs=GATED_SHARED_INPUTS[:4],
         down="mlp.shared_expert.down_proj",
-        lone_zero=(),
-        value=None,
-        moe=MoE(dense="latent_attention", shared=True),
     ),
 ]
