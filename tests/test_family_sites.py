@@ -74,6 +74,27 @@ def test_the_recording_is_the_family_site_table(name):
             assert torch.equal(r["m"], r.m)
 
 
+@pytest.mark.parametrize("name", ["jamba", "falcon_h1", "deepseek_v32"])
+def test_each_layer_record_keeps_only_its_own_mixers(name):
+    """``Family.at``: a layer with a recurrent mixer in place of attention gets that mixer's record
+    (``recurrent`` is it, no lone-token shortcut); an attention layer keeps only the mixers that run
+    beside attention (Falcon-H1's Mamba 2, DeepSeek V3.2's indexer), so ``recurrent`` is ``None`` there."""
+    model = build(name)
+    fam, layers = HFModules.family(model), HFModules().layers(model)
+    in_place = [m for m in fam.mixers if not m.beside]
+    for layer in layers:
+        at = fam.at(layer)
+        mine = next((m for m in in_place if m.found(layer)), None)
+        if mine is None:
+            assert at.recurrent is None and at.mixers == tuple(m for m in fam.mixers if m.beside)
+            assert (at.attn, at.lone_zero) == (fam.attn, fam.lone_zero)
+        else:
+            assert at.recurrent is mine and at.mixers == (mine,)
+            assert (at.attn, at.o_proj, at.lone_zero, at.value) == (mine.module, mine.out_proj, (), None)
+    kinds = {fam.at(layer).recurrent is None for layer in layers}
+    assert kinds == ({True, False} if in_place else {True})  # jamba: both kinds of layer
+
+
 def test_the_spelling_of_0_2_still_builds_the_record_with_a_warning():
     """Kept one release: ``Family`` by position and with the 0.2 fields, each read into the role fields."""
     with pytest.warns(DeprecationWarning, match="by keyword"):

@@ -154,3 +154,11 @@ def test_an_input_change_without_its_readers_is_refused():
     with pytest.raises(tp.InputError, match="names no matrices that read it"):
         with tp.apply(model, bare):
             pass
+
+
+def test_deltas_of_two_dtypes_are_refused_naming_the_parameters():
+    """A model whose parameters mix dtypes (transformers' from_pretrained keeps some modules in float32)
+    gives deltas of two dtypes: refused, naming which parameters hold which and what to do."""
+    deltas = {"a.weight": torch.zeros(1, 1, 2, 3, dtype=torch.float64), "b.weight": torch.zeros(1, 1, 2, 3)}
+    with pytest.raises(tp.InputError, match=r"float64: a\.weight; float32: b\.weight .*model\.to\(dtype\)"):
+        tp.Patch(deltas)

@@ -104,9 +104,19 @@ class Patch(Mapping):
         lead = next(iter(leads.values()))
         if any(l != lead or len(l) != 2 for l in leads.values()):
             raise InputError(f"every delta must lead with the same [batch, query] dims; got {leads}")
-        dtypes = {d.dtype for d in self._deltas.values()}
-        if len(dtypes) != 1:
-            raise InputError(f"deltas of one Patch must share a dtype, got {dtypes}")
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, d in self._deltas.items():
+            by_dtype.setdefault(d.dtype, []).append(name)
+        if len(by_dtype) != 1:
+            held = "; ".join(
+                f"{str(t).removeprefix('torch.')}: {', '.join(n[:2])}"
+                + (f" and {len(n) - 2} more" if len(n) > 2 else "")
+                for t, n in by_dtype.items()
+            )
+            raise InputError(
+                f"deltas of one Patch must share a dtype, got {held} (a model whose parameters mix dtypes, "
+                "as transformers' from_pretrained keeps some modules in float32: cast it whole, model.to(dtype))"
+            )
         self.lead: tuple[int, int] = lead  # (batch, query)
         positions = () if positions is None else tuple(int(p) for p in positions)
         if positions and (len(positions) != lead[1] or len(set(positions)) != len(positions) or min(positions) < 0):

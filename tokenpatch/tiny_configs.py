@@ -6,28 +6,27 @@ from __future__ import annotations
 
 from tokenpatch.tiny_hybrids import TINY_HYBRIDS
 from tokenpatch.tiny_shared_experts import LATENT, TINY_SHARED_EXPERTS
+from tokenpatch.tiny_sizes import KV, SMALL
 
 __all__ = ["TINY_HF", "EAGER_ONLY", "NO_ATTENTION", "MOE", "FLOAT32_INSIDE"]
 
 # One tiny random configuration per block design tokenpatch patches (``arch.families.FAMILIES``), as
 # ``(transformers config class, keyword arguments)``: what tokenpatch's tests check to float64
 # rounding, and what ``benchmarks/hf_families.py`` measures for ``docs/hugging-face.md``.
-_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101)
-_KV = dict(_SMALL, num_key_value_heads=2)
 _OPT = dict(
     hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101, max_position_embeddings=64
 )
 TINY_HF: dict[str, tuple[str, dict]] = {
-    "llama": ("LlamaConfig", _KV),
-    "qwen2": ("Qwen2Config", _KV),  # biases on q, k, v
-    "qwen3": ("Qwen3Config", dict(_KV, head_dim=16)),  # q/k norms
-    "mistral": ("MistralConfig", dict(_KV, sliding_window=5)),
-    "gemma": ("GemmaConfig", dict(_KV, head_dim=16, pad_token_id=0)),  # Gemma 1: llama's form
-    "gemma2": ("Gemma2Config", dict(_KV, head_dim=16, sliding_window=5)),
+    "llama": ("LlamaConfig", KV),
+    "qwen2": ("Qwen2Config", KV),  # biases on q, k, v
+    "qwen3": ("Qwen3Config", dict(KV, head_dim=16)),  # q/k norms
+    "mistral": ("MistralConfig", dict(KV, sliding_window=5)),
+    "gemma": ("GemmaConfig", dict(KV, head_dim=16, pad_token_id=0)),  # Gemma 1: llama's form
+    "gemma2": ("Gemma2Config", dict(KV, head_dim=16, sliding_window=5)),
     "gemma3": (
         "Gemma3TextConfig",
         dict(
-            _SMALL,
+            SMALL,
             num_key_value_heads=1,
             head_dim=16,
             sliding_window=5,
@@ -35,13 +34,13 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
-    "gpt_neox": ("GPTNeoXConfig", dict(_SMALL, rotary_pct=0.5)),  # parallel residual
-    "gpt_neox_sequential": ("GPTNeoXConfig", dict(_SMALL, use_parallel_residual=False)),
+    "gpt_neox": ("GPTNeoXConfig", dict(SMALL, rotary_pct=0.5)),  # parallel residual
+    "gpt_neox_sequential": ("GPTNeoXConfig", dict(SMALL, use_parallel_residual=False)),
     # mixture of experts with a shared expert; layer 1 a plain MLP
     "qwen2_moe": (
         "Qwen2MoeConfig",
         dict(
-            _KV,
+            KV,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
             num_experts=4,
@@ -51,22 +50,22 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
     # mixture of experts without a shared expert (the output shift split over the chosen experts)
-    "mixtral": ("MixtralConfig", dict(_KV, num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(KV, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": (  # layer 1 a plain MLP; the routing weights not renormalised
         "Qwen3MoeConfig",
-        dict(_KV, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]),
+        dict(KV, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]),
     ),
-    "olmoe": ("OlmoeConfig", dict(_KV, num_experts=4, num_experts_per_tok=2, pad_token_id=0, clip_qkv=0.1)),
-    "phimoe": ("PhimoeConfig", dict(_KV, num_local_experts=4, num_experts_per_tok=2)),
-    "minimax_m2": ("MiniMaxM2Config", dict(_KV, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(KV, num_experts=4, num_experts_per_tok=2, pad_token_id=0, clip_qkv=0.1)),
+    "phimoe": ("PhimoeConfig", dict(KV, num_local_experts=4, num_experts_per_tok=2)),
+    "minimax_m2": ("MiniMaxM2Config", dict(KV, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
     "mellum": (
         "MellumConfig",
-        dict(_KV, head_dim=16, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+        dict(KV, head_dim=16, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     ),
     "mimo_v2_flash": (  # sinks in the sliding-window layers, a dense first layer
         "MiMoV2FlashConfig",
         dict(
-            _KV,
+            KV,
             head_dim=16,
             v_head_dim=16,
             moe_intermediate_size=32,
@@ -82,7 +81,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "cohere2_moe": (  # parallel, Mixtral's experts
         "Cohere2MoeConfig",
         dict(
-            _KV,
+            KV,
             head_dim=16,
             num_experts=4,
             num_experts_per_tok=2,
@@ -93,23 +92,23 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     ),
     "granitemoe": (
         "GraniteMoeConfig",
-        dict(_KV, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.7),
+        dict(KV, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.7),
     ),
-    "phi3": ("Phi3Config", dict(_KV, pad_token_id=0)),  # fused qkv and gate_up
+    "phi3": ("Phi3Config", dict(KV, pad_token_id=0)),  # fused qkv and gate_up
     "olmo": (
         "OlmoConfig",
-        dict(_KV, pad_token_id=0, clip_qkv=0.1),
+        dict(KV, pad_token_id=0, clip_qkv=0.1),
     ),  # norms without parameters, values clipped in place
-    "stablelm": ("StableLmConfig", dict(_KV, qk_layernorm=True)),
-    "starcoder2": ("Starcoder2Config", _KV),  # biases, a plain MLP
+    "stablelm": ("StableLmConfig", dict(KV, qk_layernorm=True)),
+    "starcoder2": ("Starcoder2Config", KV),  # biases, a plain MLP
     "granite": (  # multipliers on the embedding, each sublayer, attention, logits
         "GraniteConfig",
-        dict(_KV, embedding_multiplier=3.0, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=2.0),
+        dict(KV, embedding_multiplier=3.0, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=2.0),
     ),
     "granite_swa": (
         "GraniteSWAConfig",
         dict(
-            _KV,
+            KV,
             sliding_window=4,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             embedding_multiplier=3.0,
@@ -118,33 +117,33 @@ TINY_HF: dict[str, tuple[str, dict]] = {
             logits_scaling=2.0,
         ),
     ),
-    "olmo2": ("Olmo2Config", dict(_KV, pad_token_id=0)),  # norms after the sublayers
-    "hyperclovax": ("HyperCLOVAXConfig", dict(_KV, head_dim=16, embedding_multiplier=3.0, logits_scaling=2.0)),
-    "phi": ("PhiConfig", dict(_SMALL, qk_layernorm=True)),  # parallel, partial rotary
+    "olmo2": ("Olmo2Config", dict(KV, pad_token_id=0)),  # norms after the sublayers
+    "hyperclovax": ("HyperCLOVAXConfig", dict(KV, head_dim=16, embedding_multiplier=3.0, logits_scaling=2.0)),
+    "phi": ("PhiConfig", dict(SMALL, qk_layernorm=True)),  # parallel, partial rotary
     "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, rotary_dim=8, n_positions=64)),
-    "cohere": ("CohereConfig", dict(_KV, use_qk_norm=True)),  # parallel
-    "stablelm_parallel": ("StableLmConfig", dict(_KV, use_parallel_residual=True)),
-    "falcon": ("FalconConfig", dict(_SMALL, bias=True)),  # parallel attention, one norm
-    "falcon_new": ("FalconConfig", dict(_SMALL, new_decoder_architecture=True, num_kv_heads=2)),  # two norms
-    "falcon_sequential": ("FalconConfig", dict(_SMALL, parallel_attn=False)),
+    "cohere": ("CohereConfig", dict(KV, use_qk_norm=True)),  # parallel
+    "stablelm_parallel": ("StableLmConfig", dict(KV, use_parallel_residual=True)),
+    "falcon": ("FalconConfig", dict(SMALL, bias=True)),  # parallel attention, one norm
+    "falcon_new": ("FalconConfig", dict(SMALL, new_decoder_architecture=True, num_kv_heads=2)),  # two norms
+    "falcon_sequential": ("FalconConfig", dict(SMALL, parallel_attn=False)),
     # the same designs under other model_types (other attention, norms, names: one tiny model each)
-    "bitnet": ("BitNetConfig", dict(_KV, pad_token_id=0)),
-    "cwm": ("CwmConfig", dict(_KV, head_dim=16)),
-    "diffllama": ("DiffLlamaConfig", dict(_KV, pad_token_id=0)),  # differential attention
-    "ernie4_5": ("Ernie4_5Config", dict(_KV, head_dim=16, pad_token_id=0)),
-    "exaone": ("ExaoneConfig", dict(_KV, pad_token_id=0)),
-    "helium": ("HeliumConfig", dict(_KV, head_dim=16, pad_token_id=0)),
-    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(_KV, head_dim=16, pad_token_id=0)),
-    "internlm3": ("InternLM3Config", dict(_KV, head_dim=16, pad_token_id=0)),
-    "iquestcoder": ("IQuestCoderConfig", dict(_KV, head_dim=16, pad_token_id=0)),
-    "ministral": ("MinistralConfig", dict(_KV, head_dim=16, pad_token_id=0)),
-    "ministral3": ("Ministral3Config", dict(_KV, head_dim=16, pad_token_id=0)),
-    "seed_oss": ("SeedOssConfig", dict(_KV, head_dim=16, pad_token_id=0)),
-    "smollm3": ("SmolLM3Config", dict(_KV, pad_token_id=0)),
-    "glm": ("GlmConfig", dict(_KV, head_dim=16, pad_token_id=0)),  # a fused gate_up_proj, as Phi-3
-    "cohere2": ("Cohere2Config", dict(_KV, pad_token_id=0)),  # parallel, as Cohere
-    "olmo3": ("Olmo3Config", dict(_KV, pad_token_id=0)),  # norms after the sublayers, as OLMo 2
-    "exaone4": ("Exaone4Config", dict(_KV, pad_token_id=0)),
+    "bitnet": ("BitNetConfig", dict(KV, pad_token_id=0)),
+    "cwm": ("CwmConfig", dict(KV, head_dim=16)),
+    "diffllama": ("DiffLlamaConfig", dict(KV, pad_token_id=0)),  # differential attention
+    "ernie4_5": ("Ernie4_5Config", dict(KV, head_dim=16, pad_token_id=0)),
+    "exaone": ("ExaoneConfig", dict(KV, pad_token_id=0)),
+    "helium": ("HeliumConfig", dict(KV, head_dim=16, pad_token_id=0)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(KV, head_dim=16, pad_token_id=0)),
+    "internlm3": ("InternLM3Config", dict(KV, head_dim=16, pad_token_id=0)),
+    "iquestcoder": ("IQuestCoderConfig", dict(KV, head_dim=16, pad_token_id=0)),
+    "ministral": ("MinistralConfig", dict(KV, head_dim=16, pad_token_id=0)),
+    "ministral3": ("Ministral3Config", dict(KV, head_dim=16, pad_token_id=0)),
+    "seed_oss": ("SeedOssConfig", dict(KV, head_dim=16, pad_token_id=0)),
+    "smollm3": ("SmolLM3Config", dict(KV, pad_token_id=0)),
+    "glm": ("GlmConfig", dict(KV, head_dim=16, pad_token_id=0)),  # a fused gate_up_proj, as Phi-3
+    "cohere2": ("Cohere2Config", dict(KV, pad_token_id=0)),  # parallel, as Cohere
+    "olmo3": ("Olmo3Config", dict(KV, pad_token_id=0)),  # norms after the sublayers, as OLMo 2
+    "exaone4": ("Exaone4Config", dict(KV, pad_token_id=0)),
     "openai-gpt": (  # GPT-1: norms after each residual add
         "OpenAIGPTConfig",
         dict(n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=101),
@@ -156,17 +155,17 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     "opt_post": ("OPTConfig", dict(_OPT, do_layer_norm_before=False, word_embed_proj_dim=32)),
     # the residual added inside the attention and MLP modules; ALiBi; eager attention only
     "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=3, n_head=4, vocab_size=101)),
-    "arcee": ("ArceeConfig", dict(_KV, pad_token_id=0)),  # ReLU^2, up and down
-    "nemotron": ("NemotronConfig", dict(_KV, head_dim=16, pad_token_id=0)),  # LayerNorm1P (1 + w)
-    "jais2": ("Jais2Config", dict(_KV, head_dim=16, pad_token_id=0)),
-    "apertus1p5_text": ("Apertus1p5TextConfig", dict(_KV, pad_token_id=0)),
-    "apertus": ("ApertusConfig", dict(_KV, pad_token_id=0)),  # xIELU, norms named for the sublayers
-    "nanochat": ("NanoChatConfig", dict(_KV, pad_token_id=0)),
-    "vaultgemma": ("VaultGemmaConfig", dict(_KV, head_dim=16, pad_token_id=0)),
+    "arcee": ("ArceeConfig", dict(KV, pad_token_id=0)),  # ReLU^2, up and down
+    "nemotron": ("NemotronConfig", dict(KV, head_dim=16, pad_token_id=0)),  # LayerNorm1P (1 + w)
+    "jais2": ("Jais2Config", dict(KV, head_dim=16, pad_token_id=0)),
+    "apertus1p5_text": ("Apertus1p5TextConfig", dict(KV, pad_token_id=0)),
+    "apertus": ("ApertusConfig", dict(KV, pad_token_id=0)),  # xIELU, norms named for the sublayers
+    "nanochat": ("NanoChatConfig", dict(KV, pad_token_id=0)),
+    "vaultgemma": ("VaultGemmaConfig", dict(KV, head_dim=16, pad_token_id=0)),
     "minicpm3": (  # latent attention, scaled sublayers
         "MiniCPM3Config",
         dict(
-            _SMALL,
+            SMALL,
             q_lora_rank=32,
             qk_nope_head_dim=8,
             qk_rope_head_dim=8,
@@ -177,7 +176,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
     "youtu": ("YoutuConfig", dict(LATENT, intermediate_size=96)),  # latent attention, a dense MLP
-    "persimmon": ("PersimmonConfig", dict(_SMALL, pad_token_id=0)),
+    "persimmon": ("PersimmonConfig", dict(SMALL, pad_token_id=0)),
     "gpt_neo": (  # one global and two local attention layers
         "GPTNeoConfig",
         dict(
@@ -192,10 +191,10 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     ),
     "codegen": ("CodeGenConfig", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64, rotary_dim=8)),
     "mpt": ("MptConfig", dict(d_model=64, n_heads=4, n_layers=3, vocab_size=101, expansion_ratio=2)),
-    "glm4": ("Glm4Config", dict(_KV, head_dim=16, pad_token_id=0)),  # Gemma 2's norms, a fused gate_up_proj
+    "glm4": ("Glm4Config", dict(KV, head_dim=16, pad_token_id=0)),  # Gemma 2's norms, a fused gate_up_proj
     "biogpt": (
         "BioGptConfig",
-        dict(_SMALL, max_position_embeddings=64, pad_token_id=0),
+        dict(SMALL, max_position_embeddings=64, pad_token_id=0),
     ),  # OPT's loose fc1/fc2, positions offset by 2
     **TINY_SHARED_EXPERTS,
     **TINY_HYBRIDS,

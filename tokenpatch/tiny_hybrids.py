@@ -3,12 +3,12 @@ or convolutional mixer in some or all layers. Part of ``tiny_configs.TINY_HF``, 
 
 from __future__ import annotations
 
+from tokenpatch.tiny_sizes import KV, SMALL
+
 __all__ = ["TINY_HYBRIDS"]
 
-_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101)
-_KV = dict(_SMALL, num_key_value_heads=2)
 _DELTA = dict(  # Gated DeltaNet: 2 key heads, 4 value heads
-    _KV,
+    KV,
     head_dim=16,
     layer_types=["linear_attention", "full_attention", "linear_attention"],
     linear_num_key_heads=2,
@@ -20,7 +20,7 @@ _DELTA = dict(  # Gated DeltaNet: 2 key heads, 4 value heads
 _DELTA_MOE = dict(
     _DELTA, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2
 )
-_JAMBA = dict(_KV, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)
+_JAMBA = dict(KV, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)
 _MAMBA = dict(
     hidden_size=64,
     intermediate_size=96,
@@ -35,7 +35,7 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
     "recurrent_gemma": (  # RG-LRU recurrent blocks beside local multi-query attention (Griffin)
         "RecurrentGemmaConfig",
         dict(
-            _SMALL,
+            SMALL,
             intermediate_size=192,  # its MLP is half as wide
             num_key_value_heads=1,
             lru_width=64,
@@ -46,7 +46,7 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
     ),
     "lfm2": (  # gated short convolutions beside attention (q/k norms)
         "Lfm2Config",
-        dict(_KV, layer_types=["conv", "full_attention", "conv"], pad_token_id=0),
+        dict(KV, layer_types=["conv", "full_attention", "conv"], pad_token_id=0),
     ),
     # Gated DeltaNet layers beside gated attention (Qwen3.5: 3 of every 4 layers), a dense MLP or experts
     "qwen3_5_text": ("Qwen3_5TextConfig", _DELTA),
@@ -64,7 +64,7 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
     "minimax": (
         "MiniMaxConfig",
         dict(
-            _KV,
+            KV,
             head_dim=16,
             num_local_experts=4,
             num_experts_per_tok=2,
@@ -82,12 +82,12 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
     "jamba_dense": ("JambaConfig", dict(_JAMBA, num_experts=1)),
     "bamba": (  # Mamba 2 layers beside attention (layers 1), a dense MLP everywhere
         "BambaConfig",
-        dict(_KV, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8),
+        dict(KV, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8),
     ),
     "lfm2_moe": (  # LFM2 with experts after its first (dense) layer
         "Lfm2MoeConfig",
         dict(
-            _KV,
+            KV,
             layer_types=["conv", "full_attention", "conv"],
             moe_intermediate_size=32,
             num_dense_layers=1,
@@ -117,7 +117,7 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
     "nemotron_h": (
         "NemotronHConfig",
         dict(
-            _KV,
+            KV,
             num_hidden_layers=4,
             head_dim=16,
             layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
@@ -139,7 +139,7 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
     "falcon_h1": (
         "FalconH1Config",
         dict(
-            _KV,
+            KV,
             mamba_d_ssm=128,
             mamba_n_heads=8,
             mamba_d_head=16,

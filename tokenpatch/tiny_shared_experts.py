@@ -3,13 +3,13 @@ GLM-4-MoE's form, and DeepSeek's after latent attention. Part of ``tiny_configs.
 
 from __future__ import annotations
 
+from tokenpatch.tiny_sizes import KV, SMALL
+
 __all__ = ["TINY_SHARED_EXPERTS", "LATENT"]
 
-_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=101)
-_KV = dict(_SMALL, num_key_value_heads=2)
-_SHARED_MOE = dict(_KV, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
+_SHARED_MOE = dict(KV, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
 LATENT = dict(  # DeepSeek's latent attention: queries and keys/values through low-rank latents
-    _SMALL,
+    SMALL,
     num_key_value_heads=4,
     q_lora_rank=32,
     kv_lora_rank=16,
@@ -30,7 +30,7 @@ TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
     # mixtures of experts with a shared expert added ungated, a plain MLP in the first layer
     "ernie4_5_moe": (
         "Ernie4_5_MoeConfig",
-        dict(_KV, moe_intermediate_size=32, moe_k=2, moe_num_experts=4, moe_num_shared_experts=1, pad_token_id=0),
+        dict(KV, moe_intermediate_size=32, moe_k=2, moe_num_experts=4, moe_num_shared_experts=1, pad_token_id=0),
     ),
     "exaone_moe": (
         "ExaoneMoeConfig",
@@ -48,7 +48,7 @@ TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
     "hunyuan_v1_moe": (  # q/k norms per head; the shared expert beside the experts in every layer
         "HunYuanMoEV1Config",
         dict(
-            _KV,
+            KV,
             head_dim=16,
             moe_intermediate_size=32,
             num_experts=4,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from tokenpatch.arch.family import Family
+from tokenpatch.arch.family import PARALLEL, SELF_ATTN_QK, Family
 from tokenpatch.arch.recurrent import HYBRIDS, RECURRENT
 from tokenpatch.arch.routed_experts import ROUTED_EXPERTS
 from tokenpatch.arch.shared_experts import SHARED_EXPERTS
@@ -42,7 +42,6 @@ from tokenpatch.arch.shared_experts import SHARED_EXPERTS
 __all__ = ["Family", "FAMILIES"]
 
 
-_QK = ("self_attn.q_proj", "self_attn.k_proj")  # separate query and key projections (zeroed for a lone token)
 _GATED = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 # Llama's block; the other designs below are written as what differs from it (or from Falcon's).
 _LLAMA = Family(
@@ -68,7 +67,7 @@ _LLAMA = Family(
     mlp_norm="post_attention_layernorm",
     inputs=_GATED,
     down="mlp.down_proj",
-    lone_zero=_QK,
+    lone_zero=SELF_ATTN_QK,
     value="self_attn.v_proj",
 )
 _FALCON = Family(  # sequential (parallel_attn=False); its query, key and value are one fused matrix
@@ -123,7 +122,7 @@ _OPT = Family(  # no MLP module (fc1, fc2 run on [batch * positions, d]); learne
     down="fc2",
     mlp="fc1",
     matrices_out=True,
-    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    lone_zero=SELF_ATTN_QK,
     o_proj="self_attn.out_proj",
     position_table="decoder.embed_positions",
     value="self_attn.v_proj",
@@ -144,7 +143,6 @@ _BLOOM = Family(
     matrices_out=True,
     when=lambda c: not c.apply_residual_connection_post_layernorm and not (c.pretraining_tp > 1 and c.slow_but_exact),
 )
-_PARALLEL = dict(mlp_norm="input_layernorm", parallel=lambda config: True)  # attention and MLP read one norm
 FAMILIES: list[Family] = [
     _LLAMA,
     # Llama's block whose attention does more than mix values (BitNet: a norm before o_proj; DiffLlama:
@@ -238,16 +236,16 @@ FAMILIES: list[Family] = [
         inputs=("mlp.fc1.weight",),
         down="mlp.fc2",
         o_proj="self_attn.dense",
-        **_PARALLEL,
+        **PARALLEL,
     ),
     _GPTJ,
-    replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2"), **_PARALLEL),
+    replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2"), **PARALLEL),
     replace(
         _LLAMA,
         name="stablelm_parallel",
         model_types=("stablelm",),
         when=lambda config: config.use_parallel_residual,
-        **_PARALLEL,
+        **PARALLEL,
     ),
     # Falcon, three designs by config: a separate norm for the MLP (the new decoder architecture with
     # two norms), one norm for both (parallel attention), or the sequential block.
@@ -261,7 +259,7 @@ FAMILIES: list[Family] = [
     replace(
         _FALCON,
         name="falcon_parallel",
-        **_PARALLEL,
+        **PARALLEL,
         when=lambda c: c.parallel_attn and (not c.new_decoder_architecture or c.num_ln_in_parallel_attn == 1),
     ),
     _FALCON,

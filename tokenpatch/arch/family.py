@@ -25,7 +25,10 @@ from typing import Any
 from tokenpatch.arch.record import NamedSite
 from tokenpatch.errors import caller_stacklevel
 
-__all__ = ["Family", "Mixer", "MoE", "NamedSite"]
+__all__ = ["Family", "Mixer", "MoE", "NamedSite", "SELF_ATTN_QK", "PARALLEL"]
+
+
+SELF_ATTN_QK = ("self_attn.q_proj", "self_attn.k_proj")  # Llama's query and key projections (``lone_zero``)
 
 
 def _always(config: Any) -> bool:
@@ -34,6 +37,10 @@ def _always(config: Any) -> bool:
 
 def _never(config: Any) -> bool:
     return False
+
+
+# attention and MLP read one norm of the layer input (a parallel block: Phi, Cohere, Falcon's parallel form)
+PARALLEL = dict(mlp_norm="input_layernorm", parallel=_always)
 
 
 def _has(module: Any, name: str) -> bool:

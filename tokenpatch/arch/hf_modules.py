@@ -119,7 +119,7 @@ class HFModules(Adapter):
         parallel = fam.parallel(model.config)
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
         down = None if fam.down is None else layer.get_submodule(fam.down)
-        scale = dict(scale=fam.scale(model.config), residual=fam.residual(model.config))  # out = c m + r MLP(s)
+        scaling = dict(scale=fam.scale(model.config), residual=fam.residual(model.config))  # out = c m + r MLP(s)
         if down is None:  # a block without an MLP: the input change of its mixer's out_proj is the patch
             output = None
         elif fam.experts:
@@ -128,15 +128,15 @@ class HFModules(Adapter):
                     f"{p}{fam.down} ({type(down).__name__}) is not a stacked-experts module of transformers "
                     "(use_experts_implementation): its output matrices are unknown"
                 )
-            output = ExpertsOutput(f"{p}{fam.down}.{OUTPUT_MATRIX}", **scale)
+            output = ExpertsOutput(f"{p}{fam.down}.{OUTPUT_MATRIX}", **scaling)
         elif fam.down_gate is not None:
-            output = GatedOutput(f"{p}{fam.down}.weight", **scale)
+            output = GatedOutput(f"{p}{fam.down}.weight", **scaling)
         elif fam.post_mlp_norm is not None:
-            output = ScaledMatrixOutput(f"{p}{fam.down}.weight", f"{p}{fam.post_mlp_norm}.weight", **scale)
+            output = ScaledMatrixOutput(f"{p}{fam.down}.weight", f"{p}{fam.post_mlp_norm}.weight", **scaling)
         elif getattr(down, "bias", None) is not None:
-            output = BiasOutput(f"{p}{fam.down}.bias", **scale)
+            output = BiasOutput(f"{p}{fam.down}.bias", **scaling)
         else:
-            output = MatrixOutput(f"{p}{fam.down}.weight", **scale)
+            output = MatrixOutput(f"{p}{fam.down}.weight", **scaling)
         sum_norm = None if fam.sum_norm is None else f"{p}{fam.sum_norm}"
         return Sites(inputs, output, None if parallel else f"{p}{fam.mlp}", sum_norm)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenpatch.arch.family import Family, Mixer, MoE
+from tokenpatch.arch.family import SELF_ATTN_QK, Family, Mixer, MoE
 from tokenpatch.arch.shared_experts import GATED_SHARED_INPUTS
 
 __all__ = ["HYBRIDS", "RECURRENT"]
@@ -46,7 +46,7 @@ _JAMBA = Family(  # Llama's attention or a Mamba layer; a dense SwiGLU MLP, or e
     mlp_norm="pre_ff_layernorm",
     inputs=("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
     down="feed_forward.down_proj",
-    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    lone_zero=SELF_ATTN_QK,
     value="self_attn.v_proj",
     mixers=(_MAMBA,),
 )
@@ -60,7 +60,7 @@ _LFM2 = Family(
     inputs=("feed_forward.w1.weight", "feed_forward.w3.weight"),
     down="feed_forward.w2",
     o_proj="self_attn.out_proj",
-    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    lone_zero=SELF_ATTN_QK,
     value="self_attn.v_proj",
     mixers=(Mixer("conv", "conv.out_proj", "gated short convolution"),),
 )
@@ -135,7 +135,7 @@ HYBRIDS: list[Family] = [
         mlp_norm="pre_ff_layernorm",
         inputs=("feed_forward.gate_proj.weight", "feed_forward.up_proj.weight"),
         down="feed_forward.down_proj",
-        lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+        lone_zero=SELF_ATTN_QK,
         mixers=(replace(_MAMBA2, beside=True),),
         out_scale=lambda config: config.mlp_multipliers[1],
     ),
@@ -159,7 +159,7 @@ HYBRIDS: list[Family] = [
         post_mlp_norm="post_feedforward_layernorm",
         inputs=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
         down="mlp.down_proj",
-        lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+        lone_zero=SELF_ATTN_QK,
         value="self_attn.v_proj",
         mixers=(
             Mixer(

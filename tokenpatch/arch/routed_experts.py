@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenpatch.arch.family import Family, MoE
+from tokenpatch.arch.family import PARALLEL, SELF_ATTN_QK, Family, MoE
 
 __all__ = ["ROUTED_EXPERTS"]
 
@@ -22,7 +22,7 @@ _MIXTRAL = Family(
     inputs=("mlp.gate.weight", "mlp.experts.gate_up_proj"),
     down="mlp.experts",
     moe=MoE(dense="llama"),
-    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    lone_zero=SELF_ATTN_QK,
     value="self_attn.v_proj",
 )
 ROUTED_EXPERTS: list[Family] = [
@@ -45,8 +45,7 @@ ROUTED_EXPERTS: list[Family] = [
         _MIXTRAL,
         name="cohere2_moe",
         model_types=("cohere2_moe",),
-        mlp_norm="input_layernorm",
-        parallel=lambda config: True,
+        **PARALLEL,
     ),
     # Granite's residual multiplier around the experts, named block_sparse_moe
     replace(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenpatch.arch.family import Family, Mixer, MoE
+from tokenpatch.arch.family import SELF_ATTN_QK, Family, Mixer, MoE
 
 __all__ = ["SHARED_EXPERTS", "GATED_SHARED_INPUTS"]
 
@@ -44,7 +44,7 @@ _SHARED = Family(
     inputs=_ROUTED_AND_SHARED,
     down="mlp.shared_experts.down_proj",
     moe=MoE(dense="llama", shared=True),
-    lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+    lone_zero=SELF_ATTN_QK,
     value="self_attn.v_proj",
 )
 _LATENT = Family(  # a plain MLP after an attention whose lone token runs the layer (DeepSeek V3's first layers)
@@ -86,7 +86,7 @@ SHARED_EXPERTS: list[Family] = [
         inputs=GATED_SHARED_INPUTS,
         down="mlp.shared_expert.down_proj",
         moe=MoE(dense="llama", shared_gate="mlp.shared_expert_gate"),
-        lone_zero=("self_attn.q_proj", "self_attn.k_proj"),
+        lone_zero=SELF_ATTN_QK,
         value="self_attn.v_proj",
     ),
     _SHARED,
