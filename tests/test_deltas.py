@@ -137,3 +137,24 @@ def test_finetuned_runs_through_the_one_delta_hook():
         want = x[2 * r : 2 * r + 2] @ (lin[0].weight + dw).T + lin[0].bias + 1
         torch.testing.assert_close(got[2 * r : 2 * r + 2], want, **TOL)
     assert tp.LowRank is LowRank
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_stacked_matrices_are_written_back_in_either_storage_layout(transposed):
+    """Stacked experts' output matrices, ``[E, out, in]`` or transposed ``[E, in, out]`` (gpt-oss, Aria):
+    the patch of the one matrix ``[out, E * in]`` (kept as its transpose ``[E * in, out]`` for the
+    transposed layout) is written back expert by expert, each block its expert's matrix."""
+    n_experts, out, width = 3, 5, 4
+    g = torch.Generator().manual_seed(0)
+    u, v = (
+        torch.randn(1, 1, 1, out, generator=g, dtype=torch.float64),
+        torch.randn(1, 1, 1, n_experts * width, generator=g, dtype=torch.float64),
+    )
+    one = u[0, 0, 0][:, None] * v[0, 0, 0][None, :]  # [out, E * in]: [D_1 ... D_E]
+    per_expert = one.unflatten(1, (n_experts, width)).movedim(1, 0)  # [E, out, in]
+    low, shape = (LowRank(v, u), (n_experts, width, out)) if transposed else (LowRank(u, v), (n_experts, out, width))
+    want = per_expert.transpose(1, 2) if transposed else per_expert
+    _close(dl.as_weight(low, shape)[0, 0], want)
+    assert (
+        dl.shape_for(low, shape) == low.shape == ((n_experts * width, out) if transposed else (out, n_experts * width))
+    )

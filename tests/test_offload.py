@@ -33,7 +33,19 @@ from conftest import ids  # noqa: E402
 # one design per output-side kind: a matrix (Llama), a matrix and a norm scale (Gemma 3), a bias (GPT-2),
 # stacked experts (Qwen3-MoE, with a plain-MLP layer; Mixtral); recurrent layers beside attention (LFM2, Qwen3-Next)
 # and alone (Mamba, no MLP); lightning attention and a normalised residual stream (MiniMax)
-NAMES = ["llama", "gemma3", "gpt2", "qwen3_moe", "mixtral", "lfm2", "qwen3_next", "mamba", "recurrent_gemma", "minimax"]
+NAMES = [
+    "llama",
+    "gemma3",
+    "gpt2",
+    "qwen3_moe",
+    "mixtral",
+    "gpt_oss",
+    "lfm2",
+    "qwen3_next",
+    "mamba",
+    "recurrent_gemma",
+    "minimax",
+]
 
 
 def split(name: str, folder, device_map: dict | None = None, whole=None):

@@ -202,7 +202,8 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
     for module_name, deltas in by_module.items():
         module = model.get_submodule(module_name)
         if set(deltas) == {OUTPUT_MATRIX} and stacked_experts(module, module_name):
-            hook = DeltaHook(module_name, patch, broadcast, any_length, weight=deltas[OUTPUT_MATRIX])
+            layout = weight_layout(module, module_name)  # [E, out, in] or [E, in, out]
+            hook = DeltaHook(module_name, patch, broadcast, any_length, weight=deltas[OUTPUT_MATRIX], layout=layout)
             pairs.append((module.register_forward_hook, hook.after_experts))
             continue
         if (

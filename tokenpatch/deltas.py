@@ -187,8 +187,13 @@ def as_weight(d: Delta, param_shape: tuple[int, ...]) -> Tensor:
 
 def shape_for(d: Delta, param_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The ``shape`` a delta of ``d``'s kind has for a parameter of ``param_shape``: the matrix it is
-    patched as (``lowrank.matrix_shape``) for a low-rank one, the parameter's own for a dense one."""
-    return matrix_shape(tuple(param_shape)) if is_lowrank(d) else tuple(param_shape)
+    patched as (``lowrank.matrix_shape``) for a low-rank one, the parameter's own for a dense one.
+    Stacked matrices have two storage layouts (``[E, out, in]``, ``[E, in, out]``), told apart by the
+    delta's own shape (``lowrank.as_parameter``): the one it matches, else the first."""
+    if not is_lowrank(d):
+        return tuple(param_shape)
+    shapes = [matrix_shape(tuple(param_shape), layout) for layout in ("out_in", "in_out")]
+    return next((s for s in shapes if s == d.shape), shapes[0])
 
 
 def cosine(a: Delta, b: Delta) -> Tensor:

@@ -86,7 +86,7 @@ def _layer_norms(model: nn.Module, adapter, patch: Patch) -> Tensor:
                 wd = (
                     torch.einsum("...oi,bqri->bqr...o", w, d.u)
                     if layout == "out_in"
-                    else torch.einsum("io,bqri->bqro", w, d.u)
+                    else torch.einsum("...io,bqri->bqr...o", w, d.u)
                 )
                 total = total + norm_of(LowRank(wd.flatten(3), d.v))[:, 0].double().square()
         for name in sites.output.names if sites.output is not None else ():

@@ -20,18 +20,26 @@ from tokenpatch.errors import InputError
 __all__ = ["LowRank", "norm_of", "check_finite", "matrix_shape", "as_parameter"]
 
 
-def matrix_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The matrix a parameter of ``shape`` is patched as: itself, or for stacked matrices ``[E, out, in]``
-    (a mixture of experts' output matrices, ``arch.experts``) the one matrix ``[out, E * in] = [D_1 ... D_E]``."""
-    return (shape[1], shape[0] * shape[2]) if len(shape) == 3 else tuple(shape)
+def matrix_shape(shape: tuple[int, ...], layout: str = "out_in") -> tuple[int, ...]:
+    """The matrix a parameter of ``shape`` is patched as: itself, or for stacked matrices (a mixture of
+    experts' output matrices, ``arch.experts``) the one matrix ``[out, E * in] = [D_1 ... D_E]``, stored
+    as the parameter is: ``[out, E * in]`` for ``[E, out, in]`` (``layout`` ``"out_in"``), its transpose
+    ``[E * in, out]`` (the rows of every expert's matrix) for ``[E, in, out]`` (``"in_out"``)."""
+    if len(shape) != 3:
+        return tuple(shape)
+    return (shape[1], shape[0] * shape[2]) if layout == "out_in" else (shape[0] * shape[1], shape[2])
 
 
 def as_parameter(dense: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """A patched matrix ``[*lead, *matrix_shape(shape)]`` laid out as its parameter ``[*lead, *shape]``."""
+    """A patched matrix ``[*lead, *matrix_shape(shape, layout)]`` laid out as its parameter ``[*lead, *shape]``.
+    The two layouts of stacked matrices are told apart by the patched matrix's shape (with more than one
+    expert ``[out, E * in]`` and ``[E * out, in]`` never agree; with one, both give the same parameter)."""
     if len(shape) != 3:
         return dense
-    n_experts, out, width = shape
-    return dense.unflatten(-1, (n_experts, width)).movedim(-2, -3)  # [*lead, out, E, in] -> [*lead, E, out, in]
+    n_experts, rows, cols = shape
+    if tuple(dense.shape[-2:]) == (n_experts * rows, cols):  # [E, in, out] stored as its rows
+        return dense.unflatten(-2, (n_experts, rows))  # [*lead, E * in, out] -> [*lead, E, in, out]
+    return dense.unflatten(-1, (n_experts, cols)).movedim(-2, -3)  # [*lead, out, E, in] -> [*lead, E, out, in]
 
 
 def _exponent(t: Tensor) -> Tensor:

@@ -144,7 +144,7 @@ def check_against_model(patch, model: nn.Module, cached: bool = True) -> None:
             if name not in patch.readers:
                 raise InputError(f"patch input change {name} names no matrices that read it (Patch.readers)")
             for reader, layout in patch.readers[name]:
-                width = None if reader not in params else params[reader].shape[-1 if layout == "out_in" else 0]
+                width = None if reader not in params else params[reader].shape[-1 if layout == "out_in" else -2]
                 if width is None or not dl.is_lowrank(d) or d.shape != (width, width):
                     raise InputError(
                         f"patch input change {name} ({d.shape if dl.is_lowrank(d) else 'dense'}) "

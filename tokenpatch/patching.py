@@ -277,6 +277,5 @@ def input_readers(model: nn.Module, adapter) -> dict[str, list[list[str]]]:
 
 
 def param_layout(model: nn.Module, name: str) -> str:
-    """A weight's layout; a tensor of stacked matrices (experts ``[E, out, in]``) is ``out_in``."""
-    module = model.get_submodule(name.rpartition(".")[0])
-    return weight_layout(module, name) if getattr(module, name.rpartition(".")[2]).ndim == 2 else "out_in"
+    """A weight's layout (``arch.weight_layout``; stacked experts: ``[E, out, in]`` or ``[E, in, out]``)."""
+    return weight_layout(model.get_submodule(name.rpartition(".")[0]), name)

@@ -53,7 +53,8 @@ def tiny_hf_config(name: str, **overrides):
 
 def tiny_hf_model(name: str, seed: int = 0, attn: str | None = None, **overrides) -> nn.Module:
     """A tiny random float64 causal LM of ``TINY_HF[name]`` (config fields ``overrides``) in eval mode, every
-    1-D parameter (norm weights, biases) moved off its init by ``N(0, 0.3^2)``, greedy generation to full length."""
+    1-D parameter (norm weights, biases) and stacked experts' biases moved off their init by ``N(0, 0.3^2)``,
+    greedy generation to full length."""
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
     attn = attn or ("eager" if name in EAGER_ONLY + NO_ATTENTION else "sdpa")
@@ -63,8 +64,8 @@ def tiny_hf_model(name: str, seed: int = 0, attn: str | None = None, **overrides
         tiny_hf_config(name, **overrides), attn_implementation=attn, **extra
     )
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:  # norm weights and biases
+        for name, p in model.named_parameters():
+            if p.ndim == 1 or name.endswith("_proj_bias"):  # norm weights and biases (stacked experts': [E, out])
                 p.add_(0.3 * torch.randn_like(p))
     model.generation_config.eos_token_id = None
     return model.double().eval()

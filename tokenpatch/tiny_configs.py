@@ -62,6 +62,18 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "MellumConfig",
         dict(KV, head_dim=16, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     ),
+    "gpt_oss": (  # sinks, experts stored transposed with biases; sliding and full attention layers
+        "GptOssConfig",
+        dict(
+            KV,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=4,
+            pad_token_id=0,
+        ),
+    ),
     "mimo_v2_flash": (  # sinks in the sliding-window layers, a dense first layer
         "MiMoV2FlashConfig",
         dict(
@@ -251,6 +263,7 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
     "mimo_v2_flash",
     "flint",
     "openai-gpt",
+    "gpt_oss",
 )
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (
@@ -263,6 +276,8 @@ MOE = (
     "granitemoe",
     "mellum",
     "mimo_v2_flash",
+    "gpt_oss",
+    "aria_text",
     "cohere2_moe",
     "lara_mini",
     "minimax",

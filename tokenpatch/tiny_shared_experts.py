@@ -28,6 +28,8 @@ LATENT = dict(  # DeepSeek's latent attention: queries and keys/values through l
 )
 TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
     # mixtures of experts with a shared expert added ungated, a plain MLP in the first layer
+    # Aria's text decoder: its experts stored transposed, a router named router
+    "aria_text": ("AriaTextConfig", dict(KV, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, pad_token_id=0)),
     "ernie4_5_moe": (
         "Ernie4_5_MoeConfig",
         dict(KV, moe_intermediate_size=32, moe_k=2, moe_num_experts=4, moe_num_shared_experts=1, pad_token_id=0),

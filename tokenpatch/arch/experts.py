@@ -14,8 +14,9 @@ in proportion to their routing weights: ``dD_{e_k} = w_k delta h_k^T / sum_j w_j
 
 Which experts modules this reads (``stacked_experts``): those ``transformers`` declares through
 ``use_experts_implementation`` (its attributes ``has_gate``, ``has_bias``, ``is_transposed``,
-``has_post_expert_norm``), stored ``[E, out, in]``, without a norm after each expert (its output
-would not be linear in ``D``).
+``has_post_expert_norm``), stored ``[E, out, in]`` or transposed ``[E, in, out]`` (gpt-oss: the patch of
+the one matrix is then kept as its transpose ``[E * in, out]``, as a Conv1D's, ``arch.layouts``),
+without a norm after each expert (its output would not be linear in ``D``).
 
 Its weights are read through ``offload.value``: the hooks that call ``scattered_hiddens`` run
 before or after the module's own forward, where ``accelerate`` has an offloaded module's stacked
@@ -47,8 +48,6 @@ def stacked_experts(module: nn.Module, name: str = "") -> bool:
             f"{what}: a norm after each expert makes the block's output nonlinear in its output matrices; "
             "tokenpatch patches experts whose outputs are summed as they are"
         )
-    if getattr(module, "is_transposed", False):
-        raise UnsupportedModelError(f"{what}: experts stored transposed ([E, in, out]) are not supported yet")
     return True
 
 
@@ -59,10 +58,11 @@ def scattered_hiddens(module: nn.Module, x: Tensor, index: Tensor, weights: Tens
     the routing weights, as the block passes them to ``module``. ``[D_1 ... D_E] z`` is the block's
     output without the experts' output biases. One pass per expert chosen by some token, as the
     module's own eager forward."""
-    n_experts, width = module.down_proj.shape[0], module.down_proj.shape[-1]  # [E, out, I] (meta keeps shapes)
+    transposed = module.is_transposed  # matrices stored [E, in, out] (gpt-oss), else [E, out, in]
+    n_experts, width = module.down_proj.shape[0], module.down_proj.shape[1 if transposed else 2]  # meta keeps shapes
     dt = torch.promote_types(x.dtype, weights.dtype)
     z = x.new_zeros(x.shape[0], n_experts, width, dtype=dt)  # [T, E, I]
-    inner = "gate_up_proj" if module.has_gate else "up_proj"  # [E, 2I or I, d]
+    inner = "gate_up_proj" if module.has_gate else "up_proj"  # [E, 2I or I, d] (transposed: [E, d, 2I or I])
     w = value(module, inner)
     b = value(module, f"{inner}_bias") if module.has_bias else None
     for e in index.unique().tolist():
@@ -70,7 +70,8 @@ def scattered_hiddens(module: nn.Module, x: Tensor, index: Tensor, weights: Tens
             continue
         tok, k = torch.where(index == e)  # [n], [n]
         xe = x[tok]  # [n, d]
-        a = Fn.linear(xe, w[e].to(xe.device), None if b is None else b[e].to(xe.device))
+        we = w[e].to(xe.device)
+        a = Fn.linear(xe, we.T if transposed else we, None if b is None else b[e].to(xe.device))
         # the module's own gating (concatenated or interleaved), or its activation
         h = module._apply_gate(a) if module.has_gate else module.act_fn(a)  # [n, I]
         z[tok, e] = h.to(dt) * weights[tok, k].to(dt)[:, None]

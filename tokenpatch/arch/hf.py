@@ -86,8 +86,11 @@ def _lone_pass(layers: list[tuple[Family, nn.Module]]) -> Iterator[None]:
     are never read; and a token alone attends to itself only, so its attention weight is 1 whatever
     its query and key are (``softmax`` of one score): zero queries and keys (and their norms and
     rotations: still zero) leave the attention output ``W_o v`` exactly as it is. Where the MLP reads
-    the residual stream itself (``Family.mlp_norm`` is ``None``) it stays: its input is ``m_0``."""
-    named = [((*([fam.mlp] if fam.mlp_norm is not None else []), *fam.lone_zero), layer) for fam, layer in layers]
+    the residual stream itself (``Family.mlp_norm`` is ``None``) it stays: its input is ``m_0``. Of a
+    mixture of stacked experts only the experts go (the block's router is cheap, and the block's own
+    output may be more than a tensor: gpt-oss's is ``(y, router scores)``)."""
+    skipped = [((fam.down if fam.experts else fam.mlp) if fam.mlp_norm is not None else None) for fam, _ in layers]
+    named = [((*([s] if s is not None else []), *fam.lone_zero), layer) for s, (fam, layer) in zip(skipped, layers)]
     saved = [[layer.get_submodule(n) for n in names] for names, layer in named]
     try:
         for names, layer in named:

@@ -47,6 +47,8 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "DeepseekV32TopkRouter": "out_in",
     "MiniMaxTopKRouter": "out_in",
     "GlmMoeDsaTopkRouter": "out_in",
+    "GptOssTopKRouter": "out_in",
+    "AriaTextTopKRouter": "out_in",
 }
 
 
@@ -57,7 +59,11 @@ def by_class(table: dict[str, Any], module: nn.Module) -> Any:
 
 
 def weight_layout(module: nn.Module, name: str = "") -> str:
-    """``"out_in"`` or ``"in_out"`` for ``module``'s weight, from its type (never its shape)."""
+    """``"out_in"`` or ``"in_out"`` for ``module``'s weight, from its type (never its shape); for the
+    stacked experts of ``transformers`` (``use_experts_implementation``) from what the module says of its
+    matrices: ``[E, out, in]``, or ``[E, in, out]`` where ``is_transposed`` (gpt-oss)."""
+    if isinstance(getattr(module, "is_transposed", None), bool) and hasattr(module, "has_gate"):
+        return "in_out" if module.is_transposed else "out_in"
     layout = by_class(WEIGHT_LAYOUTS, module)
     if layout is not None:
         return layout

@@ -226,12 +226,14 @@ class ExpertsOutput(MatrixOutput):
     kind: ClassVar[str] = "experts"
     plain: ClassVar[bool] = False
 
-    def token_deltas(self, model, m_c, m_0, rec):
-        return {self.name: solve.minimal_patch(self.shift(m_c, m_0, rec), rec.hidden)}  # stored [E, out, in]
+    def token_deltas(self, model, m_c, m_0, rec):  # stored [out, E * in], or its transpose ([E, in, out])
+        return {
+            self.name: stored(solve.minimal_patch(self.shift(m_c, m_0, rec), rec.hidden), _layout(model, self.name))
+        }
 
     def stream(self, model, rec, out, mine, patched, sum_norm):
-        delta = mine[self.name]
-        change = delta.index((0, 0)).matvec(rec.hidden.to(delta.dtype))
+        delta = stored(mine[self.name].index((0, 0)), _layout(model, self.name))  # [out, E * in]
+        change = delta.matvec(rec.hidden.to(delta.dtype))
         return out + (change * self.scale).to(out.dtype)
 
 

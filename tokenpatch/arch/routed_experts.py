@@ -1,5 +1,5 @@
 """Mixtures of experts without a shared expert (Mixtral's form): Mixtral, Qwen3-MoE, OLMoE, MiniMax-M2,
-Mellum, PhiMoE, MiMo-V2-Flash, Cohere 2-MoE and Granite-MoE.
+Mellum, PhiMoE, MiMo-V2-Flash, gpt-oss, Cohere 2-MoE and Granite-MoE.
 
 The router and every expert read the MLP input ``s``, so one input change patches them all (the same
 experts are chosen, with the same routing weights); the output shift ``m_C - m_0`` goes into the chosen
@@ -38,6 +38,17 @@ ROUTED_EXPERTS: list[Family] = [
         lone_zero=(),
         value=None,
         moe=MoE(dense="latent_attention"),
+    ),
+    # gpt-oss: sinks in every layer's attention (a token alone runs the layers), a router with a bias,
+    # experts stored transposed ([E, in, out], arch.experts) with biases and a clamped, interleaved GLU
+    replace(
+        _MIXTRAL,
+        name="gpt_oss",
+        model_types=("gpt_oss",),
+        inputs=("mlp.router.weight", "mlp.experts.gate_up_proj"),
+        lone_zero=(),
+        value=None,
+        moe=MoE(dense=None),
     ),
     # Cohere 2's parallel block (attention and MLP read one norm of the layer input): no input change, the
     # whole difference in the experts

@@ -1,6 +1,7 @@
 """Mixtures of experts with a shared expert: Qwen2-MoE's, scaled by a gate; and added as it is (no gate):
 DeepSeek V2/V3, GLM-4-MoE (and its latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, HunYuan V3,
-Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Laguna, MiniCPM 5, Flint, and the hybrid Kimi Linear.
+Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), Laguna, MiniCPM 5, Flint, and the
+hybrid Kimi Linear.
 
 The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
 read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
@@ -78,6 +79,13 @@ _INDEXER = Mixer(
 # latent attention in the others, every one named ``self_attn`` (told apart by class)
 _KDA = Mixer("self_attn", "self_attn.o_proj", "Kimi delta attention", classes=("KimiLinearDeltaAttention",))
 SHARED_EXPERTS: list[Family] = [
+    # Aria's text decoder: a router named router, experts stored transposed ([E, in, out], arch.experts)
+    replace(
+        _SHARED,
+        name="aria",
+        model_types=("aria_text",),
+        inputs=("mlp.router.weight", *_ROUTED_AND_SHARED[1:]),
+    ),
     # Qwen2-MoE: the output shift goes into the shared expert's down_proj, divided by its sigmoid gate
     Family(
         name="qwen2_moe",

@@ -171,7 +171,7 @@ def solve_output(
     if output == "affine":
         dw = a[:, :-1] if affine else a  # [d, d_hidden]  math layout
         w = model.get_parameter(matrix)
-        layout = weight_layout(model.get_submodule(matrix.rpartition(".")[0]), matrix) if w.ndim == 2 else "out_in"
+        layout = weight_layout(model.get_submodule(matrix.rpartition(".")[0]), matrix)
         if parts is not None and layout != "out_in":
             parts = (parts[1].T, parts[0].T)
         deltas[matrix] = factor(dw if layout == "out_in" else dw.T, parts).to(w.dtype)
