@@ -84,7 +84,10 @@ def float64_norms() -> Iterator[None]:
     """Inside the block, the RMSNorms after the MLP whose scale a patch changes (Gemma 2/3, OLMo 2/3, EXAONE 4, GLM-4),
     which compute in float32 whatever the model dtype, compute in the input's dtype; restored on exit.
     With them a float64 model's patch is exact to ~1e-15 (without, to that float32 rounding). Which
-    norms, and their offsets: the norm table ``tokenpatch.arch.norms.NORMS`` (its entries with a ``home``)."""
+    norms, and their offsets: the norm table ``tokenpatch.arch.norms.NORMS`` (its entries with a ``home``).
+    The class's ``forward`` is swapped, so a model that ``accelerate`` dispatched (``device_map``, offload)
+    keeps the forward its hooks bound when it was loaded: load such a model inside the block (its norms
+    then compute in the input's dtype for as long as it lives)."""
     saved = []
     try:
         for cls, norm in NORMS.items():
