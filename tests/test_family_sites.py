@@ -4,6 +4,7 @@ modules named by role and position; a layer's recording is its table of named si
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -119,3 +120,28 @@ def test_the_spelling_of_0_2_still_builds_the_record_with_a_warning():
     assert moe.experts and moe.moe.dense == "llama" and moe.post_mlp_norm == "post_feedforward_layernorm"
     with pytest.warns(DeprecationWarning, match="post_mlp_norm"):
         assert moe.out_norm == "post_feedforward_layernorm"
+
+
+def test_one_call_looks_each_layer_up_once_and_the_next_call_again(monkeypatch):
+    """``Adapter.fixed``: inside ``token_patch``, ``generate`` and ``trajectory`` each layer's sites are
+    looked up once (not once per pass and step); the next call looks again, so a model changed between
+    calls (a layer's MLP given another object) is read as it is then."""
+    model, x = build("llama"), ids(1, 6)
+    calls = []
+    look_up = HFModules._look_up_sites
+    monkeypatch.setattr(HFModules, "_look_up_sites", lambda self, m, i: calls.append(i) or look_up(self, m, i))
+    n = HFModules().n_layers(model)
+    for run in (
+        lambda: tp.token_patch(model, x, query="all"),
+        lambda: tp.generate(model, x, max_new_tokens=3, progress=False),
+        lambda: tp.trajectory(model, x),
+    ):
+        calls.clear()
+        run()
+        assert sorted(calls) == list(range(n))
+    before = HFModules().sites(model, 0)
+    model.model.layers[0].mlp = copy.deepcopy(model.model.layers[0].mlp)
+    assert HFModules().sites(model, 0) == before  # the names are the same; the call looked them up again
+    assert len(calls) == n + 2
+    patch = tp.token_patch(model, x)
+    assert tp.verify(model, patch, x).max_abs <= 1e-12

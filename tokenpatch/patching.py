@@ -173,12 +173,14 @@ def token_patch(
     that stand alone.
     """
     adapter = adapter_for(model)
-    inputs = adapter.check_inputs(model, inputs)
-    batch = adapter.batch_size(inputs)
-    plan = _plan(adapter, inputs, query, remove, keep_bos)
-    check_own_weights(model, adapter)
-    # token ids: the patch keeps a fingerprint of the no-context tokens it runs on (None for embeddings)
-    return _patch(model, adapter, inputs, plan, batch, progress).replace(tokens=made_on(adapter, inputs, plan, batch))
+    with adapter.fixed(model):  # the module map looked up once for the whole call
+        inputs = adapter.check_inputs(model, inputs)
+        batch = adapter.batch_size(inputs)
+        plan = _plan(adapter, inputs, query, remove, keep_bos)
+        check_own_weights(model, adapter)
+        patch = _patch(model, adapter, inputs, plan, batch, progress)
+        # token ids: the patch keeps a fingerprint of the no-context tokens it runs on (None for embeddings)
+        return patch.replace(tokens=made_on(adapter, inputs, plan, batch))
 
 
 def check_own_weights(model: nn.Module, adapter) -> None:

@@ -243,6 +243,13 @@ class Adapter:
             return layered.trace(self, model, inputs, query, on_layer)
         self._missing("trace")
 
+    @contextlib.contextmanager
+    def fixed(self, model: nn.Module) -> Iterator[None]:
+        """While the block runs, ``model``'s module map (its layers, each layer's record and ``sites``) may be
+        looked up once and kept: one method's passes read it once, not once per layer and pass. Nothing
+        inside may restructure the model (replace a module the map names). The default keeps nothing."""
+        yield
+
     def alone_anchor(self, model: nn.Module) -> Callable | None:
         """Where each query alone needs no pass of its own: ``(i, states) -> (m_0, s_0)``, its anchor at
         layer ``i`` from that layer's with-context states; else ``None`` (``anchors`` runs the pass)."""

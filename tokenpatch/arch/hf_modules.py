@@ -8,8 +8,10 @@ methods of ``Adapter`` that name modules and parameters, not the ones that run t
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -29,6 +31,19 @@ from tokenpatch.per_model import PerModel
 __all__ = ["HFModules"]
 
 _PREFIXES: PerModel[tuple[nn.ModuleList, list[str]]] = PerModel()  # model -> (its layers, their names)
+# inside ``HFModules.fixed``: (what, model id, layer) -> (the model, what was looked up)
+_KEPT: ContextVar[dict | None] = ContextVar("tokenpatch_module_map", default=None)
+
+
+def _kept(model: nn.Module, key: tuple, look_up: Callable[[], Any]) -> Any:
+    """``look_up()``, once per ``fixed`` block and ``model`` (every time outside one)."""
+    kept = _KEPT.get()
+    if kept is None:
+        return look_up()
+    found = kept.get((id(model), *key))
+    if found is None or found[0] is not model:
+        found = kept[(id(model), *key)] = (model, look_up())
+    return found[1]
 
 
 class HFModules(Adapter):
@@ -40,7 +55,22 @@ class HFModules(Adapter):
         holds for the config (``None``: not a known design)."""
         config = getattr(model, "config", None)
         mt = getattr(config, "model_type", None)
-        return next((f for f in FAMILIES if mt in f.model_types and f.when(config)), None)
+        return _kept(
+            model, ("family",), lambda: next((f for f in FAMILIES if mt in f.model_types and f.when(config)), None)
+        )
+
+    @contextlib.contextmanager
+    def fixed(self, model: nn.Module) -> Iterator[None]:
+        """The family, each layer's record and ``sites`` looked up once while the block runs (``_kept``);
+        a block inside another keeps the outer one's."""
+        if _KEPT.get() is not None:
+            yield
+            return
+        token = _KEPT.set({})
+        try:
+            yield
+        finally:
+            _KEPT.reset(token)
 
     def matches(self, model: nn.Module) -> bool:
         return self.family(model) is not None
@@ -67,6 +97,9 @@ class HFModules(Adapter):
         """The family record of layer ``i``: the model's, or its ``MoE.dense`` one where the layer has a
         plain MLP (a mixture-of-experts model's dense layers), as the layer's mixer has it (``Family.at``:
         a hybrid model's recurrent layers)."""
+        return _kept(model, ("layer", i), lambda: self._look_up_layer(model, i))
+
+    def _look_up_layer(self, model: nn.Module, i: int) -> Family:
         layer = self.layers(model)[i]
         fam = self.family(model).at(layer)
         try:
@@ -115,6 +148,9 @@ class HFModules(Adapter):
             )
 
     def sites(self, model: nn.Module, i: int) -> Sites:
+        return _kept(model, ("sites", i), lambda: self._look_up_sites(model, i))
+
+    def _look_up_sites(self, model: nn.Module, i: int) -> Sites:
         (fam, layer), p = self._layer(model, i), self._prefix(model, i)
         parallel = fam.parallel(model.config)
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)

@@ -151,18 +151,19 @@ def trajectory(
     batch, n = adapter.batch_size(inputs), q + 1
     parts: dict[int, tuple[dict, dict]] = {}  # first prefix of a chunk -> its deltas, its increments
     dtype = None
-    for group in _regime_groups(adapter.length_scaling(model), n):
-        rows = adapter.prefixes(model, inputs, q, group, steps)
-        for i, chunk, rec, anchor, step in progress_bar(rows, progress, desc="trajectory", unit="layer"):
-            deltas, increments = parts.setdefault(chunk.start, ({}, {}))
-            deltas.update(recorded_patch(model, adapter, i, rec, anchor, list(chunk)))
-            if step is not None:  # anchored at the row read one context token earlier
-                increments.update(recorded_patch(model, adapter, i, rec, step, list(chunk)))
-            dtype = rec.out.dtype
-    order = sorted(parts)
-    meta = provenance(model, adapter, batch, dtype)
-    record = {**meta, "trajectory": {"query": q, "n_context": q}}
-    readers = input_readers(model, adapter)
+    with adapter.fixed(model):  # the module map looked up once for the whole call
+        for group in _regime_groups(adapter.length_scaling(model), n):
+            rows = adapter.prefixes(model, inputs, q, group, steps)
+            for i, chunk, rec, anchor, step in progress_bar(rows, progress, desc="trajectory", unit="layer"):
+                deltas, increments = parts.setdefault(chunk.start, ({}, {}))
+                deltas.update(recorded_patch(model, adapter, i, rec, anchor, list(chunk)))
+                if step is not None:  # anchored at the row read one context token earlier
+                    increments.update(recorded_patch(model, adapter, i, rec, step, list(chunk)))
+                dtype = rec.out.dtype
+        order = sorted(parts)
+        meta = provenance(model, adapter, batch, dtype)
+        record = {**meta, "trajectory": {"query": q, "n_context": q}}
+        readers = input_readers(model, adapter)
 
     def joined(k: int) -> Patch:  # the chunks' deltas along the prefix dim, prefix 0 exactly zero
         deltas = {name: _cat([parts[a][k][name] for a in order]) for name in parts[order[0]][k]}
