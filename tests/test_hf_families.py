@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,11 @@ def test_hyperclovax_with_a_residual_multiplier_is_refused_by_its_design():
     model = tp.testing.tiny_hf_model("hyperclovax", residual_multiplier=0.5)
     with pytest.raises(tp.UnsupportedModelError, match=r"configuration of model_type 'hyperclovax'.*hyperclovax"):
         tp.token_patch(model, torch.zeros(1, 3, dtype=torch.long) + 5)
+
+
+def test_the_docs_table_has_a_row_for_every_tiny_model():
+    """``docs/hugging-face.md``'s family table (``python benchmarks/hf_families.py --table``) has a row for
+    every tiny model the tests run (its first column)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hugging-face.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")}
+    assert sorted(set(CONFIGS) - rows) == []
