@@ -31,6 +31,12 @@ reported as the median of the rounds and their spread (min-max). ``what``:
 
 ``x fwd`` / ``x body``: the time over ``forward`` / ``body`` timed in the same worker, interleaved
 with it (same process, same load; the ``forward`` row's own ``x fwd`` is 1 by construction).
+``first-touched MiB``: the minor page faults of the median round's call (and of the ``body`` call beside it),
+as MiB: memory the kernel had to hand over and zero for it (4 KiB pages). The factors a call returns are
+new memory, so at least their size is touched for the first time in every call; with the default
+allocator about 0.07x of SmolLM2's body. ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's huge pages for large
+tensors) or glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` change how much, and are
+recorded with the results.
 ``peak MiB``: ``ru_maxrss`` of the worker (interpreter, torch, model, inputs, one call of ``what``);
 ``increase MiB``: that minus the RSS after loading the model and the inputs and reading every
 weight once (the cached safetensors are memory-mapped: unread, the weights would count as part of
@@ -44,6 +50,7 @@ Prints a markdown table; writes ``benchmarks/results/hf_patch_cost.json``.
 
     TOKENPATCH_CACHE=/tmp/tpcache python benchmarks/hf_patch_cost.py      # a few minutes
     OMP_WAIT_POLICY=PASSIVE python benchmarks/hf_patch_cost.py              # on a shared machine
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/hf_patch_cost.py --what forward,body,"patch all"   # the target only
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -75,6 +83,8 @@ WHATS = ("forward", "body", "patch last", "patch all", "tp.generate", "HF genera
 PER_TOKEN = ("tp.generate", "HF generate")
 CONTEXT, PROMPT, LOW, HIGH = 512, 64, 100, 20000
 TARGET = 1.15  # x body
+# how the process gets fresh memory: PyTorch's huge pages for large tensors, glibc's malloc thresholds
+MEMORY_ENV = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 
 def log(msg: str) -> None:
@@ -98,15 +108,21 @@ def factors_mib(patch) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
-def timed(fns: dict, repeats: int) -> dict[str, list[tuple[float, float]]]:
-    """Per key, the (wall, CPU) seconds of each of ``repeats`` rounds, the calls interleaved within each
-    round so that drift in machine load hits them alike (a round's ratios compare calls run side by side)."""
-    rounds: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
+def minor_faults() -> int:
+    """The process's minor page faults so far (``ru_minflt``): each is a 4 KiB page touched for the first time."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed(fns: dict, repeats: int) -> dict[str, list[tuple[float, float, int]]]:
+    """Per key, the (wall seconds, CPU seconds, minor page faults) of each of ``repeats`` rounds, the calls
+    interleaved within each round so that drift in machine load hits them alike (a round's ratios
+    compare calls run side by side)."""
+    rounds: dict[str, list[tuple[float, float, int]]] = {k: [] for k in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
             fn()
-            rounds[key].append((time.perf_counter() - t0, time.process_time() - c0))
+            rounds[key].append((time.perf_counter() - t0, time.process_time() - c0, minor_faults() - f0))
     return rounds
 
 
@@ -153,7 +169,7 @@ def worker(spec: dict) -> None:
     fns["forward"](), fns["body"]()  # their warm-ups
     rounds = timed({k: fns[k] for k in dict.fromkeys((spec["what"], "forward", "body"))}, spec["repeats"])
     unit = n if spec["what"] in PER_TOKEN else 1
-    walls = {k: [w for w, _ in v] for k, v in rounds.items()}
+    walls = {k: [w for w, _, _ in v] for k, v in rounds.items()}
     # per round, the call over the forward / body run beside it; the median of the rounds, and their spread
     x_forward = [w / unit / f for w, f in zip(walls[spec["what"]], walls["forward"])]
     x_body = [w / unit / b for w, b in zip(walls[spec["what"]], walls["body"])]
@@ -161,7 +177,9 @@ def worker(spec: dict) -> None:
     c = model.config
     out.update(
         seconds=seconds,
-        cpu_s=statistics.median(cpu for _, cpu in rounds[spec["what"]]),
+        cpu_s=statistics.median(cpu for _, cpu, _ in rounds[spec["what"]]),
+        faults=statistics.median(f for _, _, f in rounds[spec["what"]]),
+        body_faults=statistics.median(f for _, _, f in rounds["body"]),
         per_unit_s=seconds / unit,
         forward_s=statistics.median(walls["forward"]),
         body_s=statistics.median(walls["body"]),
@@ -182,6 +200,11 @@ def worker(spec: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- driver side
+def touched_mib(faults: float) -> float:
+    """Minor page faults as MiB of memory touched for the first time (4 KiB pages)."""
+    return faults * 4 / 1024
+
+
 def note(row: dict, rows: list[dict]) -> str:
     """The generate rows: tp.generate against HF decoding per token, and whether the tokens match."""
     if row["what"] != "tp.generate":
@@ -204,6 +227,9 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=5, help="timed rounds per configuration after a warm-up, the median reported"
     )
+    ap.add_argument(
+        "--what", default=",".join(WHATS), help=f"comma-separated rows to measure (default: all of {', '.join(WHATS)})"
+    )
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens generated by the two generate rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per worker process before it is abandoned")
@@ -213,6 +239,10 @@ def main() -> None:
     if args.worker is not None:
         worker(json.loads(args.worker))
         return
+    whats = [w.strip() for w in args.what.split(",") if w.strip()]
+    unknown = [w for w in whats if w not in WHATS]
+    if unknown:
+        sys.exit(f"hf_patch_cost: --what {unknown}: not a row; choose among {', '.join(WHATS)}")
     models = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         try:
@@ -231,7 +261,7 @@ def main() -> None:
 
     rows = []
     for name in models:
-        for what in WHATS:
+        for what in whats:
             log(f"{name} {what} ...")
             spec = {
                 "model": name,
@@ -253,25 +283,29 @@ def main() -> None:
             )
     total, load_after = time.perf_counter() - start, os.getloadavg()[0]
 
-    print("| model | what | seconds | x fwd | x body | x body spread | peak MiB | increase MiB | factors MiB | note |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print(
+        "| model | what | seconds | x fwd | x body | x body spread | peak MiB | increase MiB | factors MiB "
+        "| first-touched MiB (body's) | note |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['what']} | {r['error']} | | | | | | | |")
+            print(f"| {r['model']} | {r['what']} | {r['error']} | | | | | | | | |")
             continue
         factors = f"{r['factors_mib']:.0f}" if "factors_mib" in r else ""
         unit = " / token" if r["what"] in PER_TOKEN else ""
         print(
             f"| {r['model']} | {r['what']} | {r['per_unit_s']:.3f}{unit} | {r['x_forward']:.2f} | {r['x_body']:.2f} "
             f"| {min(r['x_body_rounds']):.2f}-{max(r['x_body_rounds']):.2f} "
-            f"| {r['peak_mib']:.0f} | {r['increase_mib']:.0f} | {factors} | {note(r, rows)} |"
+            f"| {r['peak_mib']:.0f} | {r['increase_mib']:.0f} | {factors} "
+            f"| {touched_mib(r['faults']):.0f} ({touched_mib(r['body_faults']):.0f}) | {note(r, rows)} |"
         )
     print(
         f"\nprompt {CONTEXT} random tokens (generate: its first {PROMPT}, {args.new_tokens} new tokens, time / token "
         f"incl. the prefill); x fwd / x body: over model(ids) / model.base_model(ids) on the {CONTEXT} tokens, "
         f"timed interleaved in the same worker, the median of {args.repeats} rounds (spread: their min-max); seconds: "
         "the median call; peak: ru_maxrss of the worker; increase: over its RSS after loading "
-        "(weights paged in)."
+        "(weights paged in); first-touched: minor page faults of the median round, as MiB."
     )
     verdicts = {}
     for name in models:
@@ -283,6 +317,10 @@ def main() -> None:
         fwd = next((f for f in rows if f["model"] == name and f["what"] == "forward" and "error" not in f), None)
         memory = f"; factors {r['factors_mib']:.0f} MiB" + (
             f" (the forward's increase: {fwd['increase_mib']:.0f} MiB)" if fwd else ""
+        )
+        memory += (
+            f"; memory touched for the first time per call {touched_mib(r['faults']):.0f} MiB "
+            f"(the body's beside it: {touched_mib(r['body_faults']):.0f} MiB)"
         )
         print(
             f"{name}: patches of all layers and all {CONTEXT} positions cost {r['x_body']:.2f}x the body's forward "
@@ -305,7 +343,7 @@ def main() -> None:
             "loadavg_1min_before": load_before,
             "loadavg_1min_after": load_after,
             "processor": platform.processor(),
-            "env": {k: os.environ.get(k) for k in ENV_KEYS},
+            "env": {k: os.environ.get(k) for k in (*ENV_KEYS, *MEMORY_ENV)},
         }
     )
     write_results(args, rows)
