@@ -8,7 +8,8 @@ refusal now given (class, first 120 characters), or a command's exit status, tra
 last stderr line. An "after" that is neither an error <= 1e-12 nor the expected one-line refusal or outcome
 is marked NOT FIXED. The guarding tests: tests/test_offload.py, test_rotary_scaling.py,
 test_no_silent_patches.py, test_cli_compress_prompts.py, test_cli_inputs.py, test_lora_dense_moe.py,
-test_verify_why.py.
+test_verify_why.py. Cases 4 and 5 are in ``silent_answers_cli.py``, what the cases share in
+``silent_answers_tools.py``.
 
     python benchmarks/silent_answers.py                 # every case (about 5 minutes on 2 cores; SmolLM2's
                                                         # first load converts it, a minute more)
@@ -22,12 +23,8 @@ import argparse
 import copy
 import functools
 import logging
-import math
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +35,10 @@ import torch
 
 import tokenpatch as tp
 from tokenpatch.testing import MOE, float64_norms, tiny_hf_model
-from tokenpatch.workbench.cli.args import read_text_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from silent_answers_cli import case_4a, case_4bcd, case_4efg, case_5  # noqa: E402
+from silent_answers_tools import NOT_FIXED, cell, folder, gap, ids, quiet_thought, refused, use_scratch  # noqa: E402
 
 # row: what is measured | before (issue 41's figure)
 ISSUE = """
@@ -82,54 +82,6 @@ ISSUE = """
 5 exaone4: tp.verify on tiny EXAONE 4 (float64) | ok() False (max abs ~1e-6, float32 norms), no hint
 """
 ROWS = {k: tuple(v.split(" | ")) for k, _, v in (r.partition(": ") for r in ISSUE.strip().splitlines())}
-TOL, NOT_FIXED, LM = 1e-12, "**NOT FIXED**", "smollm2-135m"
-SCRATCH = Path(tempfile.gettempdir())  # main() makes a folder of its own, removed at the end
-
-
-def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(1, 101, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def folder(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=SCRATCH))
-
-
-def gap(a, b) -> float:
-    """The largest difference of two tensors, or of two patches' dense deltas (inf if their keys differ)."""
-    if isinstance(a, torch.Tensor):
-        return float((a.double() - b.double()).abs().max())
-    a, b = a.dense(), b.dense()
-    return max(gap(a[k], b[k]) for k in a) if a.keys() == b.keys() else math.inf
-
-
-def refused(fn, match: str) -> str:
-    """The refusal ``fn()`` gives, in one line; NOT FIXED if it runs, raises anything but a tokenpatch
-    error, in more than one line, or without ``match``."""
-    try:
-        fn()
-    except Exception as exc:  # what it raises is the measurement
-        text = f"{type(exc).__name__}: {str(exc)[:120]}".replace("\n", "\\n")
-        good = isinstance(exc, tp.TokenpatchError) and "\n" not in str(exc) and re.search(match, str(exc))
-        return text if good else f"{NOT_FIXED} {text}"
-    return f"{NOT_FIXED} ran without an error"
-
-
-def cell(values: dict) -> str:
-    """``name value; ...``: errors as ``.1e`` (NOT FIXED above 1e-12, or NaN), texts as they are."""
-    parts, bad = [], False
-    for name, v in values.items():
-        if isinstance(v, float):
-            bad, v = bad or not v <= TOL, f"{v:.1e}"
-        else:
-            bad, v = bad or NOT_FIXED in v, v.replace(NOT_FIXED, "").strip()
-        parts.append(f"{name} {v}" if name else v)
-    return ((f"{NOT_FIXED}: " if bad else "") + "; ".join(parts)).replace("|", "\\|")
-
-
-def quiet_thought(model, prompt, calibration, **kw):
-    with warnings.catch_warnings():  # few calibration queries: rank-deficient, as in the tests
-        warnings.simplefilter("ignore", tp.ThoughtWarning)
-        return tp.thought_patch(model, prompt, calibration, progress=False, **kw)
 
 
 # ----------------------------------------------------------------------------------------- 1. offload
@@ -336,112 +288,6 @@ def case_3e():
         os.chdir(cwd)
 
 
-# ------------------------------------------------------------------------------------- 4. command line
-def cli(argv: str | list, cwd: Path, interrupt_on: str | None = None) -> dict:
-    """The installed ``tokenpatch`` run in ``cwd`` (``interrupt_on``: Ctrl-C once that path exists there)."""
-    command = shutil.which("tokenpatch", path=str(Path(sys.executable).parent)) or "tokenpatch"
-    start, argv = time.perf_counter(), argv.split() if isinstance(argv, str) else argv
-    proc = subprocess.Popen([command, *argv], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    while interrupt_on and proc.poll() is None and not (cwd / interrupt_on).exists():
-        time.sleep(0.01)
-    if interrupt_on and proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    out, err = (s.decode(errors="replace") for s in proc.communicate())
-    lines, took = err.strip().splitlines() or [""], time.perf_counter() - start
-    return dict(rc=proc.returncode, tb="Traceback" in out + err, last=lines[-1], n=len(lines), s=took)
-
-
-def said(run: dict, rc: int, match: str = "") -> str:
-    """``rc N, traceback or not, seconds, the last stderr line``: NOT FIXED unless exit status ``rc`` without
-    a traceback, and for an error one stderr line with ``match``."""
-    good = run["rc"] == rc and not run["tb"] and (rc == 0 or (run["n"] == 1 and re.search(match, run["last"])))
-    tb, line = "traceback" if run["tb"] else "no traceback", f"`{run['last']}`" if run["last"] else "stderr empty"
-    return f"{'' if good else NOT_FIXED + ' '}rc {run['rc']}, {tb}, {run['s']:.0f} s, {line}"
-
-
-PROMPTS = {  # the issue's prompts, as tests/test_cli_compress_prompts.py writes them
-    "greeting": "Hello",
-    "instruction": "Translate the English word into French.",
-    "persona": "You are a pirate. Answer every question like one.",
-    "plain text": "The river ran cold through the valley, past the mill and the old stone bridge.",
-    "arrow pairs": "hot -> cold\nbig -> small\n",
-    "one line Q A": "Q: hot A: cold",
-}
-
-
-def case_4a(all_prompts: bool):
-    for kind, prompt in PROMPTS.items():
-        for n in (1, 8) if all_prompts or kind == "greeting" else (1,):
-            where, argv = folder("compress-"), f"--model {LM} --calibration {n} --out p.safetensors --quiet"
-            run = cli(["compress", "--prompt", prompt, *argv.split()], where)
-            out = {"": said(run, 0)}
-            if run["rc"] == 0:
-                out["tp.load_patch reads"] = f"{len(list(tp.load_patch(where / 'p.safetensors').keys()))} tensors"
-            yield f"4a/{kind}, --calibration {n}", out
-    run = cli(["compress", "--model", LM, "--prompt", " \t\n ", "--out", "p.safetensors"], folder("compress-"))
-    yield "4a whitespace", {"": said(run, 2, "only whitespace")}
-
-
-def pairs(path: Path, n: int, head: str = "", tail: str = "") -> str:
-    path.write_text(head + "".join(f"word{i}\tWORD{i}\n" for i in range(n)) + tail, encoding="utf-8")
-    return path.name
-
-
-def case_4bcd():
-    where, compress = folder("cli-"), f"compress --model {LM} "
-    long = pairs(where / "long.tsv", 90, tail="x\t" + "y" * 2_000_000 + "\n")
-    yield "4b", {"": said(cli(compress + f"--task-file {long} --out c", where), 2, "characters long")}
-    (where / "q.txt").write_text("\ufeffhot\nbig\n", encoding="utf-8")
-    pairs(where / "bom.tsv", 90, head="\ufeff")
-    firsts = [read_text_file(str(where / f), "--queries").splitlines()[0] for f in ("bom.tsv", "q.txt")]
-    out = {"first lines read": " and ".join(map(repr, firsts)) + NOT_FIXED * ("\ufeff" in "".join(firsts))}
-    run = cli(compress + "--prompt Opposites. --queries q.txt --ridge 1 --out p.safetensors --quiet", where)
-    yield "4c", {**out, "compress --queries (the BOM file)": said(run, 0)}
-    own = compress + "--prompt Q: --calibration 1 "
-    out = {"--out X --lora X": said(cli(own + "--out X --lora X", where), 2, "would be the --lora folder")}
-    out["X written"] = str((where / "X").exists())
-    yield "4d", {**out, "--lora without --model": said(cli("compress --out p --lora l", where), 2, "add --model")}
-
-
-@torch.no_grad()
-def case_4efg():
-    from peft import PeftModel
-
-    model, where = tiny_hf_model("qwen3_moe", mlp_only_layers=[0, 1, 2]), folder("cli-")
-    fit, x = quiet_thought(model, ids(1, 6, 3)[0], ids(16, 4, 4)), ids(3, 9, 5)
-    tp.save_lora(model, fit, where / "dense")
-    with tp.apply(model, fit.patch):
-        want = model(x).logits
-    yield "4e", {"": gap(PeftModel.from_pretrained(copy.deepcopy(model), where / "dense").eval()(x).logits, want)}
-    markov = "markov train --steps 100 --length 8 --d-model 8 --layers 1 --chains 1 --states 2 --batch-size 2 --quiet"
-    cut = cli(f"{markov} --out run", where, interrupt_on="run/step-0000000.safetensors")  # at its first file
-    out = {"Ctrl-C": f"rc {cut['rc']}, left [{', '.join(p.name for p in (where / 'run').iterdir())}]"}
-    (where / "early").mkdir()  # stopped in its first evaluation (as tests/test_cli_inputs.py leaves it)
-    (where / "early" / "step-0000000.safetensors").write_bytes(b"")
-    out["rerun"] = said(cli(f"{markov} --out run", where), 0)
-    yield "4f", {**out, "rerun on an empty first snapshot": said(cli(f"{markov} --out early", where), 0)}
-    llama = tiny_hf_model("llama")
-    tp.save_lora(llama, quiet_thought(llama, ids(1, 6)[0], ids(6, 3, 2)), where / "p-lora")
-    run = cli(f"generate --model {LM} --prompt a --patch p-lora/adapter_model.safetensors", where)
-    yield "4g lora", {"": said(run, 2, "is a peft LoRA adapter's weights")}
-    run = cli(["generate", "--model", LM, "--prompt", b"Q: a\nA: caf\xe9\n"], where)  # a Latin-1 byte
-    yield "4g utf8", {"": said(run, 2, "not UTF-8")}
-
-
-# ------------------------------------------------------------------------------------ 5. verify's note
-@torch.no_grad()
-def case_5():
-    for name in ("olmo2", "exaone4"):
-        model, x = tiny_hf_model(name), ids(2, 9)
-        result = tp.verify(model, tp.token_patch(model, x), x)
-        with float64_norms():
-            exact = tp.verify(model, tp.token_patch(model, x), x).max_abs
-        hint = "tokenpatch.testing.float64_norms" in result.why and result.float32_sites
-        note = result.why if hint else f"{NOT_FIXED} {result.why!r}"
-        ok = f"{result.ok()}, max abs {result.max_abs:.1e}"
-        yield f"5 {name}", {"ok()": ok, "note": note, "under float64_norms": exact}
-
-
 CASES = {"1": case_1, "2": case_2, "3abc": case_3abc, "3d": case_3d, "3e": case_3e, "4a": case_4a}
 CASES.update({"4bcd": case_4bcd, "4efg": case_4efg, "5": case_5})
 
@@ -465,7 +311,6 @@ def run(key: str, rows) -> None:
 
 
 def main() -> None:
-    global SCRATCH
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", metavar="CASE", help="these cases: 1, 1b, 3d, 4c, ... (default: all)")
     ap.add_argument("--all-prompts", action="store_true", help="4a: every prompt also from 8 continuations")
@@ -476,14 +321,15 @@ def main() -> None:
     transformers.logging.set_verbosity_error()  # tiny configs' token ids, offload notes, progress bars
     transformers.logging.disable_progress_bar()
     logging.getLogger("accelerate").setLevel(logging.ERROR)  # "Some parameters are on the meta device ..."
-    SCRATCH = Path(tempfile.mkdtemp(prefix="silent_answers-"))
+    scratch = Path(tempfile.mkdtemp(prefix="silent_answers-"))
+    use_scratch(scratch)
     print("| case | before (audit) | after (measured now) |\n|---|---|---|", flush=True)
     try:
         for key, case in CASES.items():
             if wanted(key, args.only):
                 run(key, case(args.all_prompts) if key == "4a" else case())
     finally:
-        shutil.rmtree(SCRATCH, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
