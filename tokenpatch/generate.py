@@ -131,13 +131,15 @@ def generate(
     pad on the left). ``eos_token_id``: stop once every row has produced it. Models whose adapter
     implements ``recording`` and ``anchors`` (Hugging Face models; ``tokenpatch.arch.Adapter``).
     """
-    with adapter_for(model).fixed(model):  # the module map looked up once for every step
-        return _decode(model, prompt, max_new_tokens, eos_token_id, progress)
-
-
-def _decode(model: nn.Module, prompt: Any, max_new_tokens: int, eos_token_id: int | None, progress) -> Generation:
-    """``generate``'s steps."""
     adapter = adapter_for(model)
+    with adapter.fixed(model):  # the module map looked up once for every step
+        return _decode(model, adapter, prompt, max_new_tokens, eos_token_id, progress)
+
+
+def _decode(
+    model: nn.Module, adapter, prompt: Any, max_new_tokens: int, eos_token_id: int | None, progress
+) -> Generation:
+    """``generate``'s steps, with the model's ``adapter``."""
     adapter.require("recording", "anchors", "check_inputs", "strip", "sites", by="tp.generate")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
