@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from tokenpatch import deltas as dl
 from tokenpatch import offload
-from tokenpatch.arch import weight_layout
+from tokenpatch.arch import text_config, weight_layout
 from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import INPUT_SUFFIX, Patch
 from tokenpatch.paths import not_a_new_folder, write_new
@@ -251,7 +251,7 @@ def _peft_retargets(model: nn.Module, module: str) -> bool:
     experts) peft (0.18 on, with transformers 5) takes a target named like an expert projection (``PEFT_MOE_NAMES``)
     for the fused experts and drops it, even on a dense layer (a Qwen3-MoE with ``mlp_only_layers``); on
     a Mamba model it refuses a LoRA of the mixer's ``out_proj`` and ``conv1d`` (``PEFT_MAMBA_NAMES``)."""
-    config = getattr(model, "config", None)
+    config = text_config(model)
     leaf = module.rsplit(".", 1)[-1]
     if getattr(config, "model_type", None) in PEFT_MAMBA_TYPES and leaf in PEFT_MAMBA_NAMES:
         return True

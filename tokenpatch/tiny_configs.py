@@ -33,6 +33,29 @@ TINY_HF: dict[str, tuple[str, dict]] = {
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         ),
     ),
+    "gemma3_multimodal": (  # Gemma 3 4B and up: the decoder above inside the multimodal model, run on text
+        "Gemma3Config",
+        dict(
+            text_config=dict(
+                SMALL,
+                model_type="gemma3_text",
+                num_key_value_heads=1,
+                head_dim=16,
+                sliding_window=5,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            ),
+            vision_config=dict(
+                model_type="siglip_vision_model",
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+            mm_tokens_per_image=4,
+        ),
+    ),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
     "gpt_neox": ("GPTNeoXConfig", dict(SMALL, rotary_pct=0.5)),  # parallel residual
     "gpt_neox_sequential": ("GPTNeoXConfig", dict(SMALL, use_parallel_residual=False)),

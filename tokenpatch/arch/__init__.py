@@ -14,6 +14,7 @@ from torch import nn
 from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.families import FAMILIES
 from tokenpatch.arch.hf import HFAdapter
+from tokenpatch.arch.hf_modules import text_config
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.icl import ICLAdapter
 from tokenpatch.arch.outputs import (
@@ -47,6 +48,7 @@ __all__ = [
     "registered_hooks",
     "weight_layout",
     "WEIGHT_LAYOUTS",
+    "text_config",
 ]
 
 ADAPTERS: list[Adapter] = [ICLAdapter(), HFAdapter()]

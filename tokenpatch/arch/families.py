@@ -24,6 +24,10 @@ read and where the output side goes; that is the ``Family`` record. The five for
   chosen experts' ``down_proj``, split in proportion to their routing weights (``arch.routed_experts``,
   ``arch.experts``).
 
+A multimodal model whose text decoder is one of these (Gemma 3's ``Gemma3ForConditionalGeneration``, the
+4B and larger checkpoints) is patched on text as its decoder: its layers are under ``language_model``, its
+fields read from its text config (``arch.hf_modules.text_config``).
+
 An attention that does more than mix values (sinks, a gate on its output, latent attention, a norm
 before ``o_proj``) names no ``value``: a token alone runs the layer. The hybrid and recurrent designs
 are in ``arch.recurrent``.
@@ -153,6 +157,16 @@ FAMILIES: list[Family] = [
         _LLAMA,
         name="gemma2",
         model_types=("gemma2", "gemma3_text"),
+        mlp_norm="pre_feedforward_layernorm",
+        post_mlp_norm="post_feedforward_layernorm",
+        post_attn_norm="post_attention_layernorm",
+    ),
+    # Gemma 3's multimodal model (4B and up) on text: Gemma 3's decoder inside it, read by its text config
+    replace(
+        _LLAMA,
+        name="gemma3_multimodal",
+        model_types=("gemma3",),
+        layers="language_model.layers",
         mlp_norm="pre_feedforward_layernorm",
         post_mlp_norm="post_feedforward_layernorm",
         post_attn_norm="post_attention_layernorm",

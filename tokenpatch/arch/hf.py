@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from tokenpatch.arch import hf_calls
 from tokenpatch.arch.family import Family
 from tokenpatch.arch.hf_inputs import CONFIG_IGNORED, HFInputs
+from tokenpatch.arch.hf_modules import text_config
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.arch.record import LayerRecord, NamedSite
 from tokenpatch.arch.recording import read, register
@@ -120,7 +121,7 @@ class HFAdapter(HFInputs):
     ) -> contextlib.AbstractContextManager[list[LayerRecord]]:
         """Hooks that record each layer's named sites (``Family.sites``: ``h, m, s, hidden, out``, and ``p``,
         ``gate``, ``v``, ``sum`` where the design has them) at positions ``query`` (``arch.recording``)."""
-        parallel = self.family(model).parallel(model.config)
+        parallel = self.family(model).parallel(text_config(model))
         layers = [self._layer(model, i) for i in range(self.n_layers(model))]
         return record_sites([(layer, fam.sites(parallel)) for fam, layer in layers], query, every, on_layer)
 
@@ -165,7 +166,7 @@ class HFAdapter(HFInputs):
         alone = self.alone_anchor(model) if kept is None else None
         if alone is not None:
             return [alone(i, r) for i, r in enumerate(rec)]
-        parallel = self.family(model).parallel(model.config)
+        parallel = self.family(model).parallel(text_config(model))
         batch, n_q = len(inputs["input_ids"]), len(query)
         out = [LayerRecord() for _ in rec]
         at = None if kept is None else torch.tensor([kept.index(q) for q in query])  # queries in the kept sequence

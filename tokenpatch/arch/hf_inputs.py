@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch import offload
-from tokenpatch.arch.hf_modules import HFModules
+from tokenpatch.arch.hf_modules import HFModules, text_config
 from tokenpatch.arch.rotary import LengthScaling, length_scaling
 from tokenpatch.errors import InputError
 from tokenpatch.plans import refuse_padded_queries
@@ -148,7 +148,7 @@ class HFInputs(HFModules):
 
     def length_scaling(self, model: nn.Module) -> LengthScaling | None:
         """``rope_parameters`` of type ``longrope`` or ``dynamic`` (``arch.rotary``), or ``None``."""
-        return length_scaling(model.config)
+        return length_scaling(text_config(model))
 
     # ------------------------------------------------------------------------- inputs
     def check_inputs(self, model: nn.Module, inputs: Any) -> dict:

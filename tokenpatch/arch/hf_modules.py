@@ -46,17 +46,25 @@ def _kept(model: nn.Module, key: tuple, look_up: Callable[[], Any]) -> Any:
     return found[1]
 
 
+def text_config(model: nn.Module) -> Any:
+    """The configuration of ``model``'s text decoder: ``model.config`` itself, or, for a multimodal model
+    (Gemma 3's ``Gemma3ForConditionalGeneration``), the ``text_config`` inside it (``None`` without a config)."""
+    config = getattr(model, "config", None)
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 class HFModules(Adapter):
     """The module map of a Hugging Face causal LM of the ``FAMILIES`` block designs."""
 
     @staticmethod
     def family(model: nn.Module) -> Family | None:
         """The model's ``Family`` record, from ``config.model_type`` and the first record whose ``when``
-        holds for the config (``None``: not a known design)."""
-        config = getattr(model, "config", None)
-        mt = getattr(config, "model_type", None)
+        holds for its text decoder's config (``None``: not a known design)."""
+        mt = getattr(getattr(model, "config", None), "model_type", None)
         return _kept(
-            model, ("family",), lambda: next((f for f in FAMILIES if mt in f.model_types and f.when(config)), None)
+            model,
+            ("family",),
+            lambda: next((f for f in FAMILIES if mt in f.model_types and f.when(text_config(model))), None),
         )
 
     @contextlib.contextmanager
@@ -152,10 +160,11 @@ class HFModules(Adapter):
 
     def _look_up_sites(self, model: nn.Module, i: int) -> Sites:
         (fam, layer), p = self._layer(model, i), self._prefix(model, i)
-        parallel = fam.parallel(model.config)
+        parallel = fam.parallel(text_config(model))
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
         down = None if fam.down is None else layer.get_submodule(fam.down)
-        scaling = dict(scale=fam.scale(model.config), residual=fam.residual(model.config))  # out = c m + r MLP(s)
+        config = text_config(model)
+        scaling = dict(scale=fam.scale(config), residual=fam.residual(config))  # out = c m + r MLP(s)
         if down is None:  # a block without an MLP: the input change of its mixer's out_proj is the patch
             output = None
         elif fam.experts:
@@ -192,7 +201,7 @@ class HFModules(Adapter):
 
     def n_heads(self, model: nn.Module) -> int:
         self._attention_only(model)
-        c = model.config
+        c = text_config(model)
         return int(getattr(c, "num_attention_heads", None) or c.n_head)
 
     def output_projections(self, model: nn.Module) -> list[nn.Module]:
@@ -213,7 +222,7 @@ class HFModules(Adapter):
 
     def mlp_input_from_heads(self, model: nn.Module, i: int, h: Tensor) -> Callable[[Tensor], Tensor]:
         fam = self._attention_only(model)
-        if fam.parallel(model.config):
+        if fam.parallel(text_config(model)):
             raise UnsupportedModelError(
                 f"{fam.name} with a parallel block: its MLP reads the layer input, which the "
                 "context does not change, so the heads carry none of the input patch"
@@ -225,7 +234,7 @@ class HFModules(Adapter):
             return (lambda a: a) if name is None else norm64(layer.get_submodule(name), name)
 
         post, mlp_norm, added = norm(fam.post_attn_norm), norm(fam.mlp_norm), norm(fam.add_norm)
-        scale = fam.scale(model.config)  # Granite's residual multiplier
+        scale = fam.scale(text_config(model))  # Granite's residual multiplier
         return lambda z: mlp_norm(added(h + scale * post(o_proj(z))))
 
     def attention_patterns(self, model: nn.Module, inputs: Any) -> list[Tensor]:
@@ -245,11 +254,11 @@ class HFModules(Adapter):
         return [a.detach() for a in out.attentions]
 
     def describe(self, model: nn.Module) -> dict:
-        c = model.config
+        c = text_config(model)
         return {
             **super().describe(model),
             "family": self.family(model).name,
-            "model_type": c.model_type,
+            "model_type": model.config.model_type,
             "n_layers": self.n_layers(model),
             "hidden_size": c.hidden_size,
             "name_or_path": getattr(c, "name_or_path", "") or getattr(c, "_name_or_path", ""),
@@ -285,7 +294,7 @@ class HFModules(Adapter):
         if fam.post_attn_norm is not None:
             a = layer.get_submodule(fam.post_attn_norm)(a)
         if fam.out_scale is not None:
-            a = a * fam.out_scale(model.config)
+            a = a * fam.out_scale(text_config(model))
         m = r.h + a
         if fam.add_norm is not None:  # a norm after the add (OPT-350m): m = N(h + a)
             m = layer.get_submodule(fam.add_norm)(m)
@@ -293,7 +302,7 @@ class HFModules(Adapter):
         rows = first.to(m.device).nonzero(as_tuple=True) if first is not None and bool(first.any()) else None
         if rows is not None:  # m: a new tensor (the sum above)
             m[rows] = r.m[rows]
-        if self.family(model).parallel(model.config):
+        if self.family(model).parallel(text_config(model)):
             return m, r.s
         if fam.mlp_norm is None:
             return m, m

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tokenpatch.arch import adapter_for
+from tokenpatch.arch import adapter_for, text_config
 from tokenpatch.errors import InputError
 
 __all__ = [
@@ -145,7 +145,7 @@ def attention_patterns(model, inputs: Tensor) -> list[Tensor]:
 
 def kv_group(model, head: int) -> int:
     """The key/value head that query head ``head`` reads (itself without grouped-query attention)."""
-    c = getattr(model, "config", None)
+    c = text_config(model)
     heads = getattr(c, "num_attention_heads", None)
     kv = getattr(c, "num_key_value_heads", None) or heads
     return head if not heads else head // (heads // kv)
@@ -178,7 +178,7 @@ def head_scores(
 
 
 def _vocab(model) -> int:
-    c = getattr(model, "config", None)
+    c = text_config(model)
     size = getattr(c, "vocab_size", None)
     if not size:
         raise InputError("give pool= (the token ids to draw from): the model does not say its vocabulary size")
