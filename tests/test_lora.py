@@ -47,6 +47,7 @@ EXTRAS = {
             "bloom",
             "jais2",
             "persimmon",
+            "fuyu",
             "gpt_neo",
             "codegen",
             "biogpt",

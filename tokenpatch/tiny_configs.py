@@ -212,6 +212,16 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     ),
     "youtu": ("YoutuConfig", dict(LATENT, intermediate_size=96)),  # latent attention, a dense MLP
     "persimmon": ("PersimmonConfig", dict(SMALL, pad_token_id=0)),
+    "fuyu": (  # Persimmon's decoder inside Fuyu's multimodal model, run on text
+        "FuyuConfig",
+        dict(
+            text_config=dict(SMALL, pad_token_id=0, model_type="persimmon"),
+            vocab_size=101,
+            hidden_size=64,
+            patch_size=4,
+            num_channels=3,
+        ),
+    ),
     "gpt_neo": (  # one global and two local attention layers
         "GPTNeoConfig",
         dict(

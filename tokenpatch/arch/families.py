@@ -147,6 +147,17 @@ _BLOOM = Family(
     matrices_out=True,
     when=lambda c: not c.apply_residual_connection_post_layernorm and not (c.pretraining_tp > 1 and c.slow_but_exact),
 )
+# Persimmon: NeoX's names in Llama's block (fused query, key and value; q/k norms)
+_PERSIMMON = replace(
+    _LLAMA,
+    name="persimmon",
+    model_types=("persimmon",),
+    inputs=("mlp.dense_h_to_4h.weight",),
+    down="mlp.dense_4h_to_h",
+    o_proj="self_attn.dense",
+    lone_zero=(),
+    value=None,
+)
 FAMILIES: list[Family] = [
     _LLAMA,
     # Llama's block whose attention does more than mix values (BitNet: a norm before o_proj; DiffLlama:
@@ -299,17 +310,9 @@ FAMILIES: list[Family] = [
         value=None,
         out_scale=lambda c: c.scale_depth / math.sqrt(c.num_hidden_layers),
     ),
-    # Persimmon: NeoX's names in Llama's block (fused query, key and value; q/k norms)
-    replace(
-        _LLAMA,
-        name="persimmon",
-        model_types=("persimmon",),
-        inputs=("mlp.dense_h_to_4h.weight",),
-        down="mlp.dense_4h_to_h",
-        o_proj="self_attn.dense",
-        lone_zero=(),
-        value=None,
-    ),
+    _PERSIMMON,
+    # Fuyu: Persimmon's decoder inside a multimodal model (patched on text)
+    replace(_PERSIMMON, name="fuyu", model_types=("fuyu",), layers="language_model.layers"),
     # GPT-Neo: GPT-2's block and positions with linear layers (global and local attention layers)
     replace(
         _GPT2,
