@@ -56,6 +56,38 @@ TINY_HF: dict[str, tuple[str, dict]] = {
             mm_tokens_per_image=4,
         ),
     ),
+    "got_ocr2": (  # Qwen2's decoder inside GOT-OCR 2 (its vision tower has eager attention only)
+        "GotOcr2Config",
+        dict(
+            text_config=dict(KV, model_type="qwen2"),
+            vision_config=dict(
+                hidden_size=32,
+                output_channels=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+                global_attn_indexes=[0],
+                mlp_dim=64,
+            ),
+            image_token_index=100,
+        ),
+    ),
+    "moss_transcribe_diarize": (  # Qwen3's decoder after an audio encoder
+        "MossTranscribeDiarizeConfig",
+        dict(
+            text_config=dict(KV, head_dim=16, model_type="qwen3"),
+            audio_config=dict(
+                num_mel_bins=8,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=32,
+                hidden_size=16,
+                max_source_positions=16,
+            ),
+            audio_token_id=100,
+        ),
+    ),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
     "gpt_neox": ("GPTNeoXConfig", dict(SMALL, rotary_pct=0.5)),  # parallel residual
     "gpt_neox_sequential": ("GPTNeoXConfig", dict(SMALL, use_parallel_residual=False)),
@@ -297,6 +329,7 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
     "flint",
     "openai-gpt",
     "gpt_oss",
+    "got_ocr2",
 )
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (

@@ -182,6 +182,13 @@ FAMILIES: list[Family] = [
         post_mlp_norm="post_feedforward_layernorm",
         post_attn_norm="post_attention_layernorm",
     ),
+    # multimodal models on text whose decoder is Llama's block: GOT-OCR 2 (Qwen2's), MOSS transcribe (Qwen3's)
+    replace(
+        _LLAMA,
+        name="llama_multimodal",
+        model_types=("got_ocr2", "moss_transcribe_diarize"),
+        layers="language_model.layers",
+    ),
     _GPT2,
     _GPT1,
     Family(
