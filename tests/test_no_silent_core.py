@@ -80,6 +80,22 @@ def test_config_fields_that_do_not_compute_are_ignored():
         tp.functional_call(model, patch, **tp.strip_context(model, x))
 
 
+def test_a_multimodal_models_text_config_counts_field_by_field():
+    """Gemma 3's multimodal model keeps its decoder's fields in a nested text config: the fields that do not
+    compute (its dtype, set by ``.double()`` or by loading) are left out of the record there too, and an
+    edited one that computes is refused. Before: every offloaded multimodal model's patch was refused,
+    its text config's dtype None then and float64 now."""
+    model = build("gemma3_multimodal")
+    x = ids(1, 6)
+    patch = tp.token_patch(model, x)
+    model.config.text_config.dtype = "float32"
+    model.config.vision_config.transformers_version = "0.0"
+    tp.functional_call(model, patch, **tp.strip_context(model, x))
+    model.config.text_config.rms_norm_eps = 0.5
+    with pytest.raises(tp.InputError, match="another model config.*text_config"):
+        tp.functional_call(model, patch, **tp.strip_context(model, x))
+
+
 def test_file_without_config_record_still_loads(tmp_path):
     """A patch file written before the config record (0.2 and 0.3's HF patches) loads on its model."""
     model = build("llama")

@@ -32,10 +32,12 @@ from conftest import ids  # noqa: E402
 
 # one design per output-side kind: a matrix (Llama), a matrix and a norm scale (Gemma 3), a bias (GPT-2),
 # stacked experts (Qwen3-MoE, with a plain-MLP layer; Mixtral); recurrent layers beside attention (LFM2, Qwen3-Next)
-# and alone (Mamba, no MLP); lightning attention and a normalised residual stream (MiniMax)
+# and alone (Mamba, no MLP); lightning attention and a normalised residual stream (MiniMax); a multimodal
+# model's decoder (Gemma 3's, under language_model)
 NAMES = [
     "llama",
     "gemma3",
+    "gemma3_multimodal",
     "gpt2",
     "qwen3_moe",
     "mixtral",
@@ -53,10 +55,13 @@ def split(name: str, folder, device_map: dict | None = None, whole=None):
     whole = tiny_hf_model(name) if whole is None else whole
     whole.save_pretrained(folder / "model")
     base = whole.base_model_prefix
-    layers = "h" if name == "gpt2" else "layers"
+    # the layers' path in the base model: "layers", GPT-2's "h", a multimodal model's "language_model.layers"
+    outer, _, layers = tp.arch.HFAdapter.family(whole).layers.rpartition(".")
+    holder, at = (whole.base_model.get_submodule(outer), f"{base}.{outer}") if outer else (whole.base_model, base)
     device_map = device_map or {
-        **{f"{base}.{layers}.{i}": "disk" if i else "cpu" for i in range(3)},
-        **{f"{base}.{m}": "cpu" for m, _ in whole.base_model.named_children() if m != layers},
+        **{f"{at}.{layers}.{i}": "disk" if i else "cpu" for i in range(3)},
+        **{f"{at}.{m}": "cpu" for m, _ in holder.named_children() if m != layers},
+        **{f"{base}.{m}": "cpu" for m, _ in whole.base_model.named_children() if outer and m != outer},
         "lm_head": "cpu",
     }
     extra = {"experts_implementation": "eager"} if name in MOE else {}  # as tiny_hf_model's

@@ -255,25 +255,34 @@ def cached_state(model: nn.Module) -> _State | None:
 _MISSING = "<not set>"
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, ignored: tuple[str, ...] = ()) -> Any:
     """``value`` as its JSON form (what a patch file gives back): tuples as lists, a nested config as its
-    dict, other objects as text."""
+    dict without the fields ``ignored`` (a multimodal model's text config), other objects as text."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v, ignored) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, ignored) for v in value]
     if callable(getattr(value, "to_dict", None)):  # a nested config
-        return _plain(value.to_dict())
+        return _plain({k: v for k, v in value.to_dict().items() if k not in ignored}, ignored)
     return str(value)
 
 
-def _fields(config: Any, names) -> dict[str, Any]:
+def _fields(config: Any, names, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
     """The config fields ``names``, JSON-able, read from the instance's dict first (a Hugging Face
     config's attribute lookup costs microseconds each)."""
     held = getattr(config, "__dict__", {})
-    return {n: _plain(held[n] if n in held else getattr(config, n, _MISSING)) for n in names}
+    return {n: _plain(held[n] if n in held else getattr(config, n, _MISSING), ignored) for n in names}
+
+
+def _recorded(then: Any, now: Any) -> bool:
+    """Whether ``now`` holds what the record ``then`` holds. A nested config (a dict with a ``model_type``)
+    is compared on the fields recorded: the record left out the ones that do not change the forward; any
+    other value, a plain dict included, must be equal."""
+    if isinstance(then, dict) and isinstance(now, dict) and "model_type" in then:
+        return all(k in now and _recorded(v, now[k]) for k, v in then.items())
+    return then == now
 
 
 def config_record(config: Any, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -285,7 +294,7 @@ def config_record(config: Any, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
         names = list(config.to_dict())
     else:
         return {}
-    return _fields(config, [n for n in names if n not in ignored and hasattr(config, n)])
+    return _fields(config, [n for n in names if n not in ignored and hasattr(config, n)], ignored)
 
 
 def check_config(model: nn.Module, record: dict[str, Any] | None) -> None:
@@ -293,7 +302,7 @@ def check_config(model: nn.Module, record: dict[str, Any] | None) -> None:
     patch's record, ``config_record``; ``None``: nothing recorded). A few attribute reads: every call."""
     config = getattr(model, "config", None)
     now = _fields(config, record or {})
-    changed = [f"{k}: {record[k]!r} then, {now[k]!r} now" for k in now if now[k] != record[k]]
+    changed = [f"{k}: {record[k]!r} then, {now[k]!r} now" for k in now if not _recorded(record[k], now[k])]
     if changed:
         raise InputError(
             f"this patch was computed for another model config ({'; '.join(changed[:3])}); a token patch "
