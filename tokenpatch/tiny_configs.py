@@ -217,6 +217,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
 # mixtures of experts with an ungated shared expert: eager experts, and their routers cast to float32
 _SHARED_EXPERTS = (
     "ernie4_5_moe",
+    "dots1",
     "exaone_moe",
     "glm4_moe",
     "param2moe",
