@@ -50,6 +50,7 @@ EXTRAS = {
             "codegen",
             "biogpt",
             "recurrent_gemma",
+            "gpt-sw3",
         ],
         ["lora_bias"],
     ),

@@ -34,6 +34,11 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
+    # GPT-SW3: GPT-2's classes; a checkpoint's config keeps model_type "gpt-sw3" (its config.json's)
+    "gpt-sw3": (
+        "GPT2Config",
+        dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64, model_type="gpt-sw3"),
+    ),
     "gpt_neox": ("GPTNeoXConfig", dict(SMALL, rotary_pct=0.5)),  # parallel residual
     "gpt_neox_sequential": ("GPTNeoXConfig", dict(SMALL, use_parallel_residual=False)),
     # mixture of experts with a shared expert; layer 1 a plain MLP
@@ -208,6 +213,19 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "BioGptConfig",
         dict(SMALL, max_position_embeddings=64, pad_token_id=0),
     ),  # OPT's loose fc1/fc2, positions offset by 2
+    "emu3": ("Emu3Config", dict(text_config=dict(KV, pad_token_id=0))),  # Llama's block
+    "cohere_compass_text": (  # Cohere's parallel block: M-RoPE in the sliding-window layers, no positions in the other
+        "CohereCompassTextConfig",
+        dict(
+            KV,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2]),
+                full_attention=None,
+            ),
+        ),
+    ),
     **TINY_SHARED_EXPERTS,
     **TINY_HYBRIDS,
 }

@@ -53,6 +53,8 @@ _LLAMA = Family(
         "qwen3",
         "gemma",
         "cwm",
+        "emu3",  # Emu3's text decoder (Emu3ForCausalLM, its config emu3_text_model)
+        "emu3_text_model",
         "ernie4_5",
         "exaone",
         "helium",
@@ -83,7 +85,7 @@ _FALCON = Family(  # sequential (parallel_attn=False); its query, key and value 
 )
 _GPT2 = Family(
     name="gpt2",
-    model_types=("gpt2", "gpt_bigcode"),
+    model_types=("gpt2", "gpt_bigcode", "gpt-sw3"),  # GPT-SW3: GPT2Config, its model_type kept from config.json
     layers="h",
     mlp_norm="ln_2",
     attn="attn",
@@ -226,9 +228,9 @@ FAMILIES: list[Family] = [
         post_mlp_norm="post_mlp_layernorm",
         post_attn_norm="post_self_attn_layernorm",
     ),
-    # Parallel blocks: attention and MLP both read the norm of the layer input (Phi, GPT-J, Cohere,
-    # StableLM with use_parallel_residual, Falcon), so the MLP input is the same in both passes and
-    # the whole attention difference goes to the output side, as in NeoX.
+    # Parallel blocks: attention and MLP both read the norm of the layer input (Phi, GPT-J, Cohere and
+    # Cohere Compass's text decoder (M-RoPE), StableLM with use_parallel_residual, Falcon), so the MLP input
+    # is the same in both passes and the whole attention difference goes to the output side, as in NeoX.
     replace(
         _LLAMA,
         name="phi",
@@ -239,7 +241,7 @@ FAMILIES: list[Family] = [
         **PARALLEL,
     ),
     _GPTJ,
-    replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2"), **PARALLEL),
+    replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2", "cohere_compass_text"), **PARALLEL),
     replace(
         _LLAMA,
         name="stablelm_parallel",
