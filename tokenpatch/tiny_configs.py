@@ -213,6 +213,14 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "BioGptConfig",
         dict(SMALL, max_position_embeddings=64, pad_token_id=0),
     ),  # OPT's loose fc1/fc2, positions offset by 2
+    # the sequential form under other names (arch.renamed): sinusoidal absolute positions (CTRL, XGLM)
+    "ctrl": ("CTRLConfig", dict(n_embd=64, dff=96, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
+    "xglm": ("XGLMConfig", dict(_OPT, pad_token_id=0)),  # hidden_size, ... as d_model, ... (attribute_map)
+    "gpt_neox_japanese": ("GPTNeoXJapaneseConfig", dict(SMALL, intermediate_multiple_size=2)),
+    "modernbert-decoder": (  # local attention in two layers of three; the first layer's attention norm an Identity
+        "ModernBertDecoderConfig",
+        dict(SMALL, local_attention=8, mlp_bias=True, norm_bias=True, pad_token_id=0),
+    ),
     "emu3": ("Emu3Config", dict(text_config=dict(KV, pad_token_id=0))),  # Llama's block
     "cohere_compass_text": (  # Cohere's parallel block: M-RoPE in the sliding-window layers, no positions in the other
         "CohereCompassTextConfig",
@@ -255,6 +263,7 @@ _SHARED_EXPERTS = (
     "kimi_linear",
 )
 FLOAT32_INSIDE = (
+    "xglm",  # its scores clamped at torch.full((), finfo(float64).min): a float32 tensor (overflows)
     "recurrent_gemma",
     "qwen3_5_text",
     "qwen3_5",
@@ -283,6 +292,8 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
     "flint",
     "openai-gpt",
     "gpt_oss",
+    "xglm",
+    "gpt_neox_japanese",
 )
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (

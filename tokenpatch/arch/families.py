@@ -26,7 +26,8 @@ read and where the output side goes; that is the ``Family`` record. The five for
 
 An attention that does more than mix values (sinks, a gate on its output, latent attention, a norm
 before ``o_proj``) names no ``value``: a token alone runs the layer. The hybrid and recurrent designs
-are in ``arch.recurrent``.
+are in ``arch.recurrent``; the sequential form under other names (CTRL, XGLM, GPT-NeoX Japanese,
+ModernBERT decoder) in ``arch.renamed``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import replace
 
 from tokenpatch.arch.family import PARALLEL, SELF_ATTN_QK, Family
 from tokenpatch.arch.recurrent import HYBRIDS, RECURRENT
+from tokenpatch.arch.renamed import RENAMED
 from tokenpatch.arch.routed_experts import ROUTED_EXPERTS
 from tokenpatch.arch.shared_experts import SHARED_EXPERTS
 
@@ -339,6 +341,7 @@ FAMILIES: list[Family] = [
         post_add_norms=("self_attn_layer_norm", "final_layer_norm"),
         when=lambda config: not config.do_layer_norm_before,
     ),
+    *RENAMED,
     *ROUTED_EXPERTS,
     *SHARED_EXPERTS,
     *HYBRIDS,
