@@ -32,6 +32,9 @@ EXTRAS = {
     # peft refuses a LoRA of a Mamba mixer's out_proj, and takes a jamba config (it counts experts) to have
     # fused experts named like its dense MLP's matrices: those are written whole
     **dict.fromkeys(["mamba", "falcon_mamba", "mamba2", "nemotron_h", "jamba_dense"], ["modules_to_save"]),
+    # a dense Doge's config still counts experts (num_experts): its MLP matrices are written whole, as a
+    # mixture of experts' are (lora._peft_retargets)
+    "doge": ["modules_to_save"],
     **dict.fromkeys(
         [
             "gpt2",

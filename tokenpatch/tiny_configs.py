@@ -221,6 +221,8 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "ModernBertDecoderConfig",
         dict(SMALL, local_attention=8, mlp_bias=True, norm_bias=True, pad_token_id=0),
     ),
+    # per-channel residual weights (moved off init); each query keeps its 4 best keys by the value-made mask
+    "doge": ("DogeConfig", dict(KV, keep_window_size=4, pad_token_id=0)),
     "emu3": ("Emu3Config", dict(text_config=dict(KV, pad_token_id=0))),  # Llama's block
     "cohere_compass_text": (  # Cohere's parallel block: M-RoPE in the sliding-window layers, no positions in the other
         "CohereCompassTextConfig",

@@ -130,7 +130,9 @@ class Family:
 
     The output side: ``out_scale`` (a constant the block multiplies each sublayer's output by, from the
     config: Granite's ``residual_multiplier``), ``residual_scale`` (a constant it multiplies the residual
-    value ``m`` by at the MLP's add: MiniMax's ``mlp_alpha_factor``), ``matrices_out`` (the sublayers' contributions are
+    value ``m`` by at the MLP's add: MiniMax's ``mlp_alpha_factor``), ``residual_weights`` (the layer's
+    per-channel weights of the residual stream at each add, (at the attention's, at the MLP's): Doge's
+    ``m = a * h + A(N(h))``, ``out = c * m + MLP(s)``; the second is ``c``), ``matrices_out`` (the sublayers' contributions are
     their output matrices' outputs, ``o_proj``'s and ``down``'s: the modules add the residual
     themselves, Bloom and MPT's MLP, or the MLP is no module, OPT), ``position_table`` (a learned
     position embedding under the base model, GPT-2's ``wpe``, whose size bounds the position ids)."""
@@ -155,6 +157,7 @@ class Family:
     post_add_norms: tuple[str, str] | None = None
     out_scale: Callable[[Any], float] | None = None
     residual_scale: Callable[[Any], float] | None = None
+    residual_weights: tuple[str, str] | None = None
     matrices_out: bool = False
     position_table: str | None = None
 

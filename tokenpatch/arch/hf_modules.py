@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.experts import OUTPUT_MATRIX, stacked_experts
 from tokenpatch.arch.families import FAMILIES
@@ -156,6 +157,8 @@ class HFModules(Adapter):
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
         down = None if fam.down is None else layer.get_submodule(fam.down)
         scaling = dict(scale=fam.scale(model.config), residual=fam.residual(model.config))  # out = c m + r MLP(s)
+        if fam.residual_weights is not None:  # c a [d] weight of the layer (Doge's)
+            scaling["residual"] = offload.value(model, f"{p}{fam.residual_weights[1]}").detach()
         if down is None:  # a block without an MLP: the input change of its mixer's out_proj is the patch
             output = None
         elif fam.experts:
@@ -226,7 +229,8 @@ class HFModules(Adapter):
 
         post, mlp_norm, added = norm(fam.post_attn_norm), norm(fam.mlp_norm), norm(fam.add_norm)
         scale = fam.scale(model.config)  # Granite's residual multiplier
-        return lambda z: mlp_norm(added(h + scale * post(o_proj(z))))
+        kept = _kept_input(fam, layer, h)  # Doge's a * h, else h
+        return lambda z: mlp_norm(added(kept + scale * post(o_proj(z))))
 
     def attention_patterns(self, model: nn.Module, inputs: Any) -> list[Tensor]:
         """One forward with ``output_attentions=True`` under eager attention (fused kernels return no
@@ -286,7 +290,7 @@ class HFModules(Adapter):
             a = layer.get_submodule(fam.post_attn_norm)(a)
         if fam.out_scale is not None:
             a = a * fam.out_scale(model.config)
-        m = r.h + a
+        m = _kept_input(fam, layer, r.h) + a
         if fam.add_norm is not None:  # a norm after the add (OPT-350m): m = N(h + a)
             m = layer.get_submodule(fam.add_norm)(m)
         first = r.first  # [B, Q]  queries with no context: their recorded rows, written in place
@@ -301,6 +305,14 @@ class HFModules(Adapter):
         if rows is not None:
             s[rows] = r.s[rows]
         return m, s
+
+
+def _kept_input(fam: Family, layer: nn.Module, h: Tensor) -> Tensor:
+    """What the attention's add keeps of the layer input ``h``: ``a * h`` where the layer weights it per
+    channel (``Family.residual_weights``, Doge's), else ``h`` itself."""
+    if fam.residual_weights is None:
+        return h
+    return h * offload.value(layer, fam.residual_weights[0]).detach().to(h.device, h.dtype)
 
 
 def _lone_attention(o_proj: nn.Module, v: Tensor, head_dim: int) -> Tensor:

@@ -1,6 +1,6 @@
 """The sequential form (a norm before the MLP, ``arch.families``) under other module names: CTRL and XGLM
 (GPT-2's and OPT's blocks with sinusoidal absolute positions), GPT-NeoX Japanese and the ModernBERT
-decoder.
+decoder; and Doge, Llama's names with learned per-channel weights of the residual stream at each add.
 
 Sinusoidal positions are absolute, as GPT-2's learned table: a token alone at position ``p`` is not the
 same token at position 0, so these records name their table (``Family.position_table``) and the patch's
@@ -70,5 +70,21 @@ RENAMED: list[Family] = [
         mlp_norm="mlp_norm",
         inputs=("mlp.Wi.weight",),
         down="mlp.Wo",
+    ),
+    # Doge (dense, is_moe=False): m = a * h + A(N(h)), out = c * m + MLP(N'(m)) with a, c [d] weights of the
+    # layer (input_residual, post_attention_residual): the output shift is c * (m_C - m_0), per channel.
+    # Its attention adds a mask computed from the values (dt_proj) to the scores: a token alone, one key,
+    # still weighs its value by 1. Doge's mixture of experts (is_moe) routes each token on logits split
+    # across tokens (router_gate(x).view(2, B * T, K): its experts depend on other, later tokens): refused.
+    Family(
+        name="doge",
+        model_types=("doge",),
+        when=lambda config: not config.is_moe,
+        mlp_norm="post_attention_layernorm",
+        inputs=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        down="mlp.down_proj",
+        lone_zero=SELF_ATTN_QK,
+        value="self_attn.v_proj",
+        residual_weights=("input_residual", "post_attention_residual"),
     ),
 ]
