@@ -110,7 +110,9 @@ class Family:
     outputs side by side), ``lone_zero`` (projections a token alone does not need: its own query and
     key, one attention weight, 1), ``value`` (its value projection, where a token alone's attention
     output is ``o_proj`` of its values; ``None``: fused projections, or an attention that does more
-    than mix values, whose lone token runs the layers).
+    than mix values, whose lone token runs the layers), ``attn_bias`` (a bias the layer adds to the
+    attention's output outside its module, a parameter of the layer where it has one: GPT-NeoX Japanese's
+    last layer's ``attention.dense_bias``).
 
     ``mixers``: what a layer of a hybrid model has in place of ``attn`` (``Mixer``: a recurrent or
     convolutional layer), the first one it has; ``at(layer)`` is that layer's record.
@@ -146,6 +148,7 @@ class Family:
     o_proj: str = "self_attn.o_proj"
     lone_zero: tuple[str, ...] = ()
     value: str | None = None
+    attn_bias: str | None = None
     mixers: tuple[Mixer, ...] = ()
     mlp: str = "mlp"
     inputs: tuple[str, ...]

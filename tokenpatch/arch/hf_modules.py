@@ -222,7 +222,11 @@ class HFModules(Adapter):
                 "context does not change, so the heads carry none of the input patch"
             )
         layer = self.layers(model)[i]
-        o_proj = linear64(layer.get_submodule(fam.o_proj))
+        heads = linear64(layer.get_submodule(fam.o_proj))
+        bias = None if fam.attn_bias is None else _parameter(layer, fam.attn_bias)  # added outside the attention
+        if bias is not None:
+            bias = offload.value(layer, fam.attn_bias, bias).detach().double()
+        o_proj = heads if bias is None else (lambda z: heads(z) + bias)
 
         def norm(name: str | None) -> Callable[[Tensor], Tensor]:  # the norm there, or none
             return (lambda a: a) if name is None else norm64(layer.get_submodule(name), name)
@@ -305,6 +309,13 @@ class HFModules(Adapter):
         if rows is not None:
             s[rows] = r.s[rows]
         return m, s
+
+
+def _parameter(layer: nn.Module, name: str) -> Tensor | None:
+    """The layer's parameter ``name``, or ``None`` where this layer has none (GPT-NeoX Japanese's
+    attention bias, in its last layer only)."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(layer.get_submodule(owner) if owner else layer, leaf, None)
 
 
 def _kept_input(fam: Family, layer: nn.Module, h: Tensor) -> Tensor:

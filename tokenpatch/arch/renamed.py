@@ -47,13 +47,13 @@ RENAMED: list[Family] = [
         position_table="embed_positions",
     ),
     # GPT-NeoX Japanese: NeoX's sequential block (fused query, key and value; no biases but the last
-    # layer's attention bias, which the layer adds after the attention module: outside its contribution
-    # as the head tools read it), eager attention only
+    # layer's attention bias, which the layer adds after the attention module, attn_bias), eager attention only
     Family(
         name="gpt_neox_japanese",
         model_types=("gpt_neox_japanese",),
         attn="attention",
         o_proj="attention.dense",
+        attn_bias="attention.dense_bias",
         mlp_norm="post_attention_layernorm",
         inputs=("mlp.dense_h_to_4h.weight",),
         down="mlp.dense_4h_to_h",
