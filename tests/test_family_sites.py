@@ -145,3 +145,24 @@ def test_one_call_looks_each_layer_up_once_and_the_next_call_again(monkeypatch):
     assert len(calls) == n + 2
     patch = tp.token_patch(model, x)
     assert tp.verify(model, patch, x).max_abs <= 1e-12
+
+
+@pytest.mark.parametrize(("name", "layer"), [("gpt_neox_japanese", 2), ("doge", 1)])
+def test_the_heads_give_the_mlp_input_of_a_layer_with_weights_or_a_bias_outside_the_attention(name, layer):
+    """``mlp_input_from_heads`` maps a layer's heads (the input of ``o_proj``) to its MLP input: with the
+    attention bias GPT-NeoX Japanese's last layer adds outside the module (``Family.attn_bias``; 3.6 off
+    without it) and Doge's per-channel weight of the layer input (``Family.residual_weights``)."""
+    model, x = build(name), ids(1, 7)
+    fam, mod = HFModules()._layer(model, layer)
+    seen = {}
+    hooks = [
+        mod.register_forward_pre_hook(lambda m, a: seen.setdefault("h", a[0].detach())),
+        mod.get_submodule(fam.o_proj).register_forward_pre_hook(lambda m, a: seen.setdefault("z", a[0].detach())),
+        mod.get_submodule(fam.mlp).register_forward_pre_hook(lambda m, a: seen.setdefault("s", a[0].detach())),
+    ]
+    with torch.no_grad(), tp.testing.float64_everywhere():  # the model's norms in float64, as the heads' copies
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    s = HFModules().mlp_input_from_heads(model, layer, seen["h"][0, -1])(seen["z"][0, -1])
+    torch.testing.assert_close(s, seen["s"][0, -1], rtol=0, atol=1e-12)

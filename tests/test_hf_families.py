@@ -104,6 +104,15 @@ def test_hyperclovax_with_a_residual_multiplier_is_refused_by_its_design():
         tp.token_patch(model, torch.zeros(1, 3, dtype=torch.long) + 5)
 
 
+def test_doge_with_its_mixture_of_experts_is_refused_by_its_design():
+    """Doge's mixture of experts (``is_moe``) routes a token on router logits reshaped across tokens, so its
+    experts depend on other tokens: only the dense Doge is patched; the other is refused before anything
+    runs, naming the model_type and the design it would have."""
+    model = tp.testing.tiny_hf_model("doge", is_moe=True, num_experts=16, num_experts_per_tok=2)
+    with pytest.raises(tp.UnsupportedModelError, match=r"configuration of model_type 'doge'.*doge"):
+        tp.token_patch(model, torch.zeros(1, 3, dtype=torch.long) + 5)
+
+
 def test_the_docs_table_has_a_row_for_every_tiny_model():
     """``docs/hugging-face.md``'s family table (``python benchmarks/hf_families.py --table``) has a row for
     every tiny model the tests run (its first column)."""

@@ -6,6 +6,7 @@ float32 (SmolLM2-135M: ``test_real_models.test_cli_compress_a_prompt_and_answer_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import warnings
@@ -17,11 +18,12 @@ from safetensors import safe_open
 
 import tokenpatch as tp
 from tokenpatch.lora import CONFIG_FILE, WEIGHTS_FILE
-from tokenpatch.testing import MOE
+from tokenpatch.testing import MOE, float64_everywhere
 
 peft = pytest.importorskip("peft")
 
 DENSE = [name for name in CONFIGS if name not in MOE]  # stacked experts: no LoRA format (tested below)
+FULL_FLOAT64 = ("xglm",)  # transformers cannot run it in float64 outside float64_everywhere
 # a norm scale patched after the MLP is written whole; an output bias as peft's lora_bias
 EXTRAS = {
     **dict.fromkeys(
@@ -31,6 +33,9 @@ EXTRAS = {
     # peft refuses a LoRA of a Mamba mixer's out_proj, and takes a jamba config (it counts experts) to have
     # fused experts named like its dense MLP's matrices: those are written whole
     **dict.fromkeys(["mamba", "falcon_mamba", "mamba2", "nemotron_h", "jamba_dense"], ["modules_to_save"]),
+    # a dense Doge's config still counts experts (num_experts): its MLP matrices are written whole, as a
+    # mixture of experts' are (lora._peft_retargets)
+    "doge": ["modules_to_save"],
     **dict.fromkeys(
         [
             "gpt2",
@@ -52,6 +57,10 @@ EXTRAS = {
             "codegen",
             "biogpt",
             "recurrent_gemma",
+            "gpt-sw3",
+            "ctrl",
+            "xglm",
+            "modernbert-decoder",
         ],
         ["lora_bias"],
     ),
@@ -79,10 +88,12 @@ def _logits(model, patch, folder, x):
 @pytest.mark.parametrize("rank", [None, 4])
 def test_lora_equals_apply_in_float64(family, rank, tmp_path):
     model = build(family)
-    thought = _thought(model, rank)
-    export = tp.save_lora(model, thought, tmp_path / "adapter")
+    # XGLM's own float64 forward needs it (its scores clamped at a float32 torch.full of finfo(float64).min)
+    with float64_everywhere() if family in FULL_FLOAT64 else contextlib.nullcontext():
+        thought = _thought(model, rank)
+        export = tp.save_lora(model, thought, tmp_path / "adapter")
+        want, got, base = _logits(model, thought.patch, tmp_path / "adapter", ids(3, 9, seed=7))
     assert export.extras == EXTRAS.get(family, [])
-    want, got, base = _logits(model, thought.patch, tmp_path / "adapter", ids(3, 9, seed=7))
     assert float((want - base).abs().max()) > 1e-2  # the patch changes the model: the comparison means something
     assert float((got - want).abs().max()) <= tp.TOLERANCES["float64"][1]
     config = json.loads((tmp_path / "adapter" / CONFIG_FILE).read_text())

@@ -23,7 +23,9 @@ __all__ = ["float64_everywhere"]
 
 
 class _NoFloat32(TorchFunctionMode):
-    """Every cast to float32 (``x.float()``, ``x.to(torch.float32)``, ``dtype=torch.float32``) made float64."""
+    """Every cast to float32 (``x.float()``, ``x.to(torch.float32)``, ``dtype=torch.float32``) made float64,
+    and a ``torch.full`` of a float in the default dtype (XGLM's clamp of its scores at
+    ``torch.full((), finfo(float64).min)``, which overflows float32) made in float64."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -31,6 +33,10 @@ class _NoFloat32(TorchFunctionMode):
             func = torch.Tensor.double
         if kwargs.get("dtype") is torch.float32:
             kwargs["dtype"] = torch.float64
+        if func is torch.full and "dtype" not in kwargs:
+            fill = kwargs["fill_value"] if "fill_value" in kwargs else args[1] if len(args) > 1 else None
+            if isinstance(fill, float):
+                kwargs["dtype"] = torch.float64
         return func(*(torch.float64 if a is torch.float32 else a for a in args), **kwargs)
 
 

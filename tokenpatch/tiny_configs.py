@@ -89,6 +89,11 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
+    # GPT-SW3: GPT-2's classes; a checkpoint's config keeps model_type "gpt-sw3" (its config.json's)
+    "gpt-sw3": (
+        "GPT2Config",
+        dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64, model_type="gpt-sw3"),
+    ),
     "gpt_neox": ("GPTNeoXConfig", dict(SMALL, rotary_pct=0.5)),  # parallel residual
     "gpt_neox_sequential": ("GPTNeoXConfig", dict(SMALL, use_parallel_residual=False)),
     # mixture of experts with a shared expert; layer 1 a plain MLP
@@ -273,6 +278,29 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "BioGptConfig",
         dict(SMALL, max_position_embeddings=64, pad_token_id=0),
     ),  # OPT's loose fc1/fc2, positions offset by 2
+    # the sequential form under other names (arch.renamed): sinusoidal absolute positions (CTRL, XGLM)
+    "ctrl": ("CTRLConfig", dict(n_embd=64, dff=96, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
+    "xglm": ("XGLMConfig", dict(_OPT, pad_token_id=0)),  # hidden_size, ... as d_model, ... (attribute_map)
+    "gpt_neox_japanese": ("GPTNeoXJapaneseConfig", dict(SMALL, intermediate_multiple_size=2)),
+    "modernbert-decoder": (  # local attention in two layers of three; the first layer's attention norm an Identity
+        "ModernBertDecoderConfig",
+        dict(SMALL, local_attention=8, mlp_bias=True, norm_bias=True, pad_token_id=0),
+    ),
+    # per-channel residual weights (moved off init); each query keeps its 4 best keys by the value-made mask
+    "doge": ("DogeConfig", dict(KV, keep_window_size=4, pad_token_id=0)),
+    "emu3": ("Emu3Config", dict(text_config=dict(KV, pad_token_id=0))),  # Llama's block
+    "cohere_compass_text": (  # Cohere's parallel block: M-RoPE in the sliding-window layers, no positions in the other
+        "CohereCompassTextConfig",
+        dict(
+            KV,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2]),
+                full_attention=None,
+            ),
+        ),
+    ),
     **TINY_SHARED_EXPERTS,
     **TINY_HYBRIDS,
 }
@@ -282,6 +310,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
 # mixtures of experts with an ungated shared expert: eager experts, and their routers cast to float32
 _SHARED_EXPERTS = (
     "ernie4_5_moe",
+    "dots1",
     "exaone_moe",
     "glm4_moe",
     "param2moe",
@@ -301,6 +330,7 @@ _SHARED_EXPERTS = (
     "kimi_linear",
 )
 FLOAT32_INSIDE = (
+    "xglm",  # its scores clamped at torch.full((), finfo(float64).min): a float32 tensor (overflows)
     "recurrent_gemma",
     "qwen3_5_text",
     "qwen3_5",
@@ -330,6 +360,8 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
     "openai-gpt",
     "gpt_oss",
     "got_ocr2",
+    "xglm",
+    "gpt_neox_japanese",
 )
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (

@@ -59,6 +59,21 @@ TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
             pad_token_id=None,
         ),
     ),
+    "dots1": (  # per-head q/k norms, a dense first layer, sliding-window layers after max_window_layers
+        "Dots1Config",
+        dict(
+            KV,
+            head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            sliding_window=4,
+            max_window_layers=2,
+            pad_token_id=0,
+        ),
+    ),
     "hy_v3": ("HYV3Config", dict(_SHARED_MOE, head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"])),
     # the same after an attention with a gate on its output (Laguna, MiniCPM 5) or sinks (Flint)
     "laguna": (

@@ -30,7 +30,8 @@ fields read from its text config (``arch.hf_modules.text_config``).
 
 An attention that does more than mix values (sinks, a gate on its output, latent attention, a norm
 before ``o_proj``) names no ``value``: a token alone runs the layer. The hybrid and recurrent designs
-are in ``arch.recurrent``.
+are in ``arch.recurrent``; the sequential form under other names (CTRL, XGLM, GPT-NeoX Japanese,
+ModernBERT decoder) in ``arch.renamed``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import replace
 
 from tokenpatch.arch.family import PARALLEL, SELF_ATTN_QK, Family
 from tokenpatch.arch.recurrent import HYBRIDS, RECURRENT
+from tokenpatch.arch.renamed import RENAMED
 from tokenpatch.arch.routed_experts import ROUTED_EXPERTS
 from tokenpatch.arch.shared_experts import SHARED_EXPERTS
 
@@ -57,6 +59,8 @@ _LLAMA = Family(
         "qwen3",
         "gemma",
         "cwm",
+        "emu3",  # Emu3's text decoder (Emu3ForCausalLM, its config emu3_text_model)
+        "emu3_text_model",
         "ernie4_5",
         "exaone",
         "helium",
@@ -87,7 +91,7 @@ _FALCON = Family(  # sequential (parallel_attn=False); its query, key and value 
 )
 _GPT2 = Family(
     name="gpt2",
-    model_types=("gpt2", "gpt_bigcode"),
+    model_types=("gpt2", "gpt_bigcode", "gpt-sw3"),  # GPT-SW3: GPT2Config, its model_type kept from config.json
     layers="h",
     mlp_norm="ln_2",
     attn="attn",
@@ -258,9 +262,9 @@ FAMILIES: list[Family] = [
         post_mlp_norm="post_mlp_layernorm",
         post_attn_norm="post_self_attn_layernorm",
     ),
-    # Parallel blocks: attention and MLP both read the norm of the layer input (Phi, GPT-J, Cohere,
-    # StableLM with use_parallel_residual, Falcon), so the MLP input is the same in both passes and
-    # the whole attention difference goes to the output side, as in NeoX.
+    # Parallel blocks: attention and MLP both read the norm of the layer input (Phi, GPT-J, Cohere and
+    # Cohere Compass's text decoder (M-RoPE), StableLM with use_parallel_residual, Falcon), so the MLP input
+    # is the same in both passes and the whole attention difference goes to the output side, as in NeoX.
     replace(
         _LLAMA,
         name="phi",
@@ -271,7 +275,7 @@ FAMILIES: list[Family] = [
         **PARALLEL,
     ),
     _GPTJ,
-    replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2"), **PARALLEL),
+    replace(_LLAMA, name="cohere", model_types=("cohere", "cohere2", "cohere_compass_text"), **PARALLEL),
     replace(
         _LLAMA,
         name="stablelm_parallel",
@@ -361,6 +365,7 @@ FAMILIES: list[Family] = [
         post_add_norms=("self_attn_layer_norm", "final_layer_norm"),
         when=lambda config: not config.do_layer_norm_before,
     ),
+    *RENAMED,
     *ROUTED_EXPERTS,
     *SHARED_EXPERTS,
     *HYBRIDS,

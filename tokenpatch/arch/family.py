@@ -110,7 +110,9 @@ class Family:
     outputs side by side), ``lone_zero`` (projections a token alone does not need: its own query and
     key, one attention weight, 1), ``value`` (its value projection, where a token alone's attention
     output is ``o_proj`` of its values; ``None``: fused projections, or an attention that does more
-    than mix values, whose lone token runs the layers).
+    than mix values, whose lone token runs the layers), ``attn_bias`` (a bias the layer adds to the
+    attention's output outside its module, a parameter of the layer where it has one: GPT-NeoX Japanese's
+    last layer's ``attention.dense_bias``).
 
     ``mixers``: what a layer of a hybrid model has in place of ``attn`` (``Mixer``: a recurrent or
     convolutional layer), the first one it has; ``at(layer)`` is that layer's record.
@@ -130,7 +132,9 @@ class Family:
 
     The output side: ``out_scale`` (a constant the block multiplies each sublayer's output by, from the
     config: Granite's ``residual_multiplier``), ``residual_scale`` (a constant it multiplies the residual
-    value ``m`` by at the MLP's add: MiniMax's ``mlp_alpha_factor``), ``matrices_out`` (the sublayers' contributions are
+    value ``m`` by at the MLP's add: MiniMax's ``mlp_alpha_factor``), ``residual_weights`` (the layer's
+    per-channel weights of the residual stream at each add, (at the attention's, at the MLP's): Doge's
+    ``m = a * h + A(N(h))``, ``out = c * m + MLP(s)``; the second is ``c``), ``matrices_out`` (the sublayers' contributions are
     their output matrices' outputs, ``o_proj``'s and ``down``'s: the modules add the residual
     themselves, Bloom and MPT's MLP, or the MLP is no module, OPT), ``position_table`` (a learned
     position embedding under the base model, GPT-2's ``wpe``, whose size bounds the position ids)."""
@@ -144,6 +148,7 @@ class Family:
     o_proj: str = "self_attn.o_proj"
     lone_zero: tuple[str, ...] = ()
     value: str | None = None
+    attn_bias: str | None = None
     mixers: tuple[Mixer, ...] = ()
     mlp: str = "mlp"
     inputs: tuple[str, ...]
@@ -155,6 +160,7 @@ class Family:
     post_add_norms: tuple[str, str] | None = None
     out_scale: Callable[[Any], float] | None = None
     residual_scale: Callable[[Any], float] | None = None
+    residual_weights: tuple[str, str] | None = None
     matrices_out: bool = False
     position_table: str | None = None
 

@@ -140,11 +140,18 @@ class HFInputs(HFModules):
             )
 
     def position_limit(self, model: nn.Module) -> int | None:
-        table = self.family(model).position_table
-        if table is None:
+        """The rows of the absolute position table (``Family.position_table``; ``None`` without one): an
+        embedding (OPT's ids offset by 2 into it), a buffer of sinusoids (CTRL's), or a module keeping
+        one (XGLM's, offset by 2: transformers grows it for a longer sequence, not for a lone token's id)."""
+        name = self.family(model).position_table
+        if name is None:
             return None
-        table = model.base_model.get_submodule(table)  # OPT's ids are offset by 2 into its table
-        return table.num_embeddings - getattr(table, "offset", 0)
+        owner, _, leaf = name.rpartition(".")
+        table = getattr(model.base_model.get_submodule(owner), leaf)
+        if isinstance(table, Tensor):
+            return table.shape[0]
+        rows = table.num_embeddings if hasattr(table, "num_embeddings") else table.weights.shape[0]
+        return rows - getattr(table, "offset", 0)
 
     def length_scaling(self, model: nn.Module) -> LengthScaling | None:
         """``rope_parameters`` of type ``longrope`` or ``dynamic`` (``arch.rotary``), or ``None``."""
@@ -204,7 +211,7 @@ class HFInputs(HFModules):
             raise InputError(f"position_ids must be an integer tensor of the shape of input_ids {tuple(ids.shape)}")
         if int(pos.min()) < 0:
             raise InputError(f"position_ids must be >= 0, got {int(pos.min())}")
-        size = self.position_limit(model)  # learned absolute positions (GPT-2) end somewhere
+        size = self.position_limit(model)  # absolute positions (GPT-2's learned, CTRL's sinusoids) end somewhere
         if size is not None and int(pos.max()) >= size:
             raise InputError(
                 f"position id {int(pos.max())} is past the model's learned position table "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.experts import OUTPUT_MATRIX, stacked_experts
 from tokenpatch.arch.families import FAMILIES
@@ -165,6 +166,8 @@ class HFModules(Adapter):
         down = None if fam.down is None else layer.get_submodule(fam.down)
         config = text_config(model)
         scaling = dict(scale=fam.scale(config), residual=fam.residual(config))  # out = c m + r MLP(s)
+        if fam.residual_weights is not None:  # c a [d] weight of the layer (Doge's)
+            scaling["residual"] = offload.value(model, f"{p}{fam.residual_weights[1]}").detach()
         if down is None:  # a block without an MLP: the input change of its mixer's out_proj is the patch
             output = None
         elif fam.experts:
@@ -228,14 +231,19 @@ class HFModules(Adapter):
                 "context does not change, so the heads carry none of the input patch"
             )
         layer = self.layers(model)[i]
-        o_proj = linear64(layer.get_submodule(fam.o_proj))
+        heads = linear64(layer.get_submodule(fam.o_proj))
+        bias = None if fam.attn_bias is None else _parameter(layer, fam.attn_bias)  # added outside the attention
+        if bias is not None:
+            bias = offload.value(layer, fam.attn_bias, bias).detach().double()
+        o_proj = heads if bias is None else (lambda z: heads(z) + bias)
 
         def norm(name: str | None) -> Callable[[Tensor], Tensor]:  # the norm there, or none
             return (lambda a: a) if name is None else norm64(layer.get_submodule(name), name)
 
         post, mlp_norm, added = norm(fam.post_attn_norm), norm(fam.mlp_norm), norm(fam.add_norm)
         scale = fam.scale(text_config(model))  # Granite's residual multiplier
-        return lambda z: mlp_norm(added(h + scale * post(o_proj(z))))
+        kept = _kept_input(fam, layer, h)  # Doge's a * h, else h
+        return lambda z: mlp_norm(added(kept + scale * post(o_proj(z))))
 
     def attention_patterns(self, model: nn.Module, inputs: Any) -> list[Tensor]:
         """One forward with ``output_attentions=True`` under eager attention (fused kernels return no
@@ -295,7 +303,7 @@ class HFModules(Adapter):
             a = layer.get_submodule(fam.post_attn_norm)(a)
         if fam.out_scale is not None:
             a = a * fam.out_scale(text_config(model))
-        m = r.h + a
+        m = _kept_input(fam, layer, r.h) + a
         if fam.add_norm is not None:  # a norm after the add (OPT-350m): m = N(h + a)
             m = layer.get_submodule(fam.add_norm)(m)
         first = r.first  # [B, Q]  queries with no context: their recorded rows, written in place
@@ -310,6 +318,21 @@ class HFModules(Adapter):
         if rows is not None:
             s[rows] = r.s[rows]
         return m, s
+
+
+def _parameter(layer: nn.Module, name: str) -> Tensor | None:
+    """The layer's parameter ``name``, or ``None`` where this layer has none (GPT-NeoX Japanese's
+    attention bias, in its last layer only)."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(layer.get_submodule(owner) if owner else layer, leaf, None)
+
+
+def _kept_input(fam: Family, layer: nn.Module, h: Tensor) -> Tensor:
+    """What the attention's add keeps of the layer input ``h``: ``a * h`` where the layer weights it per
+    channel (``Family.residual_weights``, Doge's), else ``h`` itself."""
+    if fam.residual_weights is None:
+        return h
+    return h * offload.value(layer, fam.residual_weights[0]).detach().to(h.device, h.dtype)
 
 
 def _lone_attention(o_proj: nn.Module, v: Tensor, head_dim: int) -> Tensor:

@@ -49,6 +49,7 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "GlmMoeDsaTopkRouter": "out_in",
     "GptOssTopKRouter": "out_in",
     "AriaTextTopKRouter": "out_in",
+    "Dots1TopkRouter": "out_in",
 }
 
 

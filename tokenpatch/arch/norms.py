@@ -63,6 +63,7 @@ NORMS: dict[str, NormClass] = {
     "Qwen3RMSNorm": NormClass(),
     "Phi3RMSNorm": NormClass(),
     "GraniteRMSNorm": NormClass(),
+    "DogeRMSNorm": NormClass(),
     "GemmaRMSNorm": NormClass(offset=1.0),
     "RecurrentGemmaRMSNorm": NormClass(offset=1.0),
     "Gemma3RMSNorm": _scaled(1.0, "gemma3"),

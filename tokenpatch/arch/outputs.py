@@ -89,13 +89,13 @@ class OutputSite(metaclass=_ByKind):
     ``name``: the parameter the shift goes to (a bias, or an output matrix); ``norm``: the scale of a
     norm after the MLP (``ScaledMatrixOutput`` only); ``scale``: the block's multiplier of the MLP
     output, ``residual`` its multiplier of the residual value ``m`` at that add (``out = residual m +
-    scale MLP(s)``). Indexing (``site[0]``, ``site[1:]``) reads it as the tuple ``(kind, name)`` or ``(kind,
+    scale MLP(s)``; a constant, or a ``[d]`` weight of the layer, per channel: Doge's). Indexing (``site[0]``, ``site[1:]``) reads it as the tuple ``(kind, name)`` or ``(kind,
     name, norm)`` of earlier versions; read the fields instead."""
 
     name: str
     norm: str | None = None
     scale: float = 1.0
-    residual: float = 1.0
+    residual: float | Tensor = 1.0
 
     kind: ClassVar[str] = ""  # the name files and descriptions use
     needs: ClassVar[tuple[str, ...]] = ()  # recorded fields read beyond m and hidden
@@ -133,6 +133,9 @@ class OutputSite(metaclass=_ByKind):
     # ------------------------------------------------------------------------- what each kind computes
     def shift(self, m_c: Tensor, m_0: Tensor, rec: LayerRecord) -> Tensor:
         """What the output matrix's output must change by at each query: ``residual (m_C - m_0) / scale``."""
+        if isinstance(self.residual, Tensor):  # per channel, a weight of the layer (Doge's): [d]
+            shift = solve.output_shift(m_c, m_0, self.scale)
+            return shift * self.residual.to(shift.device, shift.dtype)
         return solve.output_shift(m_c, m_0, self.scale / self.residual)
 
     def token_deltas(self, model: nn.Module, m_c: Tensor, m_0: Tensor, rec: LayerRecord) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Mixtures of experts with a shared expert: Qwen2-MoE's, scaled by a gate; and added as it is (no gate):
 DeepSeek V2/V3, GLM-4-MoE (and its latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, HunYuan V3,
-Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), Laguna, MiniCPM 5, Flint, and the
-hybrid Kimi Linear.
+dots.llm1, Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), Laguna, MiniCPM 5, Flint,
+and the hybrid Kimi Linear.
 
 The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
 read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
@@ -40,7 +40,7 @@ _ROUTED_AND_SHARED = (
 )
 _SHARED = Family(
     name="shared_experts",
-    model_types=("ernie4_5_moe", "exaone_moe", "glm4_moe", "param2moe", "sarvam_moe", "solar_open", "hy_v3"),
+    model_types=("ernie4_5_moe", "exaone_moe", "glm4_moe", "param2moe", "sarvam_moe", "solar_open", "hy_v3", "dots1"),
     mlp_norm="post_attention_layernorm",
     inputs=_ROUTED_AND_SHARED,
     down="mlp.shared_experts.down_proj",
