@@ -77,6 +77,15 @@ class _Zero(nn.Module):
         return x.new_zeros(*x.shape[:-1], self.width or x.shape[-1])
 
 
+def _lone_skipped(fam: Family) -> tuple[str, ...]:
+    """The modules of a layer of ``fam`` the pass of tokens alone replaces by ``_Zero`` (``_lone_pass``)."""
+    if fam.mlp_norm is None:  # the MLP reads m_0 itself: it stays
+        return ()
+    if fam.moe is not None and fam.moe.lone_skip:
+        return fam.moe.lone_skip
+    return (fam.down if fam.experts else fam.mlp,)
+
+
 @contextlib.contextmanager
 def _lone_pass(layers: list[tuple[Family, nn.Module]]) -> Iterator[None]:
     """For the no-context pass of each query token alone: in every layer, the MLP and the query and
@@ -88,9 +97,9 @@ def _lone_pass(layers: list[tuple[Family, nn.Module]]) -> Iterator[None]:
     rotations: still zero) leave the attention output ``W_o v`` exactly as it is. Where the MLP reads
     the residual stream itself (``Family.mlp_norm`` is ``None``) it stays: its input is ``m_0``. Of a
     mixture of stacked experts only the experts go (the block's router is cheap, and the block's own
-    output may be more than a tensor: gpt-oss's is ``(y, router scores)``)."""
-    skipped = [((fam.down if fam.experts else fam.mlp) if fam.mlp_norm is not None else None) for fam, _ in layers]
-    named = [((*([s] if s is not None else []), *fam.lone_zero), layer) for s, (fam, layer) in zip(skipped, layers)]
+    output may be more than a tensor: gpt-oss's is ``(y, router scores)``); of a block that says which
+    of its parts to skip (``MoE.lone_skip``, Llama 4's), those."""
+    named = [((*_lone_skipped(fam), *fam.lone_zero), layer) for fam, layer in layers]
     saved = [[layer.get_submodule(n) for n in names] for names, layer in named]
     try:
         for names, layer in named:
@@ -190,11 +199,13 @@ class HFAdapter(HFInputs):
         def grab(i: int, site: NamedSite) -> Callable:
             def hook(module, args, third):
                 t = pick(read(site, args, third))
-                setattr(out[i], site.field, out[i].h + t if site.plus_h else t)
+                t = out[i].h + t if site.plus_h else t
+                before = getattr(out[i], site.field) if (i, site.field) in summed else None  # NamedSite.adds
+                setattr(out[i], site.field, t if before is None else before + t)
 
             return hook
 
-        pairs = []
+        pairs, summed = [], set()
         for i in range(len(rec)):
             fam, layer = self._layer(model, i)
             if i > 0:  # before the sites: the layer input they read is the with-context one
@@ -202,6 +213,8 @@ class HFAdapter(HFInputs):
             for site in fam.sites(parallel):
                 if site.field in wanted:
                     pairs.append((register(layer.get_submodule(site.module), site), grab(i, site)))
+                    if site.adds:  # the field is the sum of its sites' tensors (one forward: each once)
+                        summed.add((i, site.field))
         stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
         # each layer's output is read only where the next layer's input is not replaced: with a chunk
         # removed the other kept tokens need the whole layer, each query alone needs no MLP at all
