@@ -5,6 +5,7 @@ design (``arch.families.FAMILIES``), and what each needs to run exactly: read by
 from __future__ import annotations
 
 from tokenpatch.tiny_hybrids import TINY_HYBRIDS
+from tokenpatch.tiny_moe_blocks import MOE_BLOCKS_EAGER_ONLY, MOE_BLOCKS_MOE, TINY_MOE_BLOCKS
 from tokenpatch.tiny_shared_experts import LATENT, TINY_SHARED_EXPERTS
 from tokenpatch.tiny_sizes import KV, SMALL
 
@@ -209,6 +210,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         dict(SMALL, max_position_embeddings=64, pad_token_id=0),
     ),  # OPT's loose fc1/fc2, positions offset by 2
     **TINY_SHARED_EXPERTS,
+    **TINY_MOE_BLOCKS,
     **TINY_HYBRIDS,
 }
 # transformers casts to float32 inside these whatever the model dtype (the chunked scans of Gated DeltaNet
@@ -252,6 +254,7 @@ FLOAT32_INSIDE = (
     "mimo_v2_flash",
     "lara_mini",
     *_SHARED_EXPERTS,
+    *MOE_BLOCKS_MOE,
 )
 EAGER_ONLY = (  # transformers has no sdpa path for these
     "gemma2",
@@ -264,6 +267,7 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
     "flint",
     "openai-gpt",
     "gpt_oss",
+    *MOE_BLOCKS_EAGER_ONLY,
 )
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (
@@ -287,4 +291,5 @@ MOE = (
     "jamba",
     "lfm2_moe",
     *_SHARED_EXPERTS,
+    *MOE_BLOCKS_MOE,
 )  # run with transformers' eager experts
