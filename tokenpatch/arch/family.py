@@ -57,14 +57,11 @@ class MoE:
     ``mlp_only_layers``). ``shared_gate``: a shared expert's gate module, whose sigmoid scales
     ``Family.down`` (the shared expert's output matrix); ``shared``: a shared expert added as it is
     (DeepSeek's, GLM-4-MoE's, ERNIE 4.5's), ``down`` its output matrix, which takes the whole output
-    shift; neither: ``down`` is the stacked experts (``arch.experts``). ``lone_skip``: the modules
-    the pass of tokens alone replaces by zeros in place of the whole block, whose own output is more
-    than a tensor (Llama 4's ``(y, router logits)``; empty: the block, or the stacked experts)."""
+    shift; neither: ``down`` is the stacked experts (``arch.experts``)."""
 
     dense: str | None = "llama"
     shared_gate: str | None = None
     shared: bool = False
-    lone_skip: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -77,15 +77,6 @@ class _Zero(nn.Module):
         return x.new_zeros(*x.shape[:-1], self.width or x.shape[-1])
 
 
-def _lone_skipped(fam: Family) -> tuple[str, ...]:
-    """The modules of a layer of ``fam`` the pass of tokens alone replaces by ``_Zero`` (``_lone_pass``)."""
-    if fam.mlp_norm is None:  # the MLP reads m_0 itself: it stays
-        return ()
-    if fam.moe is not None and fam.moe.lone_skip:
-        return fam.moe.lone_skip
-    return (fam.down if fam.experts else fam.mlp,)
-
-
 @contextlib.contextmanager
 def _lone_pass(layers: list[tuple[Family, nn.Module]]) -> Iterator[None]:
     """For the no-context pass of each query token alone: in every layer, the MLP and the query and
@@ -97,9 +88,9 @@ def _lone_pass(layers: list[tuple[Family, nn.Module]]) -> Iterator[None]:
     rotations: still zero) leave the attention output ``W_o v`` exactly as it is. Where the MLP reads
     the residual stream itself (``Family.mlp_norm`` is ``None``) it stays: its input is ``m_0``. Of a
     mixture of stacked experts only the experts go (the block's router is cheap, and the block's own
-    output may be more than a tensor: gpt-oss's is ``(y, router scores)``); of a block that says which
-    of its parts to skip (``MoE.lone_skip``, Llama 4's), those."""
-    named = [((*_lone_skipped(fam), *fam.lone_zero), layer) for fam, layer in layers]
+    output may be more than a tensor: gpt-oss's is ``(y, router scores)``)."""
+    skipped = [((fam.down if fam.experts else fam.mlp) if fam.mlp_norm is not None else None) for fam, _ in layers]
+    named = [((*([s] if s is not None else []), *fam.lone_zero), layer) for s, (fam, layer) in zip(skipped, layers)]
     saved = [[layer.get_submodule(n) for n in names] for names, layer in named]
     try:
         for names, layer in named:

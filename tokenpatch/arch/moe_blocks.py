@@ -11,8 +11,8 @@ into the shared expert's output matrix. What differs:
   (its readers outside the block name the shared MLP, ``delta_hooks.hooked``); without a shared MLP
   (``shared_intermediate_size`` 0) the block is Granite-MoE's (``arch.routed_experts``);
 * Llama 4: every expert reads ``s`` times its routing weight, the experts stored ``[E, in, out]``
-  (``arch.layouts``), the block returns ``(y, router logits)`` (the pass of tokens alone skips its
-  experts and shared expert instead of the block, ``MoE.lone_skip``); dense layers between;
+  (``arch.layouts``), the block returns ``(y, router logits)`` (a token alone's anchor comes from its
+  values, ``Family.value``: no pass replaces the block); dense layers between;
 * AFMoE: Gemma 2's four norms around the block, whose sum of shared and routed experts is the input
   of the norm after it (``ScaledMatrixOutput``: the norm's input ``p``); a gate on the attention's
   output (a token alone runs the layers);
@@ -113,7 +113,7 @@ MOE_BLOCKS: list[Family] = [
             "feed_forward.shared_expert.up_proj.weight",
         ),
         down="feed_forward.shared_expert.down_proj",
-        moe=MoE(dense="llama4_dense", shared=True, lone_skip=("feed_forward.experts", "feed_forward.shared_expert")),
+        moe=MoE(dense="llama4_dense", shared=True),
     ),
     _LLAMA4_DENSE,
     replace(
