@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from tokenpatch import deltas as dl
 from tokenpatch.arch import weight_layout
-from tokenpatch.arch.experts import OUTPUT_MATRIX, scattered_hiddens, stacked_experts
+from tokenpatch.arch.experts import experts_call, output_matrix, scattered_hiddens, stacked_experts
 from tokenpatch.arch.hooks import registered_hooks
 from tokenpatch.arch.norms import scale_norm
 from tokenpatch.errors import InputError, UnsupportedModelError
@@ -173,8 +173,11 @@ class DeltaHook:
 
     def after_experts(self, module: nn.Module, args: tuple, out: Tensor) -> Tensor:
         """Forward hook on stacked experts (``arch.experts``): the output matrices' delta, read as the one
-        matrix ``[D_1 ... D_E]`` on the chosen experts' weighted hidden states ``z`` (recomputed here)."""
-        return self.after(module, (scattered_hiddens(module, *args[:3]),), out)
+        matrix ``[D_1 ... D_E]`` on the chosen experts' weighted hidden states ``z`` (recomputed here;
+        tokens flattened, or ``[batch, pos, d]`` as DBRX's experts get them)."""
+        x, index, weights = experts_call(module, args)
+        z = scattered_hiddens(module, x.reshape(-1, x.shape[-1]), index.flatten(0, -2), weights.flatten(0, -2))
+        return self.after(module, (z.view(*x.shape[:-1], -1),), out)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         """Forward pre-hook: the input change ``x -> x + D x``."""
@@ -201,10 +204,12 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
     pairs = []  # (register, hook): every delta checked before any hook goes on
     for module_name, deltas in by_module.items():
         module = model.get_submodule(module_name)
-        if set(deltas) == {OUTPUT_MATRIX} and stacked_experts(module, module_name):
-            layout = weight_layout(module, module_name)  # [E, out, in] or [E, in, out]
-            hook = DeltaHook(module_name, patch, broadcast, any_length, weight=deltas[OUTPUT_MATRIX], layout=layout)
-            pairs.append((module.register_forward_hook, hook.after_experts))
+        owner = _experts_owner(model, module_name, deltas)
+        if owner is not None:  # stacked experts' output matrices: a hook on the experts module
+            ((attr, delta),) = deltas.items()
+            layout = weight_layout(module, f"{module_name}.{attr}")  # [E, out, in], [E, in, out]; DBRX's [E * in, out]
+            hook = DeltaHook(owner, patch, broadcast, any_length, weight=delta, layout=layout)
+            pairs.append((model.get_submodule(owner).register_forward_hook, hook.after_experts))
             continue
         if (
             set(deltas) - {"weight", "bias"}
@@ -229,7 +234,33 @@ def hooked(model: nn.Module, patch: Patch, broadcast: bool, any_length: bool) ->
         pairs.append((module.register_forward_hook, hook.after))
     for module_name, delta in inputs.items():
         hook = DeltaHook(module_name, patch, broadcast, any_length, weight=delta)
-        register = model.get_submodule(module_name).register_forward_pre_hook
-        pairs.append((functools.partial(register, with_kwargs=True), hook.before))
+        for reading in _input_modules(module_name, patch.readers.get(f"{module_name}{INPUT_SUFFIX}", ())):
+            register = model.get_submodule(reading).register_forward_pre_hook
+            pairs.append((functools.partial(register, with_kwargs=True), hook.before))
     with registered_hooks(pairs):
         yield
+
+
+def _input_modules(module: str, readers) -> list[str]:
+    """The modules whose input an input change ``"<module>:input"`` changes: ``module``, and the module
+    of each of its readers outside it (a block whose MLP is two modules reading one norm's output,
+    Granite-MoE-Shared's experts and shared MLP: the same change on each)."""
+    out = [module]
+    for reader, _ in readers:
+        owner = reader.rpartition(".")[0]
+        if not owner.startswith(f"{module}.") and owner not in out:
+            out.append(owner)
+    return out
+
+
+def _experts_owner(model: nn.Module, module_name: str, deltas: dict) -> str | None:
+    """The experts module whose output matrices are the one delta of ``deltas`` (on ``module_name``):
+    the module itself (``down_proj``), or the experts module above it (DBRX's ``mlp.w2``); else ``None``."""
+    if len(deltas) != 1:
+        return None
+    name = f"{module_name}.{next(iter(deltas))}"
+    for owner in (module_name, module_name.rpartition(".")[0]):
+        module = model.get_submodule(owner)
+        if name == f"{owner}.{output_matrix(module)}" and stacked_experts(module, owner):
+            return owner
+    return None

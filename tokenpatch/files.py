@@ -285,6 +285,19 @@ def _recorded(then: Any, now: Any) -> bool:
     return then == now
 
 
+def _readable(config: Any, name: str) -> bool:
+    """Whether ``config`` gives its field ``name``: held by the instance, or an attribute it gives (a
+    transformers config with per-layer fields, dots.llm3 Note's, refuses a global read of one, raising
+    an error of its own: its ``per_layer_config`` holds them)."""
+    if name in getattr(config, "__dict__", {}):
+        return True
+    try:
+        getattr(config, name)
+    except Exception:  # noqa: BLE001 - AttributeError, or transformers' AmbiguousGlobalPerLayerAttributeError
+        return False
+    return True
+
+
 def config_record(config: Any, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
     """The fields of a model's ``config`` (a dataclass, or an object with ``to_dict`` such as a Hugging
     Face config), JSON-able, without ``ignored``; ``{}`` for a model without one."""
@@ -294,7 +307,7 @@ def config_record(config: Any, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
         names = list(config.to_dict())
     else:
         return {}
-    return _fields(config, [n for n in names if n not in ignored and hasattr(config, n)], ignored)
+    return _fields(config, [n for n in names if n not in ignored and _readable(config, n)], ignored)
 
 
 def check_config(model: nn.Module, record: dict[str, Any] | None) -> None:

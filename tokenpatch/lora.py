@@ -98,7 +98,8 @@ def _linear(model: nn.Module, module_name: str, what: str) -> str:
     """The weight layout of a LoRA target, or a clear error for a parameter peft cannot target."""
     module = model.get_submodule(module_name)
     layout = _layout(module)
-    if layout is None or what != f"{module_name}.weight":
+    stacked = getattr(module, "weight", None) is not None and module.weight.ndim != 2  # JetMoE's experts [E, out, in]
+    if layout is None or what != f"{module_name}.weight" or stacked:
         raise UnsupportedModelError(
             f"save_lora: {what} is a parameter of {module_name} ({type(module).__name__}) that a LoRA cannot "
             "target (peft LoRA adapts the weight of a linear layer); keep this patch as a tokenpatch file (tp.save_patch)"

@@ -5,6 +5,7 @@ design (``arch.families.FAMILIES``), and what each needs to run exactly: read by
 from __future__ import annotations
 
 from tokenpatch.tiny_hybrids import TINY_HYBRIDS
+from tokenpatch.tiny_moe_blocks import MOE_BLOCKS_EAGER_ONLY, MOE_BLOCKS_MOE, TINY_MOE_BLOCKS
 from tokenpatch.tiny_shared_experts import LATENT, TINY_SHARED_EXPERTS
 from tokenpatch.tiny_sizes import KV, SMALL
 
@@ -302,6 +303,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         ),
     ),
     **TINY_SHARED_EXPERTS,
+    **TINY_MOE_BLOCKS,
     **TINY_HYBRIDS,
 }
 # transformers casts to float32 inside these whatever the model dtype (the chunked scans of Gated DeltaNet
@@ -347,6 +349,7 @@ FLOAT32_INSIDE = (
     "mimo_v2_flash",
     "lara_mini",
     *_SHARED_EXPERTS,
+    *MOE_BLOCKS_MOE,
 )
 EAGER_ONLY = (  # transformers has no sdpa path for these
     "gemma2",
@@ -362,6 +365,7 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
     "got_ocr2",
     "xglm",
     "gpt_neox_japanese",
+    *MOE_BLOCKS_EAGER_ONLY,
 )
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (
@@ -385,4 +389,5 @@ MOE = (
     "jamba",
     "lfm2_moe",
     *_SHARED_EXPERTS,
+    *MOE_BLOCKS_MOE,
 )  # run with transformers' eager experts

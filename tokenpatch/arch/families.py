@@ -22,7 +22,8 @@ read and where the output side goes; that is the ``Family`` record. The five for
   chosen, with the same weights); the output shift goes into a shared expert's ``down_proj``
   (``arch.shared_experts``: divided by its sigmoid gate where it has one), or, without one, into the
   chosen experts' ``down_proj``, split in proportion to their routing weights (``arch.routed_experts``,
-  ``arch.experts``).
+  ``arch.experts``); blocks that place these parts otherwise (a shared MLP beside the experts block,
+  Llama 4's, AFMoE's norm after the block, MiniMax-M3's): ``arch.moe_blocks``.
 
 A multimodal model whose text decoder is one of these (Gemma 3's ``Gemma3ForConditionalGeneration``, the
 4B and larger checkpoints) is patched on text as its decoder: its layers are under ``language_model``, its
@@ -40,6 +41,7 @@ import math
 from dataclasses import replace
 
 from tokenpatch.arch.family import PARALLEL, SELF_ATTN_QK, Family
+from tokenpatch.arch.moe_blocks import MOE_BLOCKS
 from tokenpatch.arch.recurrent import HYBRIDS, RECURRENT
 from tokenpatch.arch.renamed import RENAMED
 from tokenpatch.arch.routed_experts import ROUTED_EXPERTS
@@ -368,6 +370,7 @@ FAMILIES: list[Family] = [
     *RENAMED,
     *ROUTED_EXPERTS,
     *SHARED_EXPERTS,
+    *MOE_BLOCKS,
     *HYBRIDS,
     *RECURRENT,
 ]

@@ -137,7 +137,9 @@ class Family:
     ``m = a * h + A(N(h))``, ``out = c * m + MLP(s)``; the second is ``c``), ``matrices_out`` (the sublayers' contributions are
     their output matrices' outputs, ``o_proj``'s and ``down``'s: the modules add the residual
     themselves, Bloom and MPT's MLP, or the MLP is no module, OPT), ``position_table`` (a learned
-    position embedding under the base model, GPT-2's ``wpe``, whose size bounds the position ids)."""
+    position embedding under the base model, GPT-2's ``wpe``, whose size bounds the position ids), ``shortcut``
+    (a module whose output the layer adds to its output beside the MLP's, computed before the MLP: part of
+    the residual value ``m``, LongCat-Flash's mixture of experts)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -163,6 +165,7 @@ class Family:
     residual_weights: tuple[str, str] | None = None
     matrices_out: bool = False
     position_table: str | None = None
+    shortcut: str | None = None
 
     # ----------------------------------------------------------------- derived roles (the one place)
     def at(self, layer: Any) -> Family:
@@ -245,8 +248,9 @@ class Family:
         module reading it (before patches), or a parallel block's ``h`` plus the attention's output;
         ``s`` the MLP norm's output, or the MLP's input where it reads ``m`` itself; ``hidden`` the
         output matrix's input (the chosen experts' weighted hidden states); ``gate`` a shared
-        expert's gate logit; ``p`` the output matrix's output before a norm after the MLP; ``sum`` the
-        input of a norm after the MLP's add; ``v`` the values, at every position."""
+        expert's gate logit; ``p`` the input of a norm after the MLP (the output matrix's output, or the
+        block's where experts add theirs: AFMoE); ``sum`` the input of a norm after the MLP's add; ``v``
+        the values, at every position; a ``shortcut``'s output, added to ``m``."""
         s = (
             NamedSite("s", self.mlp_norm, output=True)
             if self.mlp_norm
@@ -259,15 +263,20 @@ class Family:
         )
         optional = (
             (self.down_gate, NamedSite("gate", self.down_gate or "", output=True)),
-            (self.post_mlp_norm, NamedSite("p", self.down, output=True)),
+            (self.post_mlp_norm, NamedSite("p", self.post_mlp_norm or "", output=False)),
             (self.sum_norm, NamedSite("sum", self.sum_norm or "", output=False)),
             (self.value, NamedSite("v", self.value or "", output=True, every=True)),
+            (self.shortcut, NamedSite("m", self.shortcut or "", output=True, adds=True)),
         )
         return (
             NamedSite("h", "", output=False),
             NamedSite("out", "", output=True),
             s,
-            *(() if self.down is None else (NamedSite("hidden", self.down, output=False, experts=self.experts),)),
+            *(
+                ()
+                if self.down is None
+                else (NamedSite("hidden", self.down, output=self.experts, experts=self.experts),)
+            ),
             m,
             *(site for present, site in optional if present),
         )

@@ -191,11 +191,13 @@ class HFAdapter(HFInputs):
         def grab(i: int, site: NamedSite) -> Callable:
             def hook(module, args, third):
                 t = pick(read(site, args, third))
-                setattr(out[i], site.field, out[i].h + t if site.plus_h else t)
+                t = out[i].h + t if site.plus_h else t
+                before = getattr(out[i], site.field) if (i, site.field) in summed else None  # NamedSite.adds
+                setattr(out[i], site.field, t if before is None else before + t)
 
             return hook
 
-        pairs = []
+        pairs, summed = [], set()
         for i in range(len(rec)):
             fam, layer = self._layer(model, i)
             if i > 0:  # before the sites: the layer input they read is the with-context one
@@ -203,6 +205,8 @@ class HFAdapter(HFInputs):
             for site in fam.sites(parallel):
                 if site.field in wanted:
                     pairs.append((register(layer.get_submodule(site.module), site), grab(i, site)))
+                    if site.adds:  # the field is the sum of its sites' tensors (one forward: each once)
+                        summed.add((i, site.field))
         stripped = self.strip(inputs, torch.tensor(query if kept is None else kept), separate=kept is None)
         # each layer's output is read only where the next layer's input is not replaced: with a chunk
         # removed the other kept tokens need the whole layer, each query alone needs no MLP at all

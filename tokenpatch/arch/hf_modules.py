@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from tokenpatch import offload
 from tokenpatch.arch.base import Adapter
-from tokenpatch.arch.experts import OUTPUT_MATRIX, stacked_experts
+from tokenpatch.arch.experts import output_matrix, stacked_experts
 from tokenpatch.arch.families import FAMILIES
 from tokenpatch.arch.family import Family
 from tokenpatch.arch.float64 import linear64, norm64
@@ -176,7 +176,7 @@ class HFModules(Adapter):
                     f"{p}{fam.down} ({type(down).__name__}) is not a stacked-experts module of transformers "
                     "(use_experts_implementation): its output matrices are unknown"
                 )
-            output = ExpertsOutput(f"{p}{fam.down}.{OUTPUT_MATRIX}", **scaling)
+            output = ExpertsOutput(f"{p}{fam.down}.{output_matrix(down)}", **scaling)
         elif fam.down_gate is not None:
             output = GatedOutput(f"{p}{fam.down}.weight", **scaling)
         elif fam.post_mlp_norm is not None:

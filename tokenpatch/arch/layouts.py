@@ -13,8 +13,9 @@ __all__ = ["WEIGHT_LAYOUTS", "by_class", "weight_layout"]
 
 # How a module applies its ``weight`` to an input: "out_in" means ``y = x @ W.T`` (W stored
 # [out, in], torch's nn.Linear); "in_out" means ``y = x @ W`` (W stored [in, out], GPT-2's Conv1D).
-# Keyed by class name so optional libraries need not be imported.
-WEIGHT_LAYOUTS: dict[str, str] = {
+# Keyed by class name so optional libraries need not be imported; a class whose parameters differ, by
+# parameter name.
+WEIGHT_LAYOUTS: dict[str, str | dict[str, str]] = {
     "Linear": "out_in",
     "Conv1D": "in_out",
     # mixture-of-experts routers: a weight [experts, d] applied with F.linear
@@ -35,6 +36,8 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "KimiLinearTopkRouter": "out_in",
     "MiniMaxM2TopKRouter": "out_in",
     "GraniteMoeTopKRouter": "out_in",
+    "GraniteMoeSharedTopKRouter": "out_in",
+    "GraniteMoeSWATopKRouter": "out_in",
     "SolarOpenTopkRouter": "out_in",
     "MellumTopKRouter": "out_in",
     "MiniCPM5MoeTopkRouter": "out_in",
@@ -50,6 +53,13 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "GptOssTopKRouter": "out_in",
     "AriaTextTopKRouter": "out_in",
     "Dots1TopkRouter": "out_in",
+    "Dots3NoteTextTopkRouter": "out_in",
+    "MiniMaxM3VLTopKRouter": "out_in",
+    # Llama 4's experts: not transformers' stacked-experts modules, stored [E, in, out] (x @ W)
+    "Llama4TextExperts": "in_out",
+    # DBRX's experts' matrices [E * I, d], by parameter: the gate and up read as x W^T, the output as h W
+    "DbrxExpertGLU": {"w1": "out_in", "v1": "out_in", "w2": "in_out"},
+    "JetMoeParallelExperts": "out_in",  # [E, out, in]
 }
 
 
@@ -66,6 +76,8 @@ def weight_layout(module: nn.Module, name: str = "") -> str:
     if isinstance(getattr(module, "is_transposed", None), bool) and hasattr(module, "has_gate"):
         return "in_out" if module.is_transposed else "out_in"
     layout = by_class(WEIGHT_LAYOUTS, module)
+    if isinstance(layout, dict):  # by parameter (DBRX's experts)
+        layout = layout.get(name.rpartition(".")[2])
     if layout is not None:
         return layout
     raise UnsupportedModelError(

@@ -242,8 +242,9 @@ class ExpertsOutput(MatrixOutput):
 
 @dataclass(frozen=True)
 class ScaledMatrixOutput(OutputSite):
-    """A norm after the MLP (Gemma 2/3: ``out = m + g * unit(W h)``): a rank-1 patch of the output
-    matrix ``name`` plus a dense delta of the norm's scale ``norm`` (``solve.output_patch_scaled``)."""
+    """A norm after the MLP (Gemma 2/3: ``out = m + g * unit(W h)``; AFMoE: ``g * unit(W h + routed)``, its
+    input ``p``): a rank-1 patch of the output matrix ``name`` plus a dense delta of the norm's scale ``norm``
+    (``solve.output_patch_scaled``)."""
 
     kind: ClassVar[str] = "matrix+scale"
     needs: ClassVar[tuple[str, ...]] = ("out", "p")
@@ -282,8 +283,12 @@ class ScaledMatrixOutput(OutputSite):
             yield r0.hidden[v], norm_target(norm, g, rc.out[v] - r0.m[v], r0.p[v])
 
     def stream(self, model, rec, out, mine, patched, sum_norm):
+        """``m + norm'(W' h' + (p - W h'))``: the norm's input ``p`` with the output matrix's change (``p - W
+        h'``: what the block adds beside the matrix, the routed experts' output (AFMoE), else 0)."""
+        down = model.get_submodule(self.module)
+        beside = rec.p - down(rec.hidden)
         with patched():
-            return rec.m + self.norm_module(model)(model.get_submodule(self.module)(rec.hidden))
+            return rec.m + self.norm_module(model)(down(rec.hidden) + beside)
 
 
 def norm_target(norm: nn.Module, scale: Tensor, want: Tensor, p: Tensor) -> Tensor:

@@ -3,10 +3,11 @@
 The names follow ``docs/patch-theorem.md``: a layer reads ``h``, its mixer (attention) gives the
 residual value ``m`` the MLP output is added to, the MLP reads ``s`` (the MLP input, after its norm),
 its output matrix reads ``hidden``, and the layer gives ``out``. Where a layer's output side needs
-more, the record has it: ``p`` (the output matrix's output ``W hidden``, before a norm after the MLP),
-``gate`` (a shared expert's gate logit), ``v`` (the attention's values, every position: the lone
-token's anchor reads them), ``sum`` (the input of a norm after the MLP's add), ``first`` (``[B, Q]``,
-whether a query is the first real token of its row). Every field is ``[B, Q, .]`` unless said.
+more, the record has it: ``p`` (the input of a norm after the MLP: the output matrix's output
+``W hidden``, or the whole block's where experts add theirs), ``gate`` (a shared expert's gate logit),
+``v`` (the attention's values, every position: the lone token's anchor reads them), ``sum`` (the input
+of a norm after the MLP's add), ``first`` (``[B, Q]``, whether a query is the first real token of its row).
+Every field is ``[B, Q, .]`` unless said.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class NamedSite:
     ``s`` as the layer computes them). ``every``: recorded at every position, without a copy (the
     values, read by a lone token's anchor). ``plus_h``: the field is the layer input plus this (a
     parallel block's ``m = h + A(h)``). ``experts``: the chosen experts' weighted hidden states, from
-    the stacked-experts module's arguments (``arch.experts.scattered_hiddens``)."""
+    the stacked-experts module's arguments (``arch.experts.scattered_hiddens``). ``adds``: a term of the
+    field another site of the layer records, added to it (LongCat-Flash's shortcut, part of ``m``)."""
 
     field: str
     module: str
@@ -105,3 +107,4 @@ class NamedSite:
     every: bool = False
     plus_h: bool = False
     experts: bool = False
+    adds: bool = False

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from tokenpatch.arch.experts import scattered_hiddens
+from tokenpatch.arch.experts import experts_call, scattered_hiddens
 from tokenpatch.arch.hooks import output_tensor, registered_hooks
 from tokenpatch.arch.record import LayerRecord, NamedSite
 
@@ -56,6 +56,10 @@ def recording(
     rec = [LayerRecord() for _ in layers]
     shape: list[int] = []  # [batch, pos] of the sequences running (set by each [B, T, .] tensor read)
     paused: list[bool] = []  # non-empty while on_layer runs
+    # (layer, field) -> {adds: tensor}: the fields a site adds a term to, their terms as last recorded
+    summed: dict[tuple[int, str], dict[bool, Tensor]] = {
+        (i, site.field): {} for i, (_, sites) in enumerate(layers) for site in sites if site.adds
+    }
 
     def take(t: Tensor, everywhere: bool) -> Tensor:
         if t.ndim == 2:  # a module run on the flattened tokens [batch * pos, .] (inside an MoE block)
@@ -68,13 +72,18 @@ def recording(
         def hook(module, args, third):
             if paused:
                 return
-            if site.experts:  # experts(x [B*T, d], index [B*T, K], weights [B*T, K])
-                x, index, weights = (take(t, every) for t in args[:3])
+            if site.experts:  # experts(x [B*T, d], index [B*T, K], weights [B*T, K]), or a block routing itself
+                x, index, weights = (take(t, every) for t in experts_call(module, args))
                 z = scattered_hiddens(module, x.flatten(0, 1), index.flatten(0, 1), weights.flatten(0, 1))
                 t = z.view(*x.shape[:2], -1)  # [B, Q, E * I]
             else:
                 t = take(read(site, args, third), every or site.every)
-            setattr(rec[i], site.field, rec[i].h + t if site.plus_h else t)
+            t = rec[i].h + t if site.plus_h else t
+            if (i, site.field) in summed:  # the field is the sum of its sites' latest tensors (NamedSite.adds)
+                terms = summed[i, site.field]
+                terms[site.adds] = t
+                t = terms[False] + terms[True] if len(terms) == 2 else t
+            setattr(rec[i], site.field, t)
 
         return hook
 

@@ -1,5 +1,6 @@
 """Mixtures of experts without a shared expert (Mixtral's form): Mixtral, Qwen3-MoE, OLMoE, MiniMax-M2,
-Mellum, PhiMoE, MiMo-V2-Flash, gpt-oss, Cohere 2-MoE and Granite-MoE.
+Mellum, PhiMoE, MiMo-V2-Flash, gpt-oss, Cohere 2-MoE, Granite-MoE, GraniteMoE-SWA, DBRX, JetMoE (and GraniteMoeShared
+without its shared MLP).
 
 The router and every expert read the MLP input ``s``, so one input change patches them all (the same
 experts are chosen, with the same routing weights); the output shift ``m_C - m_0`` goes into the chosen
@@ -24,6 +25,17 @@ _MIXTRAL = Family(
     moe=MoE(dense="llama"),
     lone_zero=SELF_ATTN_QK,
     value="self_attn.v_proj",
+)
+_GRANITE = replace(
+    _MIXTRAL,
+    name="granitemoe",
+    model_types=("granitemoe", "granitemoeshared"),
+    when=lambda config: not getattr(config, "shared_intermediate_size", 0),
+    mlp="block_sparse_moe",
+    inputs=("block_sparse_moe.router.weight", "block_sparse_moe.experts.gate_up_proj"),
+    down="block_sparse_moe.experts",
+    out_scale=lambda config: float(config.residual_multiplier),
+    moe=MoE(dense=None),
 )
 ROUTED_EXPERTS: list[Family] = [
     _MIXTRAL,
@@ -58,15 +70,35 @@ ROUTED_EXPERTS: list[Family] = [
         model_types=("cohere2_moe",),
         **PARALLEL,
     ),
-    # Granite's residual multiplier around the experts, named block_sparse_moe
-    replace(
-        _MIXTRAL,
-        name="granitemoe",
-        model_types=("granitemoe",),
-        mlp="block_sparse_moe",
-        inputs=("block_sparse_moe.router.weight", "block_sparse_moe.experts.gate_up_proj"),
-        down="block_sparse_moe.experts",
-        out_scale=lambda config: float(config.residual_multiplier),
+    # Granite's residual multiplier around the experts, named block_sparse_moe (GraniteMoeShared and
+    # GraniteMoE-SWA without their shared MLP too: shared_intermediate_size 0; with it, arch.moe_blocks)
+    _GRANITE,
+    # GraniteMoE-SWA: sinks in its attention (a token alone runs the layers)
+    replace(_GRANITE, name="granitemoe_swa", model_types=("granitemoe_swa",), lone_zero=(), value=None),
+    # DBRX: its attention and both norms inside one module (a fused, clipped query-key-value: a token alone
+    # runs the layers), every expert's matrices stacked along their rows ([E * I, d], arch.experts)
+    Family(
+        name="dbrx",
+        model_types=("dbrx",),
+        layers="blocks",
+        attn="norm_attn_norm.attn",
+        o_proj="norm_attn_norm.attn.out_proj",
+        mlp_norm="norm_attn_norm.norm_2",
+        mlp="ffn",
+        inputs=("ffn.router.layer.weight", "ffn.experts.mlp.w1", "ffn.experts.mlp.v1"),
+        down="ffn.experts",
+        moe=MoE(dense=None),
+    ),
+    # JetMoE: a mixture of attention heads (a token alone runs the layers); its MLP block routes the tokens
+    # itself, its experts JetMoE's own ([E, 2I, d] and [E, d, I], arch.experts), an output bias after them
+    Family(
+        name="jetmoe",
+        model_types=("jetmoe",),
+        attn="self_attention",
+        o_proj="self_attention.experts.output_linear",
+        mlp_norm="post_attention_layernorm",
+        inputs=("mlp.router.layer.weight", "mlp.input_linear.weight"),
+        down="mlp",
         moe=MoE(dense=None),
     ),
 ]

@@ -1,7 +1,7 @@
 """Mixtures of experts with a shared expert: Qwen2-MoE's, scaled by a gate; and added as it is (no gate):
 DeepSeek V2/V3, GLM-4-MoE (and its latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, HunYuan V3,
-dots.llm1, Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), Laguna, MiniCPM 5, Flint,
-and the hybrid Kimi Linear.
+dots.llm1, Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), dots.llm3 Note (its text decoder),
+Laguna, MiniCPM 5, Flint, and the hybrid Kimi Linear.
 
 The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
 read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
@@ -63,7 +63,8 @@ _LATENT_SHARED = replace(
     lone_zero=(),
     value=None,
 )
-# DeepSeek V3.2 and GLM-MoE-DSA: latent attention restricted to the keys an indexer ranks best for each
+# DeepSeek V3.2, GLM-MoE-DSA and dots.llm3 Note (its text decoder; a gate on the attention output, sliding-window
+# layers): latent attention restricted to the keys an indexer ranks best for each
 # query (index_topk of them; a token alone: itself, so the no-context pass is unchanged). Declared as a
 # mixer beside the attention because transformers' indexer ranks pad keys too: a left-padded row's logits
 # differ from the row alone's (0.12 on the tiny model), so padded inputs are refused (reads_pads) and a
@@ -111,7 +112,7 @@ SHARED_EXPERTS: list[Family] = [
     replace(
         _LATENT_SHARED,
         name="indexed_attention",
-        model_types=("deepseek_v32", "glm_moe_dsa"),
+        model_types=("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "dots3_note"),
         moe=MoE(dense="indexed_attention_dense", shared=True),
         mixers=(_INDEXER,),
     ),
