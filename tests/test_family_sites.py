@@ -47,7 +47,9 @@ def test_a_llama_variant_with_another_norm_placement_is_one_record(float64_gemma
         # the roles derived from the placement: s = m (the MLP's input), the MLP's contribution after its norm
         sites = {s.field: s for s in variant.sites(parallel=False)}
         assert (sites["s"].module, sites["s"].output, sites["m"].module) == ("mlp", False, "mlp")
-        assert sites["p"].module == "mlp.down_proj" and variant.mlp_output == "post_feedforward_layernorm"
+        # p: the norm's input (the output matrix's output here; more where shared experts precede the norm)
+        assert (sites["p"].module, sites["p"].output) == ("post_feedforward_layernorm", False)
+        assert variant.mlp_output == "post_feedforward_layernorm"
         assert variant.attention_output == "post_attention_layernorm"
         patch = tp.token_patch(model, x, query=[-1, 4])
         assert any(k.endswith("post_feedforward_layernorm.weight") for k in patch)  # the norm's scale

@@ -239,7 +239,8 @@ class Family:
         module reading it (before patches), or a parallel block's ``h`` plus the attention's output;
         ``s`` the MLP norm's output, or the MLP's input where it reads ``m`` itself; ``hidden`` the
         output matrix's input (the chosen experts' weighted hidden states); ``gate`` a shared
-        expert's gate logit; ``p`` the output matrix's output before a norm after the MLP; ``sum`` the
+        expert's gate logit; ``p`` the input of a norm after the MLP (the output matrix's output, or the
+        routed and shared experts' sum where the norm follows the whole block: AXK1, Kolibri); ``sum`` the
         input of a norm after the MLP's add; ``v`` the values, at every position."""
         s = (
             NamedSite("s", self.mlp_norm, output=True)
@@ -253,7 +254,7 @@ class Family:
         )
         optional = (
             (self.down_gate, NamedSite("gate", self.down_gate or "", output=True)),
-            (self.post_mlp_norm, NamedSite("p", self.down, output=True)),
+            (self.post_mlp_norm, NamedSite("p", self.post_mlp_norm or "", output=False)),
             (self.sum_norm, NamedSite("sum", self.sum_norm or "", output=False)),
             (self.value, NamedSite("v", self.value or "", output=True, every=True)),
         )

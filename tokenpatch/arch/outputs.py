@@ -279,8 +279,12 @@ class ScaledMatrixOutput(OutputSite):
             yield r0.hidden[v], norm_target(norm, g, rc.out[v] - r0.m[v], r0.p[v])
 
     def stream(self, model, rec, out, mine, patched, sum_norm):
+        """``m + norm'(p + W' h' - W h')``: the norm's recorded input ``p`` moved by the output matrix's
+        change (``p`` is more than ``W h'`` where shared experts' output matrix is patched: AXK1, Kolibri)."""
+        down, h = model.get_submodule(self.module), rec.hidden
+        before = down(h)
         with patched():
-            return rec.m + self.norm_module(model)(model.get_submodule(self.module)(rec.hidden))
+            return rec.m + self.norm_module(model)(rec.p + (down(h) - before))
 
 
 def norm_target(norm: nn.Module, scale: Tensor, want: Tensor, p: Tensor) -> Tensor:

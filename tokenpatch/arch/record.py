@@ -3,7 +3,8 @@
 The names follow ``docs/patch-theorem.md``: a layer reads ``h``, its mixer (attention) gives the
 residual value ``m`` the MLP output is added to, the MLP reads ``s`` (the MLP input, after its norm),
 its output matrix reads ``hidden``, and the layer gives ``out``. Where a layer's output side needs
-more, the record has it: ``p`` (the output matrix's output ``W hidden``, before a norm after the MLP),
+more, the record has it: ``p`` (the input of a norm after the MLP: the output matrix's output ``W hidden``,
+or that plus the routed experts' where the norm follows a block with shared experts),
 ``gate`` (a shared expert's gate logit), ``v`` (the attention's values, every position: the lone
 token's anchor reads them), ``sum`` (the input of a norm after the MLP's add), ``first`` (``[B, Q]``,
 whether a query is the first real token of its row). Every field is ``[B, Q, .]`` unless said.

@@ -50,7 +50,7 @@ def fit_output(
     return solve_output(pairs, i, model, site.matrix, bias, output, deltas, ridge, distributed, solver)
 
 
-STREAM_KEYS = ("m", "hidden", "gate", "sum")  # what next_streams reads of the output side's pass
+STREAM_KEYS = ("m", "hidden", "gate", "sum", "p")  # what next_streams reads of the output side's pass
 
 
 def next_streams(
