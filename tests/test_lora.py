@@ -25,7 +25,8 @@ DENSE = [name for name in CONFIGS if name not in MOE]  # stacked experts: no LoR
 # a norm scale patched after the MLP is written whole; an output bias as peft's lora_bias
 EXTRAS = {
     **dict.fromkeys(
-        ["gemma2", "gemma3", "olmo2", "olmo3", "exaone4", "glm4", "olmo_hybrid", "hyperclovax"], ["modules_to_save"]
+        ["gemma2", "gemma3", "olmo2", "olmo3", "exaone4", "glm4", "olmo_hybrid", "hyperclovax", "lfm3"],
+        ["modules_to_save"],
     ),
     # peft refuses a LoRA of a Mamba mixer's out_proj, and takes a jamba config (it counts experts) to have
     # fused experts named like its dense MLP's matrices: those are written whole

@@ -251,6 +251,7 @@ FLOAT32_INSIDE = (
     "granitemoe",
     "mimo_v2_flash",
     "lara_mini",
+    "granitemoehybrid",
     *_SHARED_EXPERTS,
 )
 EAGER_ONLY = (  # transformers has no sdpa path for these

@@ -73,6 +73,7 @@ NORMS: dict[str, NormClass] = {
     "Exaone4RMSNorm": _scaled(0.0, "exaone4"),
     "Glm4RMSNorm": _scaled(0.0, "glm4"),
     "HyperCLOVAXRMSNorm": _scaled(0.0, "hyperclovax"),
+    "Lfm3RMSNorm": _scaled(0.0, "lfm3"),
 }
 
 # Read from ``NORMS``: the RMSNorms' offsets (``arch.float64``), and the norms whose scale a patch may
