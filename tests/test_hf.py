@@ -26,7 +26,7 @@ from conftest import CONFIGS, GEMMAS, VOCAB, build, ids  # noqa: E402
 
 # transformers reads their left padding (RecurrentGemma's recurrent block; DeepSeek V3.2's indexer ranks pad
 # keys; MiniMax's lightning attention): a padded batch is refused (test_padding_read_by_the_model_is_refused)
-READS_PADS = ("recurrent_gemma", "deepseek_v32", "glm_moe_dsa", "minimax")
+READS_PADS = ("recurrent_gemma", "deepseek_v32", "glm_moe_dsa", "axk2", "minimax")
 
 # The padded tests leave out the models transformers runs with eager attention only: it gives NaN on
 # left padding (Gemma 2, Bloom, VaultGemma, MPT; refused in one line) or, GPT-Neo's, computes the scores in

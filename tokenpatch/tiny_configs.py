@@ -234,6 +234,8 @@ _SHARED_EXPERTS = (
     "deepseek_v3",
     "glm4_moe_lite",
     "kimi_linear",
+    "bailing_hybrid",
+    "axk2",
 )
 FLOAT32_INSIDE = (
     "recurrent_gemma",

@@ -49,6 +49,8 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "GlmMoeDsaTopkRouter": "out_in",
     "GptOssTopKRouter": "out_in",
     "AriaTextTopKRouter": "out_in",
+    "BailingHybridTopkRouter": "out_in",
+    "AXK2TopkRouter": "out_in",
 }
 
 

@@ -1,7 +1,7 @@
 """Mixtures of experts with a shared expert: Qwen2-MoE's, scaled by a gate; and added as it is (no gate):
 DeepSeek V2/V3, GLM-4-MoE (and its latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, HunYuan V3,
-Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), Laguna, MiniCPM 5, Flint, and the
-hybrid Kimi Linear.
+Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), Laguna, MiniCPM 5, Flint, A.X-K2, and the
+hybrids Kimi Linear and Ling 3.
 
 The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
 read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
@@ -63,8 +63,10 @@ _LATENT_SHARED = replace(
     lone_zero=(),
     value=None,
 )
-# DeepSeek V3.2 and GLM-MoE-DSA: latent attention restricted to the keys an indexer ranks best for each
-# query (index_topk of them; a token alone: itself, so the no-context pass is unchanged). Declared as a
+# DeepSeek V3.2, GLM-MoE-DSA and A.X-K2: latent attention restricted to the keys an indexer ranks best for
+# each query (index_topk of them; a token alone: itself, so the no-context pass is unchanged). A.X-K2 gates
+# its norms before the sublayers by a low-rank MLP of their output (the MLP's norm gives s all the same)
+# and its attention's output by a sigmoid of a second half of its query projection. Declared as a
 # mixer beside the attention because transformers' indexer ranks pad keys too: a left-padded row's logits
 # differ from the row alone's (0.12 on the tiny model), so padded inputs are refused (reads_pads) and a
 # trajectory's prefix rows run unpadded.
@@ -76,8 +78,14 @@ _INDEXER = Mixer(
     reads_pads=True,
 )
 # Kimi Linear: Kimi delta attention (a gated delta rule, docs/recurrent-layers.md) in 3 of every 4 layers,
-# latent attention in the others, every one named ``self_attn`` (told apart by class)
-_KDA = Mixer("self_attn", "self_attn.o_proj", "Kimi delta attention", classes=("KimiLinearDeltaAttention",))
+# latent attention in the others, every one named ``self_attn`` (told apart by class); Ling 3
+# (``bailing_hybrid``) the same, its latent attention with a sigmoid gate per head on its output
+_KDA = Mixer(
+    "self_attn",
+    "self_attn.o_proj",
+    "Kimi delta attention",
+    classes=("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"),
+)
 SHARED_EXPERTS: list[Family] = [
     # Aria's text decoder: a router named router, experts stored transposed ([E, in, out], arch.experts)
     replace(
@@ -103,7 +111,7 @@ SHARED_EXPERTS: list[Family] = [
     replace(
         _LATENT_SHARED,
         name="kimi_linear",
-        model_types=("kimi_linear",),
+        model_types=("kimi_linear", "bailing_hybrid"),
         moe=MoE(dense="kimi_linear_dense", shared=True),
         mixers=(_KDA,),
     ),
@@ -111,7 +119,7 @@ SHARED_EXPERTS: list[Family] = [
     replace(
         _LATENT_SHARED,
         name="indexed_attention",
-        model_types=("deepseek_v32", "glm_moe_dsa"),
+        model_types=("deepseek_v32", "glm_moe_dsa", "axk2"),
         moe=MoE(dense="indexed_attention_dense", shared=True),
         mixers=(_INDEXER,),
     ),
