@@ -236,6 +236,9 @@ _SHARED_EXPERTS = (
     "kimi_linear",
     "bailing_hybrid",
     "axk2",
+    "kolibri1",
+    "kolibri1_1",
+    "axk1",
 )
 FLOAT32_INSIDE = (
     "recurrent_gemma",

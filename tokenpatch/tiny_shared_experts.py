@@ -155,4 +155,40 @@ TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
             pad_token_id=None,
         ),
     ),
+    # a norm after the whole mixture of experts: GLM-4's four norms (Kolibri), DeepSeek V3's block (AXK1)
+    "kolibri1": (
+        "Kolibri1Config",
+        dict(
+            _SHARED_MOE,
+            head_dim=16,
+            shared_expert_intermediate_size=48,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    "axk1": ("AXK1Config", dict(LATENT, mlp_layer_types=["dense", "sparse", "sparse"])),
+    # Kolibri 1.1: a plain first layer, sliding-window layers and indexed ones, the last reading layer 1's
+    # keys and values (its own indexer pool from layer 1's)
+    "kolibri1_1": (
+        "Kolibri1_1Config",
+        dict(
+            _SHARED_MOE,
+            pad_token_id=None,  # a zero pad embedding (as Kimi Linear's): greedy decoding reaches it
+            num_hidden_layers=4,
+            head_dim=16,
+            shared_expert_intermediate_size=48,
+            sliding_window=4,
+            layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+            index_layers=[1],
+            kv_source_layers=[0, 1, 2, 1],
+            index_topk=4,
+            index_pool_size=16,
+            index_compression=4,
+            index_num_heads=2,
+            index_num_local_tokens=2,
+            index_num_sink_tokens=1,
+            mlp_only_layers=[0],
+            mlp_only_intermediate_size=96,
+        ),
+    ),
 }

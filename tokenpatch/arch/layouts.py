@@ -50,7 +50,10 @@ WEIGHT_LAYOUTS: dict[str, str] = {
     "GptOssTopKRouter": "out_in",
     "AriaTextTopKRouter": "out_in",
     "BailingHybridTopkRouter": "out_in",
+    "AXK1TopkRouter": "out_in",
     "AXK2TopkRouter": "out_in",
+    "Kolibri1TopKRouter": "out_in",
+    "Kolibri1_1TopKRouter": "out_in",
 }
 
 

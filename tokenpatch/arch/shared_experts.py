@@ -1,7 +1,7 @@
 """Mixtures of experts with a shared expert: Qwen2-MoE's, scaled by a gate; and added as it is (no gate):
 DeepSeek V2/V3, GLM-4-MoE (and its latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, HunYuan V3,
-Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), Laguna, MiniCPM 5, Flint, A.X-K2, and the
-hybrids Kimi Linear and Ling 3.
+Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), Laguna, MiniCPM 5, Flint, A.X-K2, the
+hybrids Kimi Linear and Ling 3; and with a norm after the whole mixture, Kolibri and AXK1.
 
 The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
 read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
@@ -86,6 +86,15 @@ _KDA = Mixer(
     "Kimi delta attention",
     classes=("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"),
 )
+_KOLIBRI = replace(
+    _SHARED,
+    name="kolibri1",
+    model_types=("kolibri1",),
+    post_attn_norm="post_self_attn_layernorm",
+    post_mlp_norm="post_mlp_layernorm",
+    moe=MoE(dense=None, shared=True),
+)
+_KOLIBRI_DENSE = MoE(dense="kolibri1_1_dense", shared=True)
 SHARED_EXPERTS: list[Family] = [
     # Aria's text decoder: a router named router, experts stored transposed ([E, in, out], arch.experts)
     replace(
@@ -146,5 +155,22 @@ SHARED_EXPERTS: list[Family] = [
         model_types=("flint",),
         inputs=GATED_SHARED_INPUTS[:4],
         down="mlp.shared_expert.down_proj",
+    ),
+    # a norm after the whole mixture (routed plus shared experts) before the residual add: the shared expert's
+    # output matrix and the norm's scale take the shift, as Gemma 2's (arch.outputs.ScaledMatrixOutput; the
+    # norm's input is recorded, p). Kolibri: GLM-4's four norms (scale w) around experts in every layer;
+    # AXK1: DeepSeek V3 with a norm inside its mixture block (mlp.post_mlp_layernorm), none after its dense MLPs
+    _KOLIBRI,
+    replace(_LATENT_SHARED, name="axk1", model_types=("axk1",), post_mlp_norm="mlp.post_mlp_layernorm"),
+    # Kolibri 1.1: Kolibri's layers, a plain MLP in the first ones (mlp_only_layers); sliding-window layers
+    # and indexed ones (NoPE, keys and values rounded to NVFP4, the keys a weightless indexer picks), some of
+    # which read another layer's keys and values (kv_source_layers: no k_proj, v_proj of their own). A token
+    # alone attends to itself in each, from the keys and values its source layer makes of it: it runs the layers
+    replace(_KOLIBRI, name="kolibri1_1", model_types=("kolibri1_1",), lone_zero=(), value=None, moe=_KOLIBRI_DENSE),
+    replace(
+        _LATENT,
+        name="kolibri1_1_dense",
+        post_attn_norm="post_self_attn_layernorm",
+        post_mlp_norm="post_mlp_layernorm",
     ),
 ]
