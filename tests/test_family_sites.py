@@ -147,3 +147,30 @@ def test_one_call_looks_each_layer_up_once_and_the_next_call_again(monkeypatch):
     assert len(calls) == n + 2
     patch = tp.token_patch(model, x)
     assert tp.verify(model, patch, x).max_abs <= 1e-12
+
+
+def test_per_channel_factors_are_the_layers_parameters():
+    """ZAYA adds each sublayer as ``(y + b) g + (m + b') g'``, ``g`` and ``g'`` learned per channel: the
+    output side's ``scale`` and ``residual`` are that layer's parameters (``Family.per_channel``); the head
+    tools refuse the model (its attention convolves queries and keys, and they model constant factors)."""
+    model = build("zaya")
+    fam, site = HFModules.family(model), HFModules().sites(model, 1).output
+    gates = model.model.layers[1].post_mlp_residual_scale
+    assert fam.per_channel and site.kind == "experts"
+    assert torch.equal(site.scale, gates.hidden_states_scale) and torch.equal(site.residual, gates.residual_scale)
+    with pytest.raises(tp.UnsupportedModelError, match="head tools"):
+        HFModules().mlp_input_from_heads(model, 0, torch.zeros(1, 64, dtype=torch.float64))
+
+
+def test_an_argument_that_is_the_layer_belows_output_is_carried():
+    """ZAYA's layers pass their router state to the next layer beside the hidden states: the thought fit,
+    which runs one layer at a time, gives each layer the one the layer below computed under the patch
+    (``hf_calls.Carried``; with the captured unpatched one the one-query fit was 2e-8 off), and teacher
+    mode, which has no with-prompt router state, refuses in one line."""
+    from tokenpatch.arch.hf_calls import Carried
+
+    model = build("zaya")
+    _, calls = tp.adapter_for(model).layer_calls(model, ids(1, 5))
+    assert [c[0][0] for c in calls[1:]] == [Carried(1)] * (len(calls) - 1) and calls[0][0][0] is None
+    with pytest.raises(tp.UnsupportedModelError, match="mode='sequential'"):
+        tp.thought_patch(model, ids(1, 8)[0], ids(2, 3), mode="teacher")

@@ -106,6 +106,21 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "GraniteMoeConfig",
         dict(KV, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.7),
     ),
+    "zaya": (  # one expert per token, a router MLP reading the previous layer's, residual scaling per channel
+        "ZayaConfig",
+        dict(
+            KV,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            router_hidden_size=16,
+            layer_types=["hybrid", "hybrid_sliding", "hybrid"],
+            sliding_window=4,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
     "phi3": ("Phi3Config", dict(KV, pad_token_id=0)),  # fused qkv and gate_up
     "olmo": (
         "OlmoConfig",
@@ -274,6 +289,7 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (
     "qwen2_moe",
+    "zaya",
     "mixtral",
     "qwen3_moe",
     "olmoe",

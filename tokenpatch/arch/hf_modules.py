@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tokenpatch import offload
 from tokenpatch.arch.base import Adapter
 from tokenpatch.arch.experts import OUTPUT_MATRIX, stacked_experts
 from tokenpatch.arch.families import FAMILIES
@@ -150,12 +151,22 @@ class HFModules(Adapter):
     def sites(self, model: nn.Module, i: int) -> Sites:
         return _kept(model, ("sites", i), lambda: self._look_up_sites(model, i))
 
+    @staticmethod
+    def _scaling(model: nn.Module, fam: Family, prefix: str) -> dict:
+        """``r`` and ``c`` of layer ``prefix``: constants of the config, or where a design names a parameter of
+        the layer (``Family.per_channel``), its values ``[d]`` (read through ``offload.value``)."""
+
+        def factor(f, constant):
+            return offload.value(model, f"{prefix}{f}").detach() if isinstance(f, str) else constant(model.config)
+
+        return dict(scale=factor(fam.out_scale, fam.scale), residual=factor(fam.residual_scale, fam.residual))
+
     def _look_up_sites(self, model: nn.Module, i: int) -> Sites:
         (fam, layer), p = self._layer(model, i), self._prefix(model, i)
         parallel = fam.parallel(model.config)
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
         down = None if fam.down is None else layer.get_submodule(fam.down)
-        scaling = dict(scale=fam.scale(model.config), residual=fam.residual(model.config))  # out = c m + r MLP(s)
+        scaling = self._scaling(model, fam, p)  # out = c m + r MLP(s)
         if down is None:  # a block without an MLP: the input change of its mixer's out_proj is the patch
             output = None
         elif fam.experts:
@@ -224,6 +235,10 @@ class HFModules(Adapter):
         def norm(name: str | None) -> Callable[[Tensor], Tensor]:  # the norm there, or none
             return (lambda a: a) if name is None else norm64(layer.get_submodule(name), name)
 
+        if fam.per_channel:
+            raise UnsupportedModelError(
+                f"{fam.name}: its sublayers are added with learned factors per channel; the head tools do not model them"
+            )
         post, mlp_norm, added = norm(fam.post_attn_norm), norm(fam.mlp_norm), norm(fam.add_norm)
         scale = fam.scale(model.config)  # Granite's residual multiplier
         return lambda z: mlp_norm(added(h + scale * post(o_proj(z))))
