@@ -75,10 +75,15 @@ def describe(name: str) -> dict:
         "design": family.name,
         "mixers": " + ".join(mixers),
         "inputs": ", ".join(n.removeprefix(layer).rpartition(".")[0] for n in sites.inputs) or "none (parallel)",
-        "output": "none (no MLP)"
-        if sites.output is None
-        else sites.output.kind + ("" if sites.output.scale == 1 else f" / {sites.output.scale:g}"),
+        "output": "none (no MLP)" if sites.output is None else sites.output.kind + _divided(sites.output.scale),
     }
+
+
+def _divided(scale) -> str:
+    """The output side's divisor as the table prints it: none, a constant, or a factor per channel (ZAYA)."""
+    if isinstance(scale, torch.Tensor):
+        return " / per channel"
+    return "" if scale == 1 else f" / {scale:g}"
 
 
 def table(rows: dict) -> None:

@@ -47,7 +47,7 @@ def test_a_llama_variant_with_another_norm_placement_is_one_record(float64_gemma
         # the roles derived from the placement: s = m (the MLP's input), the MLP's contribution after its norm
         sites = {s.field: s for s in variant.sites(parallel=False)}
         assert (sites["s"].module, sites["s"].output, sites["m"].module) == ("mlp", False, "mlp")
-        # p: the input of the norm after the MLP (the output matrix's output here)
+        # p: the norm's input (the output matrix's output here; more where experts add theirs before the norm)
         assert (sites["p"].module, sites["p"].output) == ("post_feedforward_layernorm", False)
         assert variant.mlp_output == "post_feedforward_layernorm"
         assert variant.attention_output == "post_attention_layernorm"
@@ -168,3 +168,30 @@ def test_the_heads_give_the_mlp_input_of_a_layer_with_weights_or_a_bias_outside_
         hook.remove()
     s = HFModules().mlp_input_from_heads(model, layer, seen["h"][0, -1])(seen["z"][0, -1])
     torch.testing.assert_close(s, seen["s"][0, -1], rtol=0, atol=1e-12)
+
+
+def test_per_channel_factors_are_the_layers_parameters():
+    """ZAYA adds each sublayer as ``(y + b) g + (m + b') g'``, ``g`` and ``g'`` learned per channel: the
+    output side's ``scale`` and ``residual`` are that layer's parameters (``Family.per_channel``); the head
+    tools refuse the model (its attention convolves queries and keys, and they model constant factors)."""
+    model = build("zaya")
+    fam, site = HFModules.family(model), HFModules().sites(model, 1).output
+    gates = model.model.layers[1].post_mlp_residual_scale
+    assert fam.per_channel and site.kind == "experts"
+    assert torch.equal(site.scale, gates.hidden_states_scale) and torch.equal(site.residual, gates.residual_scale)
+    with pytest.raises(tp.UnsupportedModelError, match="head tools"):
+        HFModules().mlp_input_from_heads(model, 0, torch.zeros(1, 64, dtype=torch.float64))
+
+
+def test_an_argument_that_is_the_layer_belows_output_is_carried():
+    """ZAYA's layers pass their router state to the next layer beside the hidden states: the thought fit,
+    which runs one layer at a time, gives each layer the one the layer below computed under the patch
+    (``hf_calls.Carried``; with the captured unpatched one the one-query fit was 2e-8 off), and teacher
+    mode, which has no with-prompt router state, refuses in one line."""
+    from tokenpatch.arch.hf_calls import Carried
+
+    model = build("zaya")
+    _, calls = tp.adapter_for(model).layer_calls(model, ids(1, 5))
+    assert [c[0][0] for c in calls[1:]] == [Carried(1)] * (len(calls) - 1) and calls[0][0][0] is None
+    with pytest.raises(tp.UnsupportedModelError, match="mode='sequential'"):
+        tp.thought_patch(model, ids(1, 8)[0], ids(2, 3), mode="teacher")

@@ -24,10 +24,10 @@ from tokenpatch.thought import lm_output as thought_lm_output
 T = pytest.importorskip("transformers", reason="the Hugging Face extra (pip install 'tokenpatch[hf]') is not installed")
 from conftest import CONFIGS, GEMMAS, VOCAB, build, ids  # noqa: E402
 
-# transformers reads their left padding (RecurrentGemma's recurrent block; DeepSeek V3.2's and dots.llm3 Note's
-# indexers rank pad keys; MiniMax's lightning attention): a padded batch is refused
+# transformers reads their left padding (RecurrentGemma's recurrent block; the indexers of DeepSeek V3.2,
+# dots.llm3 Note and A.X-K2 rank pad keys; MiniMax's lightning attention): a padded batch is refused
 # (test_padding_read_by_the_model_is_refused)
-READS_PADS = ("recurrent_gemma", "deepseek_v32", "glm_moe_dsa", "dots3_note_text", "dots3_note", "minimax")
+READS_PADS = ("recurrent_gemma", "deepseek_v32", "glm_moe_dsa", "dots3_note_text", "dots3_note", "axk2", "minimax")
 
 # The padded tests leave out the models transformers runs with eager attention only: it gives NaN on
 # left padding (Gemma 2, Bloom, VaultGemma, MPT; refused in one line) or, GPT-Neo's, computes the scores in

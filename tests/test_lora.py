@@ -27,7 +27,18 @@ FULL_FLOAT64 = ("xglm",)  # transformers cannot run it in float64 outside float6
 # a norm scale patched after the MLP is written whole; an output bias as peft's lora_bias
 EXTRAS = {
     **dict.fromkeys(
-        ["gemma2", "gemma3", "gemma3_multimodal", "olmo2", "olmo3", "exaone4", "glm4", "olmo_hybrid", "hyperclovax"],
+        [
+            "gemma2",
+            "gemma3",
+            "gemma3_multimodal",
+            "olmo2",
+            "olmo3",
+            "exaone4",
+            "glm4",
+            "olmo_hybrid",
+            "hyperclovax",
+            "lfm3",
+        ],
         ["modules_to_save"],
     ),
     # peft refuses a LoRA of a Mamba mixer's out_proj, and takes a jamba config (it counts experts) to have

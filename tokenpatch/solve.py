@@ -191,7 +191,9 @@ def output_shift(m_ctx: Tensor, m_anchor: Tensor, scale: float = 1.0) -> Tensor:
     constant the block multiplies the MLP output by, Granite's ``residual_multiplier``)."""
     dtype = work_dtype(m_ctx, m_anchor)
     db = m_ctx.to(dtype) - m_anchor.to(dtype)
-    if scale != 1.0:
+    if isinstance(scale, Tensor):  # a factor per channel [d] (ZAYA's learned residual scaling)
+        db = db / scale.to(db)
+    elif scale != 1.0:
         db = db / scale
     _check_finite(output_shift=db)
     return db

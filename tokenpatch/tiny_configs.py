@@ -167,6 +167,21 @@ TINY_HF: dict[str, tuple[str, dict]] = {
         "GraniteMoeConfig",
         dict(KV, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.7),
     ),
+    "zaya": (  # one expert per token, a router MLP reading the previous layer's, residual scaling per channel
+        "ZayaConfig",
+        dict(
+            KV,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            router_hidden_size=16,
+            layer_types=["hybrid", "hybrid_sliding", "hybrid"],
+            sliding_window=4,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
     "phi3": ("Phi3Config", dict(KV, pad_token_id=0)),  # fused qkv and gate_up
     "olmo": (
         "OlmoConfig",
@@ -330,6 +345,11 @@ _SHARED_EXPERTS = (
     "deepseek_v3",
     "glm4_moe_lite",
     "kimi_linear",
+    "bailing_hybrid",
+    "axk2",
+    "kolibri1",
+    "kolibri1_1",
+    "axk1",
 )
 FLOAT32_INSIDE = (
     "xglm",  # its scores clamped at torch.full((), finfo(float64).min): a float32 tensor (overflows)
@@ -348,6 +368,7 @@ FLOAT32_INSIDE = (
     "granitemoe",
     "mimo_v2_flash",
     "lara_mini",
+    "granitemoehybrid",
     *_SHARED_EXPERTS,
     *MOE_BLOCKS_MOE,
 )
@@ -370,6 +391,7 @@ EAGER_ONLY = (  # transformers has no sdpa path for these
 NO_ATTENTION = ("mamba", "falcon_mamba", "mamba2")  # transformers accepts no attention implementation but eager
 MOE = (
     "qwen2_moe",
+    "zaya",
     "mixtral",
     "qwen3_moe",
     "olmoe",

@@ -149,4 +149,46 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
             pad_token_id=0,
         ),
     ),
+    # LFM2's layers with a sigmoid gate per head on the attention's output and norms after each sublayer
+    # (LFM3: sliding-window and full attention); and without either (lfm3_plain)
+    "lfm3": (
+        "Lfm3Config",
+        dict(
+            KV,
+            head_dim=16,
+            layer_types=["conv", "sliding_attention", "full_attention"],
+            sliding_window=4,
+            pad_token_id=0,
+        ),
+    ),
+    "lfm3_plain": (
+        "Lfm3Config",
+        dict(
+            KV,
+            head_dim=16,
+            layer_types=["conv", "full_attention", "conv"],
+            use_sandwich_norm=False,
+            use_attention_gate=False,
+            pad_token_id=0,
+        ),
+    ),
+    # Granite 4 without experts: Mamba 2 layers beside Granite's attention (rotary), one gated MLP each
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            KV,
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            position_embedding_type="rope",
+            mamba_n_heads=8,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.7,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+            pad_token_id=0,
+        ),
+    ),
 }

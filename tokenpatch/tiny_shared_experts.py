@@ -133,4 +133,77 @@ TINY_SHARED_EXPERTS: dict[str, tuple[str, dict]] = {
             pad_token_id=None,  # a zero pad embedding: alone, its MLP input would be exactly zero (no patch)
         ),
     ),
+    # the same in Ling 3 (bailing_hybrid), its latent attention gated per head, DeepSeek's grouped router
+    "bailing_hybrid": (
+        "BailingHybridConfig",
+        dict(
+            SMALL,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            head_dim=16,  # Kimi delta attention's heads (the latent attention's rotary part: qk_rope_head_dim)
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=32,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            pad_token_id=None,
+        ),
+    ),
+    # DeepSeek V3.2's indexed attention with gated norms and a gate on the attention's output (A.X-K2)
+    "axk2": (
+        "AXK2Config",
+        dict(
+            LATENT,
+            first_k_dense_replace=1,
+            index_topk=4,
+            index_head_dim=16,
+            index_n_heads=2,
+            gated_norm_rank=8,
+            n_group=None,
+            topk_group=None,
+            pad_token_id=None,
+        ),
+    ),
+    # a norm after the whole mixture of experts: GLM-4's four norms (Kolibri), DeepSeek V3's block (AXK1)
+    "kolibri1": (
+        "Kolibri1Config",
+        dict(
+            _SHARED_MOE,
+            head_dim=16,
+            shared_expert_intermediate_size=48,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    "axk1": ("AXK1Config", dict(LATENT, mlp_layer_types=["dense", "sparse", "sparse"])),
+    # Kolibri 1.1: a plain first layer, sliding-window layers and indexed ones, the last reading layer 1's
+    # keys and values (its own indexer pool from layer 1's)
+    "kolibri1_1": (
+        "Kolibri1_1Config",
+        dict(
+            _SHARED_MOE,
+            pad_token_id=None,  # a zero pad embedding (as Kimi Linear's): greedy decoding reaches it
+            num_hidden_layers=4,
+            head_dim=16,
+            shared_expert_intermediate_size=48,
+            sliding_window=4,
+            layer_types=["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+            index_layers=[1],
+            kv_source_layers=[0, 1, 2, 1],
+            index_topk=4,
+            index_pool_size=16,
+            index_compression=4,
+            index_num_heads=2,
+            index_num_local_tokens=2,
+            index_num_sink_tokens=1,
+            mlp_only_layers=[0],
+            mlp_only_intermediate_size=96,
+        ),
+    ),
 }

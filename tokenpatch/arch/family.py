@@ -43,6 +43,12 @@ def _never(config: Any) -> bool:
 PARALLEL = dict(mlp_norm="input_layernorm", parallel=_always)
 
 
+def _constant(factor: Callable[[Any], float] | str | None, config: Any) -> float:
+    if isinstance(factor, str):
+        raise TypeError(f"{factor} is a parameter of each layer (Family.per_channel), not a constant of the config")
+    return 1.0 if factor is None else float(factor(config))
+
+
 def _has(module: Any, name: str) -> bool:
     try:
         module.get_submodule(name)
@@ -132,14 +138,15 @@ class Family:
 
     The output side: ``out_scale`` (a constant the block multiplies each sublayer's output by, from the
     config: Granite's ``residual_multiplier``), ``residual_scale`` (a constant it multiplies the residual
-    value ``m`` by at the MLP's add: MiniMax's ``mlp_alpha_factor``), ``residual_weights`` (the layer's
-    per-channel weights of the residual stream at each add, (at the attention's, at the MLP's): Doge's
-    ``m = a * h + A(N(h))``, ``out = c * m + MLP(s)``; the second is ``c``), ``matrices_out`` (the sublayers' contributions are
-    their output matrices' outputs, ``o_proj``'s and ``down``'s: the modules add the residual
-    themselves, Bloom and MPT's MLP, or the MLP is no module, OPT), ``position_table`` (a learned
-    position embedding under the base model, GPT-2's ``wpe``, whose size bounds the position ids), ``shortcut``
-    (a module whose output the layer adds to its output beside the MLP's, computed before the MLP: part of
-    the residual value ``m``, LongCat-Flash's mixture of experts)."""
+    value ``m`` by at the MLP's add: MiniMax's ``mlp_alpha_factor``); either may instead name a parameter
+    under the layer, a factor per channel (``per_channel``: ZAYA's learned residual scaling);
+    ``residual_weights`` (the layer's per-channel weights of the residual stream at each add, (at the
+    attention's, at the MLP's): Doge's ``m = a * h + A(N(h))``, ``out = c * m + MLP(s)``; the second is ``c``),
+    ``matrices_out`` (the sublayers' contributions are their output matrices' outputs, ``o_proj``'s and
+    ``down``'s: the modules add the residual themselves, Bloom and MPT's MLP, or the MLP is no module, OPT),
+    ``position_table`` (a learned position embedding under the base model, GPT-2's ``wpe``, whose size
+    bounds the position ids), ``shortcut`` (a module whose output the layer adds to its output beside the
+    MLP's, computed before the MLP: part of the residual value ``m``, LongCat-Flash's mixture of experts)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -160,8 +167,8 @@ class Family:
     post_attn_norm: str | None = None
     post_mlp_norm: str | None = None
     post_add_norms: tuple[str, str] | None = None
-    out_scale: Callable[[Any], float] | None = None
-    residual_scale: Callable[[Any], float] | None = None
+    out_scale: Callable[[Any], float] | str | None = None
+    residual_scale: Callable[[Any], float] | str | None = None
     residual_weights: tuple[str, str] | None = None
     matrices_out: bool = False
     position_table: str | None = None
@@ -233,14 +240,21 @@ class Family:
         names = (self.mlp, self.mlp_norm, self.attn, self.down, self.post_mlp_norm, self.down_gate, self.add_norm)
         return tuple(n for n in names if n)
 
+    @property
+    def per_channel(self) -> bool:
+        """``out_scale`` or ``residual_scale`` names a parameter under the layer (a factor per channel), read
+        with the layer's weights (``HFModules.sites``) rather than from the config."""
+        return isinstance(self.out_scale, str) or isinstance(self.residual_scale, str)
+
     def scale(self, config: Any) -> float:
-        """``r``: what the block multiplies each sublayer's output by (1 without ``out_scale``)."""
-        return 1.0 if self.out_scale is None else float(self.out_scale(config))
+        """``r``: what the block multiplies each sublayer's output by (1 without ``out_scale``; a constant of
+        the config: ``per_channel`` factors are the layer's parameters)."""
+        return _constant(self.out_scale, config)
 
     def residual(self, config: Any) -> float:
         """``c``: what the block multiplies the residual value ``m`` by at the MLP's add (1 without
         ``residual_scale``)."""
-        return 1.0 if self.residual_scale is None else float(self.residual_scale(config))
+        return _constant(self.residual_scale, config)
 
     def sites(self, parallel: bool) -> tuple[NamedSite, ...]:
         """The named sites a layer of this design records (``HFAdapter.recording``), in the order
@@ -249,8 +263,9 @@ class Family:
         ``s`` the MLP norm's output, or the MLP's input where it reads ``m`` itself; ``hidden`` the
         output matrix's input (the chosen experts' weighted hidden states); ``gate`` a shared
         expert's gate logit; ``p`` the input of a norm after the MLP (the output matrix's output, or the
-        block's where experts add theirs: AFMoE); ``sum`` the input of a norm after the MLP's add; ``v``
-        the values, at every position; a ``shortcut``'s output, added to ``m``."""
+        block's where experts add theirs: AFMoE; the routed and shared experts' sum where the norm follows
+        the whole block: AXK1, Kolibri); ``sum`` the input of a norm after the MLP's add; ``v`` the values,
+        at every position; a ``shortcut``'s output, added to ``m``."""
         s = (
             NamedSite("s", self.mlp_norm, output=True)
             if self.mlp_norm

@@ -11,6 +11,8 @@ after a prompt (its keys and values cached once), and each decoder layer's call 
 * ``layer_calls``: the first layer's input and the other arguments the model passes each layer (masks,
   rotary embeddings: whatever this model's forward builds), captured in one forward that stops once the
   last layer's call begins; a layer then runs alone as ``layer(stream, *args, **kwargs)``.
+  An argument that is the previous layer's own output beside its hidden states (ZAYA's router state) is
+  ``Carried``: ``call_layer`` passes the previous layer's output of the same run in its place.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -27,9 +31,32 @@ from tokenpatch.arch.record import LayerRecord
 from tokenpatch.arch.rotary import forget_longest
 from tokenpatch.errors import UnsupportedModelError
 
-__all__ = ["prompted", "layer_calls", "TARGET_CACHE_BYTES"]
+__all__ = ["prompted", "layer_calls", "call_layer", "Carried", "TARGET_CACHE_BYTES"]
 
 TARGET_CACHE_BYTES = 2**28  # the prompt's keys and values copied per query batch, at most (about)
+
+
+@dataclass(frozen=True)
+class Carried:
+    """In a captured layer call: the previous layer's output ``index`` (beyond its hidden states, index 0)."""
+
+    index: int
+
+
+def call_layer(layer: nn.Module, h: Tensor, call: tuple[tuple, dict], previous: Any = None) -> Any:
+    """``layer`` run alone on ``h`` with its captured ``call`` (``layer_calls``), a ``Carried`` argument
+    taken from ``previous``, the previous layer's whole output in this run; the layer's whole output."""
+    args, kwargs = call
+
+    def pick(v):
+        return previous[v.index] if isinstance(v, Carried) else v
+
+    return layer(h, *map(pick, args), **{k: pick(v) for k, v in kwargs.items()})
+
+
+def carries(call: tuple[tuple, dict]) -> bool:
+    """Whether a captured call reads the previous layer's output (a ``Carried`` argument)."""
+    return any(isinstance(v, Carried) for v in (*call[0], *call[1].values()))
 
 
 class _Stop(Exception):
@@ -82,6 +109,7 @@ def layer_calls(adapter, model: nn.Module, inputs: Tensor) -> tuple[Tensor, list
     forget_longest(model, adapter.length_scaling(model), ids.device)
     calls: list[tuple] = []
     first: list[Tensor] = []
+    outs: list = []  # each layer's output but the last's
 
     def grab(module, args, kwargs):
         if not first:
@@ -91,13 +119,28 @@ def layer_calls(adapter, model: nn.Module, inputs: Tensor) -> tuple[Tensor, list
             raise _Stop
 
     with (
-        registered_hooks([(lambda h, m=m: m.register_forward_pre_hook(h, with_kwargs=True), grab) for m in layers]),
+        registered_hooks(
+            [(lambda h, m=m: m.register_forward_pre_hook(h, with_kwargs=True), grab) for m in layers]
+            + [(m.register_forward_hook, lambda mod, a, out: outs.append(out)) for m in layers]
+        ),
         contextlib.suppress(_Stop),
     ):
         model.base_model(input_ids=ids, use_cache=False)
     if len(calls) != len(layers) or not first:
         raise UnsupportedModelError(f"{type(model).__name__}: its forward did not call every decoder layer once")
-    return first[0], calls
+    return first[0], [_carried(call, outs[j - 1] if j else None) for j, call in enumerate(calls)]
+
+
+def _carried(call: tuple[tuple, dict], previous: Any) -> tuple[tuple, dict]:
+    """``call`` with each argument that is one of ``previous``'s outputs beyond the first made ``Carried``."""
+    if not isinstance(previous, tuple):
+        return call
+    ids = {id(t): k for k, t in enumerate(previous) if k and isinstance(t, Tensor)}
+
+    def mark(v):
+        return Carried(ids[id(v)]) if isinstance(v, Tensor) and id(v) in ids else v
+
+    return tuple(map(mark, call[0])), {k: mark(v) for k, v in call[1].items()}
 
 
 def _cache_tensors(cache) -> list[Tensor]:

@@ -159,13 +159,22 @@ class HFModules(Adapter):
     def sites(self, model: nn.Module, i: int) -> Sites:
         return _kept(model, ("sites", i), lambda: self._look_up_sites(model, i))
 
+    @staticmethod
+    def _scaling(model: nn.Module, fam: Family, prefix: str) -> dict:
+        """``r`` and ``c`` of layer ``prefix``: constants of the config, or where a design names a parameter of
+        the layer (``Family.per_channel``), its values ``[d]`` (read through ``offload.value``)."""
+
+        def factor(f, constant):
+            return offload.value(model, f"{prefix}{f}").detach() if isinstance(f, str) else constant(text_config(model))
+
+        return dict(scale=factor(fam.out_scale, fam.scale), residual=factor(fam.residual_scale, fam.residual))
+
     def _look_up_sites(self, model: nn.Module, i: int) -> Sites:
         (fam, layer), p = self._layer(model, i), self._prefix(model, i)
         parallel = fam.parallel(text_config(model))
         inputs = () if parallel else tuple(f"{p}{name}" for name in fam.inputs)
         down = None if fam.down is None else layer.get_submodule(fam.down)
-        config = text_config(model)
-        scaling = dict(scale=fam.scale(config), residual=fam.residual(config))  # out = c m + r MLP(s)
+        scaling = self._scaling(model, fam, p)  # out = c m + r MLP(s)
         if fam.residual_weights is not None:  # c a [d] weight of the layer (Doge's)
             scaling["residual"] = offload.value(model, f"{p}{fam.residual_weights[1]}").detach()
         if down is None:  # a block without an MLP: the input change of its mixer's out_proj is the patch
@@ -240,6 +249,10 @@ class HFModules(Adapter):
         def norm(name: str | None) -> Callable[[Tensor], Tensor]:  # the norm there, or none
             return (lambda a: a) if name is None else norm64(layer.get_submodule(name), name)
 
+        if fam.per_channel:
+            raise UnsupportedModelError(
+                f"{fam.name}: its sublayers are added with learned factors per channel; the head tools do not model them"
+            )
         post, mlp_norm, added = norm(fam.post_attn_norm), norm(fam.mlp_norm), norm(fam.add_norm)
         scale = fam.scale(text_config(model))  # Granite's residual multiplier
         kept = _kept_input(fam, layer, h)  # Doge's a * h, else h

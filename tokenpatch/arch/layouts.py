@@ -60,6 +60,11 @@ WEIGHT_LAYOUTS: dict[str, str | dict[str, str]] = {
     # DBRX's experts' matrices [E * I, d], by parameter: the gate and up read as x W^T, the output as h W
     "DbrxExpertGLU": {"w1": "out_in", "v1": "out_in", "w2": "in_out"},
     "JetMoeParallelExperts": "out_in",  # [E, out, in]
+    "BailingHybridTopkRouter": "out_in",
+    "AXK1TopkRouter": "out_in",
+    "AXK2TopkRouter": "out_in",
+    "Kolibri1TopKRouter": "out_in",
+    "Kolibri1_1TopKRouter": "out_in",
 }
 
 

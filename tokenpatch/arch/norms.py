@@ -75,6 +75,10 @@ NORMS: dict[str, NormClass] = {
     "Glm4RMSNorm": _scaled(0.0, "glm4"),
     "HyperCLOVAXRMSNorm": _scaled(0.0, "hyperclovax"),
     "AfmoeRMSNorm": _scaled(0.0, "afmoe"),
+    "Lfm3RMSNorm": _scaled(0.0, "lfm3"),
+    "Kolibri1RMSNorm": _scaled(0.0, "kolibri1"),
+    "Kolibri1_1RMSNorm": _scaled(0.0, "kolibri1_1"),
+    "AXK1RMSNorm": _scaled(0.0, "axk1"),
 }
 
 # Read from ``NORMS``: the RMSNorms' offsets (``arch.float64``), and the norms whose scale a patch may

@@ -283,12 +283,13 @@ class ScaledMatrixOutput(OutputSite):
             yield r0.hidden[v], norm_target(norm, g, rc.out[v] - r0.m[v], r0.p[v])
 
     def stream(self, model, rec, out, mine, patched, sum_norm):
-        """``m + norm'(W' h' + (p - W h'))``: the norm's input ``p`` with the output matrix's change (``p - W
-        h'``: what the block adds beside the matrix, the routed experts' output (AFMoE), else 0)."""
-        down = model.get_submodule(self.module)
-        beside = rec.p - down(rec.hidden)
+        """``m + norm'(p + W' h' - W h')``: the norm's recorded input ``p`` moved by the output matrix's
+        change (``p`` is more than ``W h'`` where the block adds something beside the matrix: the routed
+        experts' output, AFMoE; shared experts' output matrix patched before a norm, AXK1, Kolibri)."""
+        down, h = model.get_submodule(self.module), rec.hidden
+        before = down(h)
         with patched():
-            return rec.m + self.norm_module(model)(down(rec.hidden) + beside)
+            return rec.m + self.norm_module(model)(rec.p + (down(h) - before))
 
 
 def norm_target(norm: nn.Module, scale: Tensor, want: Tensor, p: Tensor) -> Tensor:

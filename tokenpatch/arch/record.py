@@ -4,9 +4,10 @@ The names follow ``docs/patch-theorem.md``: a layer reads ``h``, its mixer (atte
 residual value ``m`` the MLP output is added to, the MLP reads ``s`` (the MLP input, after its norm),
 its output matrix reads ``hidden``, and the layer gives ``out``. Where a layer's output side needs
 more, the record has it: ``p`` (the input of a norm after the MLP: the output matrix's output
-``W hidden``, or the whole block's where experts add theirs), ``gate`` (a shared expert's gate logit),
-``v`` (the attention's values, every position: the lone token's anchor reads them), ``sum`` (the input
-of a norm after the MLP's add), ``first`` (``[B, Q]``, whether a query is the first real token of its row).
+``W hidden``, or the whole block's where experts add theirs, or that plus the routed experts' where the
+norm follows a block with shared experts), ``gate`` (a shared expert's gate logit), ``v`` (the
+attention's values, every position: the lone token's anchor reads them), ``sum`` (the input of a norm
+after the MLP's add), ``first`` (``[B, Q]``, whether a query is the first real token of its row).
 Every field is ``[B, Q, .]`` unless said.
 """
 

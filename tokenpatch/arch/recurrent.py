@@ -64,6 +64,15 @@ _LFM2 = Family(
     value="self_attn.v_proj",
     mixers=(Mixer("conv", "conv.out_proj", "gated short convolution"),),
 )
+_LFM3 = replace(
+    _LFM2,
+    name="lfm3",
+    model_types=("lfm3",),
+    value=None,
+    post_attn_norm="post_operator_norm",
+    post_mlp_norm="post_ffn_norm",
+    when=lambda config: config.use_sandwich_norm,
+)
 # RecurrentGemma (Griffin): a temporal block that is local MQA attention (partial rotary) or a recurrent
 # block, linear_out((RG-LRU(conv1d(linear_x x))) * gelu(linear_y x)), told apart by class; every layer a
 # gated MLP with biases (mlp_block), Gemma's 1 + w RMSNorms. The RG-LRU h_t = a_t h_(t-1) + sqrt(1 - a_t^2)
@@ -148,6 +157,26 @@ HYBRIDS: list[Family] = [
         inputs=("feed_forward.gate.weight", "feed_forward.experts.gate_up_proj"),
         down="feed_forward.experts",
         moe=MoE(dense="lfm2"),
+    ),
+    # LFM3: LFM2's layers, its attention (sliding-window and full) with a sigmoid gate per head on its output
+    # (use_attention_gate: a token alone runs the layer, its query and key zeroed), and with use_sandwich_norm
+    # norms after the mixer and after the MLP (Gemma 2's four norms, scale w; nn.Identity without)
+    _LFM3,
+    replace(_LFM3, name="lfm3_plain", post_attn_norm=None, post_mlp_norm=None, when=lambda c: not c.use_sandwich_norm),
+    # Granite 4 (granitemoehybrid) without experts (num_local_experts 0: the H-Micro form): Mamba 2 layers and
+    # Granite's attention, each followed by one gated MLP (shared_mlp), Granite's residual multiplier on both
+    Family(
+        name="granitemoehybrid_dense",
+        model_types=("granitemoehybrid",),
+        when=lambda config: not config.num_local_experts,
+        mlp="shared_mlp",
+        mlp_norm="post_attention_layernorm",
+        inputs=("shared_mlp.input_linear.weight",),
+        down="shared_mlp.output_linear",
+        lone_zero=SELF_ATTN_QK,
+        value="self_attn.v_proj",
+        out_scale=lambda config: float(config.residual_multiplier),
+        mixers=(_MAMBA2,),
     ),
     # OLMo hybrid: OLMo 2's attention layers (norms after each sublayer, none before the MLP) between
     # Gated DeltaNet layers of Llama's form (a norm before the MLP, none after)

@@ -1,6 +1,6 @@
 """Mixtures of experts without a shared expert (Mixtral's form): Mixtral, Qwen3-MoE, OLMoE, MiniMax-M2,
 Mellum, PhiMoE, MiMo-V2-Flash, gpt-oss, Cohere 2-MoE, Granite-MoE, GraniteMoE-SWA, DBRX, JetMoE (and GraniteMoeShared
-without its shared MLP).
+without its shared MLP) and ZAYA.
 
 The router and every expert read the MLP input ``s``, so one input change patches them all (the same
 experts are chosen, with the same routing weights); the output shift ``m_C - m_0`` goes into the chosen
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenpatch.arch.family import PARALLEL, SELF_ATTN_QK, Family, MoE
+from tokenpatch.arch.family import PARALLEL, SELF_ATTN_QK, Family, Mixer, MoE
 
 __all__ = ["ROUTED_EXPERTS"]
 
@@ -100,5 +100,24 @@ ROUTED_EXPERTS: list[Family] = [
         inputs=("mlp.router.layer.weight", "mlp.input_linear.weight"),
         down="mlp",
         moe=MoE(dense=None),
+    ),
+    # ZAYA: one expert per token (or a skip expert, weight 0) chosen by a router MLP that also reads the
+    # previous layer's router state (position by position: reproduced with the layers below it); attention
+    # whose queries and keys pass causal convolutions and half of whose values are the previous token's (a
+    # token alone runs the layer); each sublayer added as (y + b) g + (m + b') g', learned per channel: the
+    # shift the experts absorb is g' (m_C - m_0) / g, channel by channel (Family.per_channel)
+    replace(
+        _MIXTRAL,
+        name="zaya",
+        model_types=("zaya",),
+        inputs=("mlp.gate.down_proj.weight", "mlp.experts.gate_up_proj"),
+        lone_zero=(),
+        value=None,
+        moe=MoE(dense=None),
+        out_scale="post_mlp_residual_scale.hidden_states_scale",
+        residual_scale="post_mlp_residual_scale.residual_scale",
+        # its convolutions and delayed values keep a state in the cache that transformers cannot copy per query:
+        # declared as a mixer beside the attention, so a thought patch runs the prompt with its queries
+        mixers=(Mixer("self_attn.qkv_proj", "self_attn.o_proj", "compressed convolutional attention", beside=True),),
     ),
 ]

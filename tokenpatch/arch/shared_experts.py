@@ -1,7 +1,8 @@
 """Mixtures of experts with a shared expert: Qwen2-MoE's, scaled by a gate; and added as it is (no gate):
 DeepSeek V2/V3, GLM-4-MoE (and its latent-attention Lite), ERNIE 4.5-MoE, EXAONE-MoE, HunYuan V3,
-dots.llm1, Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), dots.llm3 Note (its text decoder),
-Laguna, MiniCPM 5, Flint, and the hybrid Kimi Linear.
+dots.llm1, Param2-MoE, Sarvam-MoE and -MLA, Solar Open, Aria (its text decoder), dots.llm3 Note (its text
+decoder), Laguna, MiniCPM 5, Flint, A.X-K2, the hybrids Kimi Linear and Ling 3; and with a norm after the
+whole mixture, Kolibri and AXK1.
 
 The MLP module's output is ``routed(s) + shared(s)``. Every expert, the router and the shared expert
 read the MLP input ``s``, so one input change patches them all (the same experts are chosen, with the
@@ -63,9 +64,11 @@ _LATENT_SHARED = replace(
     lone_zero=(),
     value=None,
 )
-# DeepSeek V3.2, GLM-MoE-DSA and dots.llm3 Note (its text decoder; a gate on the attention output, sliding-window
-# layers): latent attention restricted to the keys an indexer ranks best for each
-# query (index_topk of them; a token alone: itself, so the no-context pass is unchanged). Declared as a
+# DeepSeek V3.2, GLM-MoE-DSA, dots.llm3 Note (its text decoder; a gate on the attention output, sliding-window
+# layers) and A.X-K2: latent attention restricted to the keys an indexer ranks best for
+# each query (index_topk of them; a token alone: itself, so the no-context pass is unchanged). A.X-K2 gates
+# its norms before the sublayers by a low-rank MLP of their output (the MLP's norm gives s all the same)
+# and its attention's output by a sigmoid of a second half of its query projection. Declared as a
 # mixer beside the attention because transformers' indexer ranks pad keys too: a left-padded row's logits
 # differ from the row alone's (0.12 on the tiny model), so padded inputs are refused (reads_pads) and a
 # trajectory's prefix rows run unpadded.
@@ -77,8 +80,23 @@ _INDEXER = Mixer(
     reads_pads=True,
 )
 # Kimi Linear: Kimi delta attention (a gated delta rule, docs/recurrent-layers.md) in 3 of every 4 layers,
-# latent attention in the others, every one named ``self_attn`` (told apart by class)
-_KDA = Mixer("self_attn", "self_attn.o_proj", "Kimi delta attention", classes=("KimiLinearDeltaAttention",))
+# latent attention in the others, every one named ``self_attn`` (told apart by class); Ling 3
+# (``bailing_hybrid``) the same, its latent attention with a sigmoid gate per head on its output
+_KDA = Mixer(
+    "self_attn",
+    "self_attn.o_proj",
+    "Kimi delta attention",
+    classes=("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"),
+)
+_KOLIBRI = replace(
+    _SHARED,
+    name="kolibri1",
+    model_types=("kolibri1",),
+    post_attn_norm="post_self_attn_layernorm",
+    post_mlp_norm="post_mlp_layernorm",
+    moe=MoE(dense=None, shared=True),
+)
+_KOLIBRI_DENSE = MoE(dense="kolibri1_1_dense", shared=True)
 SHARED_EXPERTS: list[Family] = [
     # Aria's text decoder: a router named router, experts stored transposed ([E, in, out], arch.experts)
     replace(
@@ -104,7 +122,7 @@ SHARED_EXPERTS: list[Family] = [
     replace(
         _LATENT_SHARED,
         name="kimi_linear",
-        model_types=("kimi_linear",),
+        model_types=("kimi_linear", "bailing_hybrid"),
         moe=MoE(dense="kimi_linear_dense", shared=True),
         mixers=(_KDA,),
     ),
@@ -112,7 +130,7 @@ SHARED_EXPERTS: list[Family] = [
     replace(
         _LATENT_SHARED,
         name="indexed_attention",
-        model_types=("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "dots3_note"),
+        model_types=("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "dots3_note", "axk2"),
         moe=MoE(dense="indexed_attention_dense", shared=True),
         mixers=(_INDEXER,),
     ),
@@ -139,5 +157,22 @@ SHARED_EXPERTS: list[Family] = [
         model_types=("flint",),
         inputs=GATED_SHARED_INPUTS[:4],
         down="mlp.shared_expert.down_proj",
+    ),
+    # a norm after the whole mixture (routed plus shared experts) before the residual add: the shared expert's
+    # output matrix and the norm's scale take the shift, as Gemma 2's (arch.outputs.ScaledMatrixOutput; the
+    # norm's input is recorded, p). Kolibri: GLM-4's four norms (scale w) around experts in every layer;
+    # AXK1: DeepSeek V3 with a norm inside its mixture block (mlp.post_mlp_layernorm), none after its dense MLPs
+    _KOLIBRI,
+    replace(_LATENT_SHARED, name="axk1", model_types=("axk1",), post_mlp_norm="mlp.post_mlp_layernorm"),
+    # Kolibri 1.1: Kolibri's layers, a plain MLP in the first ones (mlp_only_layers); sliding-window layers
+    # and indexed ones (NoPE, keys and values rounded to NVFP4, the keys a weightless indexer picks), some of
+    # which read another layer's keys and values (kv_source_layers: no k_proj, v_proj of their own). A token
+    # alone attends to itself in each, from the keys and values its source layer makes of it: it runs the layers
+    replace(_KOLIBRI, name="kolibri1_1", model_types=("kolibri1_1",), lone_zero=(), value=None, moe=_KOLIBRI_DENSE),
+    replace(
+        _LATENT,
+        name="kolibri1_1_dense",
+        post_attn_norm="post_self_attn_layernorm",
+        post_mlp_norm="post_mlp_layernorm",
     ),
 ]

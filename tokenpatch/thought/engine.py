@@ -35,9 +35,10 @@ import torch
 from torch import Tensor, nn
 
 from tokenpatch.arch import weight_layout
+from tokenpatch.arch.hf_calls import call_layer, carries
 from tokenpatch.arch.hooks import output_tensor
 from tokenpatch.arch.record import LayerRecord
-from tokenpatch.errors import InputError
+from tokenpatch.errors import InputError, UnsupportedModelError
 from tokenpatch.patch import INPUT_SUFFIX, Delta
 from tokenpatch.patching import param_layout
 from tokenpatch.progress import progress_bar
@@ -73,35 +74,48 @@ class Targets:
 
 
 class Streams:
-    """The no-prompt pass entering the current layer, per batch ``(stream [b, T, d], each layer's call)``
-    (``Adapter.layer_calls``), under the patch of the layers below. Kept and moved up a layer at a time
-    (``advance``), or, where the targets are not kept either (``keep=False``), recomputed at each use
+    """The no-prompt pass entering the current layer, per batch ``(stream [b, T, d], each layer's call, the
+    layer below's whole output where the current layer's call reads it)`` (``Adapter.layer_calls``; a
+    ``Carried`` argument: ZAYA's router state), under the patch of the layers below. Kept and moved up a
+    layer at a time (``advance``), or, where the targets are not kept either (``keep=False``), recomputed at each use
     from the inputs through the patched layers below: memory then does not grow with the queries."""
 
     def __init__(self, adapter, model: nn.Module, inputs: list[Tensor], keep: bool):
         self.adapter, self.model, self.inputs = adapter, model, inputs
         self.layers = adapter.layers(model)
-        self.kept = [adapter.layer_calls(model, a) for a in inputs] if keep else None
+        self.kept = [(*adapter.layer_calls(model, a), None) for a in inputs] if keep else None
         self.layer, self.patch = 0, None
 
     def __len__(self) -> int:
         return len(self.inputs)
 
-    def __getitem__(self, b: int) -> tuple[Tensor, list]:
+    def __getitem__(self, b: int) -> tuple[Tensor, list, Any]:
         if self.kept is not None:
             return self.kept[b]
         h, calls = self.adapter.layer_calls(self.model, self.inputs[b])
+        below = None
         with hooked(self.model, self.patch, True, True) if self.patch is not None else contextlib.nullcontext():
             for j in range(self.layer):
-                h = output_tensor(self.layers[j](h, *calls[j][0], **calls[j][1]))
-        return h, calls
+                below = call_layer(self.layers[j], h, calls[j], below)
+                h = output_tensor(below)
+        return h, calls, below
 
     def advance(self, streams: list[Tensor] | None, patch) -> None:
         """To the next layer: its input ``streams`` where they are kept (``None``: not needed, teacher mode);
         ``patch``, every layer's so far."""
         if self.kept is not None and streams is not None:
-            self.kept = [(h, calls) for h, (_, calls) in zip(streams, self.kept)]
+            kept = zip(streams, self.kept)
+            self.kept = [(h, calls, self._below(old, calls, below, patch)) for h, (old, calls, below) in kept]
         self.layer, self.patch = self.layer + 1, patch
+
+    def _below(self, h: Tensor, calls: list, below: Any, patch) -> Any:
+        """The current layer's whole output on its input ``h`` (``below``: its own call's) under ``patch``, where
+        the next layer's call reads it (one more pass of the layer), else ``None``."""
+        i = self.layer
+        if i + 1 >= len(calls) or not carries(calls[i + 1]):
+            return None
+        with hooked(self.model, patch, True, True) if patch is not None else contextlib.nullcontext():
+            return call_layer(self.layers[i], h, calls[i], below)
 
 
 def fit(
@@ -169,8 +183,13 @@ def fit(
             position with the layer's output, from which ``next_streams`` writes the next stream."""
             patch = static_patch(current, {}, {k: readers[k] for k in current if k in readers}) if current else None
             for b, v in enumerate(valid):
-                h, calls = streams[b]
+                h, calls, below = streams[b]
                 if mode == "teacher":  # every layer fitted on the with-prompt states
+                    if carries(calls[i]):
+                        raise UnsupportedModelError(
+                            f"mode='teacher': layer {i} reads the layer below's output beside its hidden states (a router "
+                            "state), whose with-prompt value is not recorded; use mode='sequential'"
+                        )
                     h = targets[b][i].h
                 at = torch.arange(head.shape[1], alone[b].shape[1], device=h.device)  # the query positions
                 # the patch's hooks first: a recording hook on a patched module then sees the patched output
@@ -180,7 +199,7 @@ def fit(
                         if record
                         else contextlib.nullcontext([None] * (i + 1)) as rec
                     ):
-                        out = output_tensor(layer(h, *calls[i][0], **calls[i][1]))
+                        out = output_tensor(call_layer(layer, h, calls[i], below))
                 if not record:
                     yield out
                     continue
