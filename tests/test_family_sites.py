@@ -183,6 +183,7 @@ def test_per_channel_factors_are_the_layers_parameters():
         HFModules().mlp_input_from_heads(model, 0, torch.zeros(1, 64, dtype=torch.float64))
 
 
+@pytest.mark.filterwarnings("ignore::tokenpatch.thought.lstsq.ThoughtWarning")  # two calibration queries
 def test_an_argument_that_is_the_layer_belows_output_is_carried():
     """ZAYA's layers pass their router state to the next layer beside the hidden states: the thought fit,
     which runs one layer at a time, gives each layer the one the layer below computed under the patch

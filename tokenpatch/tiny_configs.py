@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tokenpatch.tiny_hybrids import TINY_HYBRIDS
 from tokenpatch.tiny_moe_blocks import MOE_BLOCKS_EAGER_ONLY, MOE_BLOCKS_MOE, TINY_MOE_BLOCKS
+from tokenpatch.tiny_multimodal import TINY_MULTIMODAL
 from tokenpatch.tiny_shared_experts import LATENT, TINY_SHARED_EXPERTS
 from tokenpatch.tiny_sizes import KV, SMALL
 
@@ -32,61 +33,6 @@ TINY_HF: dict[str, tuple[str, dict]] = {
             head_dim=16,
             sliding_window=5,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        ),
-    ),
-    "gemma3_multimodal": (  # Gemma 3 4B and up: the decoder above inside the multimodal model, run on text
-        "Gemma3Config",
-        dict(
-            text_config=dict(
-                SMALL,
-                model_type="gemma3_text",
-                num_key_value_heads=1,
-                head_dim=16,
-                sliding_window=5,
-                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            ),
-            vision_config=dict(
-                model_type="siglip_vision_model",
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=28,
-                patch_size=14,
-            ),
-            mm_tokens_per_image=4,
-        ),
-    ),
-    "got_ocr2": (  # Qwen2's decoder inside GOT-OCR 2 (its vision tower has eager attention only)
-        "GotOcr2Config",
-        dict(
-            text_config=dict(KV, model_type="qwen2"),
-            vision_config=dict(
-                hidden_size=32,
-                output_channels=16,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=32,
-                patch_size=8,
-                global_attn_indexes=[0],
-                mlp_dim=64,
-            ),
-            image_token_index=100,
-        ),
-    ),
-    "moss_transcribe_diarize": (  # Qwen3's decoder after an audio encoder
-        "MossTranscribeDiarizeConfig",
-        dict(
-            text_config=dict(KV, head_dim=16, model_type="qwen3"),
-            audio_config=dict(
-                num_mel_bins=8,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                intermediate_size=32,
-                hidden_size=16,
-                max_source_positions=16,
-            ),
-            audio_token_id=100,
         ),
     ),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=101, n_positions=64)),
@@ -265,16 +211,6 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     ),
     "youtu": ("YoutuConfig", dict(LATENT, intermediate_size=96)),  # latent attention, a dense MLP
     "persimmon": ("PersimmonConfig", dict(SMALL, pad_token_id=0)),
-    "fuyu": (  # Persimmon's decoder inside Fuyu's multimodal model, run on text
-        "FuyuConfig",
-        dict(
-            text_config=dict(SMALL, pad_token_id=0, model_type="persimmon"),
-            vocab_size=101,
-            hidden_size=64,
-            patch_size=4,
-            num_channels=3,
-        ),
-    ),
     "gpt_neo": (  # one global and two local attention layers
         "GPTNeoConfig",
         dict(
@@ -320,6 +256,7 @@ TINY_HF: dict[str, tuple[str, dict]] = {
     **TINY_SHARED_EXPERTS,
     **TINY_MOE_BLOCKS,
     **TINY_HYBRIDS,
+    **TINY_MULTIMODAL,
 }
 # transformers casts to float32 inside these whatever the model dtype (the chunked scans of Gated DeltaNet
 # and Mamba 2; mixture-of-experts routers): a float64 model's own forward of a left-padded row differs from the row alone's by

@@ -123,36 +123,6 @@ _GPTJ = Family(
     o_proj="attn.out_proj",
     value="attn.v_proj",
 )
-_OPT = Family(  # no MLP module (fc1, fc2 run on [batch * positions, d]); learned positions offset by 2
-    name="opt",
-    model_types=("opt",),
-    layers="decoder.layers",
-    mlp_norm="final_layer_norm",
-    inputs=("fc1.weight",),
-    down="fc2",
-    mlp="fc1",
-    matrices_out=True,
-    lone_zero=SELF_ATTN_QK,
-    o_proj="self_attn.out_proj",
-    position_table="decoder.embed_positions",
-    value="self_attn.v_proj",
-    when=lambda config: config.do_layer_norm_before,
-)
-# Bloom: the attention and the MLP modules add the residual themselves (their contributions are
-# o_proj's and down's outputs); ALiBi positions; fused query, key and value. Configs whose residual is
-# the norm's output, or whose MLP bypasses its modules (pretraining_tp > 1, slow_but_exact), are refused.
-_BLOOM = Family(
-    name="bloom",
-    model_types=("bloom",),
-    layers="h",
-    mlp_norm="post_attention_layernorm",
-    attn="self_attention",
-    inputs=("mlp.dense_h_to_4h.weight",),
-    down="mlp.dense_4h_to_h",
-    o_proj="self_attention.dense",
-    matrices_out=True,
-    when=lambda c: not c.apply_residual_connection_post_layernorm and not (c.pretraining_tp > 1 and c.slow_but_exact),
-)
 # Persimmon: NeoX's names in Llama's block (fused query, key and value; q/k norms)
 _PERSIMMON = replace(
     _LLAMA,
@@ -177,23 +147,6 @@ FAMILIES: list[Family] = [
         mlp_norm="pre_feedforward_layernorm",
         post_mlp_norm="post_feedforward_layernorm",
         post_attn_norm="post_attention_layernorm",
-    ),
-    # Gemma 3's multimodal model (4B and up) on text: Gemma 3's decoder inside it, read by its text config
-    replace(
-        _LLAMA,
-        name="gemma3_multimodal",
-        model_types=("gemma3",),
-        layers="language_model.layers",
-        mlp_norm="pre_feedforward_layernorm",
-        post_mlp_norm="post_feedforward_layernorm",
-        post_attn_norm="post_attention_layernorm",
-    ),
-    # multimodal models on text whose decoder is Llama's block: GOT-OCR 2 (Qwen2's), MOSS transcribe (Qwen3's)
-    replace(
-        _LLAMA,
-        name="llama_multimodal",
-        model_types=("got_ocr2", "moss_transcribe_diarize"),
-        layers="language_model.layers",
     ),
     _GPT2,
     _GPT1,
@@ -324,8 +277,6 @@ FAMILIES: list[Family] = [
         out_scale=lambda c: c.scale_depth / math.sqrt(c.num_hidden_layers),
     ),
     _PERSIMMON,
-    # Fuyu: Persimmon's decoder inside a multimodal model (patched on text)
-    replace(_PERSIMMON, name="fuyu", model_types=("fuyu",), layers="language_model.layers"),
     # GPT-Neo: GPT-2's block and positions with linear layers (global and local attention layers)
     replace(
         _GPT2,
@@ -337,40 +288,28 @@ FAMILIES: list[Family] = [
     ),
     # CodeGen: GPT-J's parallel block with a fused query, key and value
     replace(_GPTJ, name="codegen", model_types=("codegen",), lone_zero=(), o_proj="attn.out_proj", value=None),
-    # MPT: the MLP module adds the residual itself (its contribution: down_proj's output); ALiBi
-    Family(
-        name="mpt",
-        model_types=("mpt",),
-        layers="blocks",
-        mlp_norm="norm_2",
-        attn="attn",
-        inputs=("ffn.up_proj.weight",),
-        down="ffn.down_proj",
-        mlp="ffn",
-        matrices_out=True,
-        o_proj="attn.out_proj",
-    ),
-    _BLOOM,
-    _OPT,
-    replace(
-        _OPT,
-        name="biogpt",
-        model_types=("biogpt",),
-        layers="layers",
-        position_table="embed_positions",
-        when=lambda c: True,
-    ),
-    replace(
-        _OPT,
-        name="opt_post",
-        mlp_norm=None,
-        post_add_norms=("self_attn_layer_norm", "final_layer_norm"),
-        when=lambda config: not config.do_layer_norm_before,
-    ),
     *RENAMED,
     *ROUTED_EXPERTS,
     *SHARED_EXPERTS,
     *MOE_BLOCKS,
     *HYBRIDS,
     *RECURRENT,
+]
+
+# Multimodal models run on text: their decoder's record (by its ``model_type``), its layers under
+# ``language_model``; every field read from the text config inside (``hf_modules.text_config``)
+MULTIMODAL = {
+    "gemma3": "gemma3_text",  # Gemma 3 4B and up (Gemma3ForConditionalGeneration)
+    "fuyu": "persimmon",
+    "got_ocr2": "qwen2",  # GOT-OCR 2
+    "moss_transcribe_diarize": "qwen3",  # MOSS transcribe
+}
+FAMILIES += [
+    replace(
+        next(f for f in FAMILIES if text in f.model_types),
+        name=kind,
+        model_types=(kind,),
+        layers="language_model.layers",
+    )
+    for kind, text in MULTIMODAL.items()
 ]

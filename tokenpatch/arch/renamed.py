@@ -1,4 +1,6 @@
-"""The sequential form (a norm before the MLP, ``arch.families``) under other module names: CTRL and XGLM
+"""The sequential form (a norm before the MLP, ``arch.families``) under other module names: OPT (no MLP
+module; BioGPT, and OPT-350m's norms after each add), Bloom and MPT (modules that add the residual
+themselves), CTRL and XGLM
 (GPT-2's and OPT's blocks with sinusoidal absolute positions), GPT-NeoX Japanese and the ModernBERT
 decoder; and Doge, Llama's names with learned per-channel weights of the residual stream at each add.
 
@@ -10,11 +12,73 @@ forward must be given the plan's position ids (``HFInputs.check_positions``); CT
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tokenpatch.arch.family import SELF_ATTN_QK, Family
 
 __all__ = ["RENAMED"]
 
+_OPT = Family(  # no MLP module (fc1, fc2 run on [batch * positions, d]); learned positions offset by 2
+    name="opt",
+    model_types=("opt",),
+    layers="decoder.layers",
+    mlp_norm="final_layer_norm",
+    inputs=("fc1.weight",),
+    down="fc2",
+    mlp="fc1",
+    matrices_out=True,
+    lone_zero=SELF_ATTN_QK,
+    o_proj="self_attn.out_proj",
+    position_table="decoder.embed_positions",
+    value="self_attn.v_proj",
+    when=lambda config: config.do_layer_norm_before,
+)
+# Bloom: the attention and the MLP modules add the residual themselves (their contributions are
+# o_proj's and down's outputs); ALiBi positions; fused query, key and value. Configs whose residual is
+# the norm's output, or whose MLP bypasses its modules (pretraining_tp > 1, slow_but_exact), are refused.
+_BLOOM = Family(
+    name="bloom",
+    model_types=("bloom",),
+    layers="h",
+    mlp_norm="post_attention_layernorm",
+    attn="self_attention",
+    inputs=("mlp.dense_h_to_4h.weight",),
+    down="mlp.dense_4h_to_h",
+    o_proj="self_attention.dense",
+    matrices_out=True,
+    when=lambda c: not c.apply_residual_connection_post_layernorm and not (c.pretraining_tp > 1 and c.slow_but_exact),
+)
 RENAMED: list[Family] = [
+    # MPT: the MLP module adds the residual itself (its contribution: down_proj's output); ALiBi
+    Family(
+        name="mpt",
+        model_types=("mpt",),
+        layers="blocks",
+        mlp_norm="norm_2",
+        attn="attn",
+        inputs=("ffn.up_proj.weight",),
+        down="ffn.down_proj",
+        mlp="ffn",
+        matrices_out=True,
+        o_proj="attn.out_proj",
+    ),
+    _BLOOM,
+    _OPT,
+    replace(
+        _OPT,
+        name="biogpt",
+        model_types=("biogpt",),
+        layers="layers",
+        position_table="embed_positions",
+        when=lambda c: True,
+    ),
+    replace(
+        _OPT,
+        name="opt_post",
+        mlp_norm=None,
+        post_add_norms=("self_attn_layer_norm", "final_layer_norm"),
+        when=lambda config: not config.do_layer_norm_before,
+    ),
     # CTRL: GPT-2's pre-norm block with linear layers (Wq, Wk, Wv, dense), an MLP that is an
     # nn.Sequential (Linear, ReLU, Linear), sinusoidal positions in a buffer
     Family(
