@@ -306,6 +306,7 @@ FLOAT32_INSIDE = (
     "mimo_v2_flash",
     "lara_mini",
     "granitemoehybrid",
+    "granitemoehybrid_moe",
     *_SHARED_EXPERTS,
     *MOE_BLOCKS_MOE,
 )
@@ -347,6 +348,7 @@ MOE = (
     "qwen3_5_moe",
     "jamba",
     "lfm2_moe",
+    "granitemoehybrid_moe",
     *_SHARED_EXPERTS,
     *MOE_BLOCKS_MOE,
 )  # run with transformers' eager experts

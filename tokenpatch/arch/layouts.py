@@ -36,6 +36,7 @@ WEIGHT_LAYOUTS: dict[str, str | dict[str, str]] = {
     "KimiLinearTopkRouter": "out_in",
     "MiniMaxM2TopKRouter": "out_in",
     "GraniteMoeTopKRouter": "out_in",
+    "GraniteMoeHybridTopKRouter": "out_in",
     "GraniteMoeSharedTopKRouter": "out_in",
     "GraniteMoeSWATopKRouter": "out_in",
     "SolarOpenTopkRouter": "out_in",

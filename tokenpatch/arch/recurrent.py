@@ -26,6 +26,21 @@ _DELTANET = Mixer("linear_attn", "linear_attn.out_proj", "gated delta rule (Gate
 # y_t = C_t h_t + D x_t gated by silu(z_t), then out_proj. A token alone: h = B x, y = C B x + D x.
 _MAMBA = Mixer("mamba", "mamba.out_proj", "Mamba selective scan")
 _MAMBA2 = Mixer("mamba", "mamba.out_proj", "Mamba 2 selective scan")
+# Granite 4 (granitemoehybrid) without experts (num_local_experts 0: the H-Micro form): Mamba 2 layers and
+# Granite's attention, each followed by one gated MLP (shared_mlp), Granite's residual multiplier on both
+_GRANITE4_DENSE = Family(
+    name="granitemoehybrid_dense",
+    model_types=("granitemoehybrid",),
+    when=lambda config: not config.num_local_experts,
+    mlp="shared_mlp",
+    mlp_norm="post_attention_layernorm",
+    inputs=("shared_mlp.input_linear.weight",),
+    down="shared_mlp.output_linear",
+    lone_zero=SELF_ATTN_QK,
+    value="self_attn.v_proj",
+    out_scale=lambda config: float(config.residual_multiplier),
+    mixers=(_MAMBA2,),
+)
 # Qwen3-Next's and Qwen3.5's attention gates its output by a sigmoid of a second half of q_proj: a token
 # alone's output is not o_proj of its values, so it runs the layer (its key projection zeroed)
 _QWEN35 = Family(
@@ -163,20 +178,20 @@ HYBRIDS: list[Family] = [
     # norms after the mixer and after the MLP (Gemma 2's four norms, scale w; nn.Identity without)
     _LFM3,
     replace(_LFM3, name="lfm3_plain", post_attn_norm=None, post_mlp_norm=None, when=lambda c: not c.use_sandwich_norm),
-    # Granite 4 (granitemoehybrid) without experts (num_local_experts 0: the H-Micro form): Mamba 2 layers and
-    # Granite's attention, each followed by one gated MLP (shared_mlp), Granite's residual multiplier on both
-    Family(
-        name="granitemoehybrid_dense",
-        model_types=("granitemoehybrid",),
-        when=lambda config: not config.num_local_experts,
-        mlp="shared_mlp",
-        mlp_norm="post_attention_layernorm",
-        inputs=("shared_mlp.input_linear.weight",),
-        down="shared_mlp.output_linear",
-        lone_zero=SELF_ATTN_QK,
-        value="self_attn.v_proj",
-        out_scale=lambda config: float(config.residual_multiplier),
-        mixers=(_MAMBA2,),
+    _GRANITE4_DENSE,
+    # Granite 4 with experts (its releases): Granite-MoE-shared's MLP part after each mixer, the experts block
+    # and shared_mlp two modules reading the one norm (the input change hooked on both, delta_hooks)
+    replace(
+        _GRANITE4_DENSE,
+        name="granitemoehybrid",
+        when=lambda config: bool(config.num_local_experts),
+        mlp="block_sparse_moe",
+        inputs=(
+            "block_sparse_moe.router.weight",
+            "block_sparse_moe.experts.gate_up_proj",
+            "shared_mlp.input_linear.weight",
+        ),
+        moe=MoE(dense=None, shared=True),
     ),
     # OLMo hybrid: OLMo 2's attention layers (norms after each sublayer, none before the MLP) between
     # Gated DeltaNet layers of Llama's form (a norm before the MLP, none after)
