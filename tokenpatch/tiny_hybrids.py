@@ -31,6 +31,21 @@ _MAMBA = dict(
     residual_in_fp32=False,
     pad_token_id=0,
 )
+# Granite 4's layers (Mamba 2 beside Granite's attention, its multipliers); with or without experts below
+_GRANITE4 = dict(
+    KV,
+    shared_intermediate_size=96,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    position_embedding_type="rope",
+    mamba_n_heads=8,
+    mamba_d_state=8,
+    mamba_chunk_size=8,
+    embedding_multiplier=3.0,
+    residual_multiplier=0.7,
+    attention_multiplier=0.2,
+    logits_scaling=2.0,
+    pad_token_id=0,
+)
 TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
     "recurrent_gemma": (  # RG-LRU recurrent blocks beside local multi-query attention (Griffin)
         "RecurrentGemmaConfig",
@@ -173,42 +188,7 @@ TINY_HYBRIDS: dict[str, tuple[str, dict]] = {
         ),
     ),
     # Granite 4 without experts: Mamba 2 layers beside Granite's attention (rotary), one gated MLP each
-    "granitemoehybrid": (
-        "GraniteMoeHybridConfig",
-        dict(
-            KV,
-            num_local_experts=0,
-            shared_intermediate_size=96,
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
-            position_embedding_type="rope",
-            mamba_n_heads=8,
-            mamba_d_state=8,
-            mamba_chunk_size=8,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.7,
-            attention_multiplier=0.2,
-            logits_scaling=2.0,
-            pad_token_id=0,
-        ),
-    ),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=0)),
     # Granite 4 with experts: a mixture of experts beside the shared MLP after each mixer
-    "granitemoehybrid_moe": (
-        "GraniteMoeHybridConfig",
-        dict(
-            KV,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            shared_intermediate_size=96,
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
-            position_embedding_type="rope",
-            mamba_n_heads=8,
-            mamba_d_state=8,
-            mamba_chunk_size=8,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.7,
-            attention_multiplier=0.2,
-            logits_scaling=2.0,
-            pad_token_id=0,
-        ),
-    ),
+    "granitemoehybrid_moe": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=4, num_experts_per_tok=2)),
 }
